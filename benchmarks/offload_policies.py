@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""Memory saved and time spent by each offload policy on a stack of grouped SReLU MLPs.
+
+For each engine (TE V2, TE V1) and policy (all activations offloaded; fc1 / activation / fc2 kept
+resident in turn; stock TE ops as the baseline) it reports the median step time, peak allocated
+memory, activation memory at the end of forward, bytes offloaded, R = memory saved / bytes
+offloaded, and the PCIe lower bound from bandwidth measured in the same run:
+
+    bound = max(fwd_no_offload, bytes / BW_d2h) + max(bwd_no_offload, bytes / BW_h2d)
+
+TE chooses V1 or V2 when it is imported (NVTE_CPU_OFFLOAD_V1), so each engine runs in a child
+process; this process merges their rows and writes JSON, markdown and a PNG chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+
+POLICIES = {  # name -> (ops, offload flags of fc1, act, fc2)
+    "stock TE ops": ("te", (True, True, True)),
+    "all activations": ("teo", (True, True, True)),
+    "keep fc1": ("teo", (False, True, True)),
+    "keep act": ("teo", (True, False, True)),
+    "keep fc2": ("teo", (True, True, False)),
+}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", "-E", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per expert (uniform splits)")
+    p.add_argument("--hidden", "-H", type=int, default=2688)
+    p.add_argument("--ffn", "-F", type=int, default=1856)
+    p.add_argument("--layers", "-L", type=int, default=8)
+    p.add_argument("--offload-layers", type=int, default=None, help="layers offloaded (default L-1)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--engines", default="v2,v1", help="comma-separated, from v2,v1")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--out", type=Path, default=HERE / "results", help="folder for JSON, markdown, PNG")
+    p.add_argument("--child", choices=["v2", "v1"], help=argparse.SUPPRESS)
+    p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.offload_layers = args.layers - 1 if args.offload_layers is None else args.offload_layers
+    if not 0 < args.offload_layers < args.layers:
+        p.error(f"--offload-layers must be between 1 and L-1={args.layers - 1}")
+    for name in ("experts", "tokens", "hidden", "ffn", "iters"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name} must be positive")
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not args.engines or any(e not in ("v2", "v1") for e in args.engines):
+        p.error("--engines takes v2 and/or v1")
+    return args
+
+
+def cuda_problem() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed (run: bash scripts/setup_env.sh)"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible (torch.cuda.is_available() is False); this benchmark measures GPU memory and PCIe traffic"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 (report any import failure plainly)
+        return f"Transformer Engine does not import ({exc}); run: bash scripts/setup_env.sh"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Child: one engine, all policies
+
+
+def measure_pcie(nbytes: int = 1 << 29, reps: int = 5) -> dict:
+    """GB/s host<->device with pinned memory: each direction alone, then both at once."""
+    import torch
+
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev2 = torch.empty_like(dev)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty_like(host, pin_memory=True)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    def both():
+        main = torch.cuda.current_stream()
+        for s in (s1, s2):
+            s.wait_stream(main)
+        with torch.cuda.stream(s1):
+            host.copy_(dev, non_blocking=True)
+        with torch.cuda.stream(s2):
+            dev2.copy_(host2, non_blocking=True)
+        for s in (s1, s2):
+            main.wait_stream(s)
+
+    d2h = nbytes / timed(lambda: host.copy_(dev, non_blocking=True)) / 1e9
+    h2d = nbytes / timed(lambda: dev.copy_(host, non_blocking=True)) / 1e9
+    both_gbs = nbytes / timed(both) / 1e9
+    return {"d2h_GBps": d2h, "h2d_GBps": h2d, "bidirectional_each_GBps": both_gbs}
+
+
+def build_stack(args, ops: str, offload):
+    import torch
+    import transformer_engine.pytorch as te
+
+    import te_offload_ops as teo
+
+    E, H, F, dt = args.experts, args.hidden, args.ffn, getattr(torch, DTYPES[args.dtype])
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        if ops == "te":
+            mlp = te.ops.Sequential(te.ops.GroupedLinear(E, H, F, bias=False, device="cuda", dtype=dt),
+                                    te.ops.ScaledSReLU(),
+                                    te.ops.GroupedLinear(E, F, H, bias=False, device="cuda", dtype=dt))
+        else:
+            mlp = te.ops.Sequential(teo.GroupedLinear(E, H, F, bias=False, device="cuda", dtype=dt, offload=offload[0]),
+                                    teo.ScaledSReLU(offload=offload[1]),
+                                    teo.GroupedLinear(E, F, H, bias=False, device="cuda", dtype=dt, offload=offload[2]))
+        layers.append(mlp)
+    return layers
+
+
+def measure_policy(args, engine: str, ops: str, offload) -> dict:
+    """Median step time, forward time, memory and bytes offloaded for one (engine, policy)."""
+    import torch
+
+    from te_offload_ops.engines import offload_context
+
+    stack = build_stack(args, ops, offload)
+    dt = getattr(torch, DTYPES[args.dtype])
+    T = args.experts * args.tokens
+    x = torch.randn(T, args.hidden, device="cuda", dtype=dt, requires_grad=True)
+    probs = [torch.rand(T, device="cuda", dtype=dt, requires_grad=True) for _ in stack]
+    dy = torch.randn(T, args.hidden, device="cuda", dtype=dt)
+    splits = torch.full((args.experts,), args.tokens, device="cuda", dtype=torch.int64)
+    params = [p for mlp in stack for p in mlp.parameters()] + [x, *probs]
+
+    def step(sync_after_forward: bool):
+        ctx, sync, counter = offload_context(engine, num_layers=args.offload_layers, model_layers=args.layers)
+        for p in params:
+            p.grad = None
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        ev[0].record()
+        h = x * 1.0  # stands in for the previous block's output, which the model does not keep
+        for i, mlp in enumerate(stack):
+            with ctx:
+                h = mlp(h, splits, probs[i], splits)
+            h = sync(h)
+        ev[1].record()
+        fwd_mem = None
+        if sync_after_forward:
+            torch.cuda.synchronize()
+            fwd_mem = torch.cuda.memory_allocated()
+        h.backward(dy)
+        ev[2].record()
+        del h
+        torch.cuda.synchronize()
+        return ev[0].elapsed_time(ev[1]), ev[0].elapsed_time(ev[2]), fwd_mem, counter.total
+
+    for _ in range(args.warmup):
+        step(False)
+    for p in params:  # so the baseline holds weights and inputs only
+        p.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    _, _, fwd_mem, offloaded = step(True)
+    peak = torch.cuda.max_memory_allocated()
+    times = [step(False) for _ in range(args.iters)]
+    fwd_ms = statistics.median(t[0] for t in times)
+    step_ms = statistics.median(t[1] for t in times)
+    del stack, params, x, probs, dy
+    torch.cuda.empty_cache()
+    return {"step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": step_ms - fwd_ms,
+            "step_ms_min": min(t[1] for t in times), "step_ms_max": max(t[1] for t in times),
+            "peak_MiB": peak / 2**20, "act_MiB": (fwd_mem - base) / 2**20, "offloaded_MiB": offloaded / 2**20}
+
+
+def run_child(args) -> None:
+    import torch
+
+    engine = args.child
+    out = {"engine": engine, "pcie": measure_pcie(), "rows": []}
+    print(f"[{engine}] PCIe d2h {out['pcie']['d2h_GBps']:.1f} GB/s, h2d {out['pcie']['h2d_GBps']:.1f} GB/s, "
+          f"both {out['pcie']['bidirectional_each_GBps']:.1f} GB/s each", flush=True)
+    plan = [("no offload", "teo", (True, True, True), "none")]
+    plan += [(name, ops, flags, engine) for name, (ops, flags) in POLICIES.items()]
+    for i, (name, ops, flags, eng) in enumerate(plan, 1):
+        row = {"engine": engine if eng != "none" else "none", "policy": name, "ops": ops,
+               "offload": dict(zip(("fc1", "act", "fc2"), flags))}
+        row.update(measure_policy(args, eng, ops, flags))
+        out["rows"].append(row)
+        print(f"[{engine} {i}/{len(plan)}] {name:16s} step {row['step_ms']:7.2f} ms  peak {row['peak_MiB']:8.0f} MiB  "
+              f"offloaded {row['offloaded_MiB']:7.0f} MiB", flush=True)
+    out["gpu"] = torch.cuda.get_device_name()
+    args.child_out.write_text(json.dumps(out))
+
+
+# ------------------------------------------------------------------------------------------------
+# Parent: run the engines, derive R and the bound, report
+
+
+def derive(rows: list[dict], pcie: dict) -> None:
+    """Adds R and the PCIe bound to each row, from the no-offload row of the same engine run."""
+    ref = next(r for r in rows if r["policy"] == "no offload")
+    for r in rows:
+        moved = r["offloaded_MiB"] * 2**20
+        saved = (ref["act_MiB"] - r["act_MiB"]) * 2**20
+        r["R"] = saved / moved if moved else None
+        d2h_ms = moved / (pcie["d2h_GBps"] * 1e9) * 1e3
+        h2d_ms = moved / (pcie["h2d_GBps"] * 1e9) * 1e3
+        r["bound_ms"] = max(ref["fwd_ms"], d2h_ms) + max(ref["bwd_ms"], h2d_ms)
+        r["vs_bound"] = r["step_ms"] / r["bound_ms"]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    problem = cuda_problem()
+    if problem:
+        print(f"offload_policies.py: cannot run: {problem}", file=sys.stderr)
+        return 2
+    if args.child:
+        run_child(args)
+        return 0
+
+    from offload_report import write_reports
+
+    import torch
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name()
+    print(f"offload policies on {gpu}: E={args.experts} tokens/expert={args.tokens} H={args.hidden} "
+          f"F={args.ffn} L={args.layers} (offloading {args.offload_layers}) {args.dtype}", flush=True)
+    runs = []
+    for engine in args.engines:
+        child_out = args.out / f".child_{engine}.json"
+        env = dict(os.environ, NVTE_CPU_OFFLOAD_V1="1" if engine == "v1" else "0", PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, __file__, "--child", engine, "--child-out", str(child_out)] + (argv or sys.argv[1:])
+        if subprocess.run(cmd, env=env).returncode != 0:
+            print(f"offload_policies.py: the {engine} run failed (output above)", file=sys.stderr)
+            return 1
+        run = json.loads(child_out.read_text())
+        child_out.unlink()
+        derive(run["rows"], run["pcie"])
+        runs.append(run)
+    result = {
+        "benchmark": "offload_policies", "gpu": gpu,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "config": {k: getattr(args, k) for k in ("experts", "tokens", "hidden", "ffn", "layers",
+                                                 "offload_layers", "dtype", "warmup", "iters")},
+        "bound_formula": "max(fwd_no_offload, bytes/BW_d2h) + max(bwd_no_offload, bytes/BW_h2d)",
+        "runs": runs,
+    }
+    paths = write_reports(result, args.out)
+    print("\nwrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""TE's CPU-offload engines behind one call, with a count of the bytes each one moves.
+
+``offload_context("v2" | "v1" | "none", num_layers=..., model_layers=...)`` returns TE's context and
+synchronization function (``te.get_cpu_offload_context``) plus an :class:`OffloadCounter` that
+adds up, per key of your choosing, the bytes the engine decided to copy to CPU. TE picks V1 or V2
+when it is imported (``NVTE_CPU_OFFLOAD_V1=1`` selects V1), so one process runs one of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import defaultdict
+from typing import Any, Callable, Hashable, Optional
+
+import torch
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch import cpu_offload
+
+ENGINES = ("none", "v2", "v1")
+
+
+def active_engine() -> str:
+    """The TE engine this process runs: "v1" if NVTE_CPU_OFFLOAD_V1=1 was set at import, else "v2"."""
+    return "v1" if cpu_offload.NVTE_CPU_OFFLOAD_V1 else "v2"
+
+
+class OffloadCounter:
+    """Bytes an engine chose to offload, keyed by ``classify(tensor)`` (default: one key)."""
+
+    def __init__(self, classify: Optional[Callable[[torch.Tensor], Hashable]] = None):
+        self.classify = classify or (lambda t: "all")
+        self.bytes: dict[Hashable, int] = defaultdict(int)
+
+    def add(self, t: torch.Tensor) -> None:
+        self.bytes[self.classify(t)] += t.numel() * t.element_size()
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+def _count_v2(ctx: Any, counter: OffloadCounter) -> None:
+    sync = ctx.offload_synchronizer
+    push = sync.push_tensor
+
+    def counting_push(t):
+        handle = push(t)
+        if not isinstance(handle, torch.Tensor):  # an index (or a tuple for quantized): offloaded
+            counter.add(t)
+        return handle
+
+    sync.push_tensor = counting_push
+
+
+def _count_v1(ctx: Any, counter: OffloadCounter) -> None:
+    handler = ctx.offload_handler
+    push = handler.tensor_push
+
+    def counting_push(t, **kwargs):
+        tag = push(t, **kwargs)
+        # V1 keeps a GPU reference in tensor_tag_to_buf for exactly the tensors it will offload
+        # (a list of data tensors for a quantized tensor).
+        buf = handler.tensor_tag_to_buf.get(tag)
+        for part in buf if isinstance(buf, list) else [buf]:
+            if part is not None:
+                counter.add(part)
+        return tag
+
+    handler.tensor_push = counting_push
+
+
+def offload_context(
+    engine: str,
+    *,
+    num_layers: int,
+    model_layers: int,
+    classify: Optional[Callable[[torch.Tensor], Hashable]] = None,
+):
+    """Returns ``(context, sync_function, counter)`` for ``engine`` over ``model_layers`` layers.
+
+    Use as TE documents: ``with context: y = layer(x)`` then ``y = sync_function(y)`` per layer.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    counter = OffloadCounter(classify)
+    if engine == "none":
+        return contextlib.nullcontext(), (lambda t: t), counter
+    if engine != active_engine():
+        raise RuntimeError(
+            f"this process runs TE's {active_engine()} engine; {engine} needs "
+            f"NVTE_CPU_OFFLOAD_V1={'1' if engine == 'v1' else '0'} set before transformer_engine is imported"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TE warns that offloading L-1 of L layers leaves little overlap
+        ctx, sync = te.get_cpu_offload_context(enabled=True, num_layers=num_layers, model_layers=model_layers)
+    (_count_v2 if engine == "v2" else _count_v1)(ctx, counter)
+    return ctx, sync, counter

@@ -1,0 +1,140 @@
+"""The offload policy: the one place that decides whether a saved tensor may leave the GPU.
+
+Every op of this package saves for backward through :func:`save_for_backward`. Engines read the
+marks it leaves on each tensor at the moment the op fuser hands the tensors to autograd:
+
+* TE V2 (default) offloads every saved CUDA tensor of >= 256 Ki elements that is not an
+  ``nn.Parameter`` and has no ``_TE_do_not_offload`` attribute.
+* TE V1 (``NVTE_CPU_OFFLOAD_V1=1``) offloads only tensors carrying ``activation_offloading``.
+* Megatron-style saved-tensor-hook engines offload what has no ``_TE_do_not_offload``.
+
+So weights get ``mark_not_offload`` (never moved: they stay resident anyway and would only waste
+PCIe), activations of an op with ``offload=False`` get ``mark_not_offload`` too, and the other
+activations get ``mark_activation_offload`` plus ``start_offload``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+import torch
+from transformer_engine.pytorch import cpu_offload
+from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage
+from transformer_engine.pytorch.tensor import GroupedTensorStorage
+
+__all__ = [
+    "KEEP_ATTR",
+    "V1_OFFLOAD_ATTR",
+    "data_tensors",
+    "is_storage",
+    "mark_saved_tensors",
+    "save_for_backward",
+]
+
+# Attribute names are TE's protocol with the engines (transformer_engine/pytorch/cpu_offload*.py).
+KEEP_ATTR = "_TE_do_not_offload"
+V1_OFFLOAD_ATTR = "activation_offloading"
+_V1_FORCE_CLEAR_ATTR = "needs_force_clear"
+
+
+def is_storage(obj: Any) -> bool:
+    """Whether ``obj`` is a TE storage whose bytes live in several data tensors."""
+    return isinstance(obj, (QuantizedTensorStorage, GroupedTensorStorage))
+
+
+def _grouped_data_tensors_from_saving(storage: GroupedTensorStorage) -> tuple:
+    # The same tensors, in the same order, that prepare_for_saving() hands to autograd; restoring
+    # them at once leaves the storage as it was (TE's mark_not_offload does the same round trip).
+    tensors, _ = storage.prepare_for_saving()
+    storage.restore_from_saved(tensors)
+    return tuple(tensors)
+
+
+def data_tensors(obj: Any) -> tuple[torch.Tensor, ...]:
+    """The plain tensors that carry ``obj``'s bytes: what an engine sees and may offload.
+
+    TE storages answer ``get_data_tensors()``; a GroupedTensorStorage from a TE without it is
+    answered from ``prepare_for_saving()``, which is what the fuser saves.
+    """
+    if obj is None:
+        return ()
+    if is_storage(obj):
+        if hasattr(obj, "get_data_tensors"):
+            found = obj.get_data_tensors()
+        elif isinstance(obj, GroupedTensorStorage):
+            found = _grouped_data_tensors_from_saving(obj)
+        else:
+            raise TypeError(f"{type(obj).__name__} has no get_data_tensors()")
+        return tuple(t for t in found if t is not None)
+    if isinstance(obj, torch.Tensor):
+        return (obj,)
+    raise TypeError(f"expected a tensor or a TE tensor storage, got {type(obj).__name__}")
+
+
+def _mark_carriers(obj: Any) -> tuple[torch.Tensor, ...]:
+    # Where engines look for marks: a tensor subclass (Float8Tensor, GroupedTensor) reaches
+    # autograd whole and V2/Megatron hooks read the wrapper; plain storages reach it as their
+    # data tensors, which is also where V1 and V2's decomposition of quantized tensors look.
+    whole = (obj,) if isinstance(obj, torch.Tensor) and is_storage(obj) else ()
+    return whole + data_tensors(obj)
+
+
+def _is_weight(obj: Any, weight_ids: set[int]) -> bool:
+    # A Parameter is a weight whichever list it came in.
+    return id(obj) in weight_ids or isinstance(obj, torch.nn.Parameter)
+
+
+def _keep_resident(obj: Any) -> None:
+    cpu_offload.mark_not_offload(obj)
+    for t in _mark_carriers(obj):
+        setattr(t, KEEP_ATTR, True)
+        # mark_not_offload cannot undo a V1 mark set earlier (TE's own ops mark their inputs
+        # when offload is enabled), and V1 offloads whatever carries it: take it off.
+        for attr in (V1_OFFLOAD_ATTR, _V1_FORCE_CLEAR_ATTR):
+            if hasattr(t, attr):
+                delattr(t, attr)
+
+
+def _offload(obj: Any) -> None:
+    # A tensor another op asked to keep during this forward stays kept: keeping is always safe.
+    if any(getattr(t, KEEP_ATTR, False) for t in _mark_carriers(obj)):
+        return
+    cpu_offload.mark_activation_offload(obj)
+    if cpu_offload.is_cpu_offload_enabled():
+        cpu_offload.start_offload(obj)
+
+
+def mark_saved_tensors(
+    tensors: Iterable[Optional[Any]],
+    *,
+    offload: bool,
+    weights: Iterable[Optional[Any]] = (),
+) -> None:
+    """Mark each saved tensor for the offload engines.
+
+    ``weights`` are the entries of ``tensors`` that are weights (parameters, weight workspaces,
+    quantized or grouped weight storages), matched by identity; any ``nn.Parameter`` counts as a
+    weight too. Everything else is an activation of the op; ``offload`` is the op's flag.
+    """
+    if not isinstance(offload, bool):
+        raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
+    weight_ids = {id(w) for w in weights if w is not None}
+    for obj in tensors:
+        if obj is None:
+            continue
+        if _is_weight(obj, weight_ids) or not offload:
+            _keep_resident(obj)
+        else:
+            _offload(obj)
+
+
+def save_for_backward(
+    ctx: Any,
+    *tensors: Optional[Any],
+    offload: bool,
+    weights: Sequence[Optional[Any]] = (),
+) -> None:
+    """Mark ``tensors`` by the policy, then save them on ``ctx`` (an OperationContext)."""
+    mark_saved_tensors(tensors, offload=offload, weights=weights)
+    ctx.save_for_backward(*tensors)

@@ -1,0 +1,16 @@
+"""Shared pytest setup: GPU tests skip with a reason that names what is missing."""
+
+import pytest
+import torch
+
+
+def gpu_skip_reason(need_sm90: bool = False) -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (none visible on this machine)"
+    if need_sm90 and torch.cuda.get_device_capability() != (9, 0):
+        return f"needs an sm_90 GPU (H100/H200), found sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
+    return None
+
+
+requires_gpu = pytest.mark.skipif(gpu_skip_reason() is not None, reason=gpu_skip_reason() or "")
+requires_sm90 = pytest.mark.skipif(gpu_skip_reason(True) is not None, reason=gpu_skip_reason(True) or "")

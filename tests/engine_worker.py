@@ -1,0 +1,25 @@
+"""Runs one step without offload and one under an engine, in a fresh process, and saves both.
+
+TE reads NVTE_CPU_OFFLOAD_V1 when it is imported, so the V1 engine needs its own process:
+    NVTE_CPU_OFFLOAD_V1=1 python tests/engine_worker.py OUT.pt v1 FC1 ACT FC2   (flags 0/1)
+"""
+
+import sys
+
+import torch
+
+from engines import Config, make_inputs, make_stack, run_step
+
+
+def main(out_path: str, engine: str, *flags: str) -> None:
+    cfg = Config(offload=tuple(f == "1" for f in flags))
+    stack = make_stack(cfg)
+    inputs = make_inputs(cfg)
+    runs = {name: run_step(stack, inputs, name) for name in ("none", engine)}
+    torch.save({name: {"out": r["out"].cpu(), "grads": {k: v.cpu() for k, v in r["grads"].items()},
+                       "moved": {"|".join(k): n for k, n in r["moved"].items()}}
+                for name, r in runs.items()}, out_path)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

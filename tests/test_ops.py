@@ -1,0 +1,150 @@
+"""CPU: op construction, signature parity with TE, repr, bad offload values, saved-tensor routing."""
+
+import inspect
+
+import pytest
+import torch
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch.ops.op import OperationContext
+from transformer_engine.pytorch.tensor import GroupedTensorStorage
+
+import te_offload_ops as teo
+from te_offload_ops.policy import KEEP_ATTR
+
+OPS = {
+    teo.GroupedLinear: dict(num_groups=3, in_features=16, out_features=8, bias=False, device="cpu"),
+    teo.ScaledSReLU: {},
+    teo.ScaledTanhSReLU: dict(tanh_clamp_scale=2.0),
+    teo.ScaledSwiGLU: {},
+    teo.ScaledSiTUGLU: {},
+    teo.ScaledClampedQGeGLU: {},
+}
+
+
+@pytest.mark.parametrize("cls", list(OPS), ids=lambda c: c.__name__)
+def test_extends_the_te_op_of_the_same_name(cls):
+    te_cls = getattr(te.ops, cls.__name__)
+    assert issubclass(cls, te_cls) and cls.te_op is te_cls
+    op = cls(**OPS[cls])
+    assert isinstance(op, te_cls)  # TE's fusions match by isinstance
+    assert op.offload is True
+
+
+@pytest.mark.parametrize("cls", list(OPS), ids=lambda c: c.__name__)
+def test_signature_is_te_signature_plus_offload(cls):
+    ours = inspect.signature(cls.__init__).parameters
+    theirs = inspect.signature(cls.te_op.__init__).parameters
+    assert list(ours)[:-1] == list(theirs)
+    assert all(ours[n] == theirs[n] for n in theirs)
+    off = ours["offload"]
+    assert off.kind is inspect.Parameter.KEYWORD_ONLY and off.default is True and off.annotation is bool
+
+
+def test_te_arguments_pass_through():
+    op = teo.GroupedLinear(2, 16, 8, bias=True, device="meta", dtype=torch.float16,
+                           accumulate_into_main_grad=True, offload=False)
+    assert (op.num_groups, op.in_features, op.out_features, op.use_bias) == (2, 16, 8, True)
+    assert op.weight0.dtype == torch.float16 and op.weight0.device.type == "meta"
+    assert op._accumulate_into_main_grad and op.offload is False
+    act = teo.ScaledClampedQGeGLU(limit=5.0, offload=False)
+    assert act._clamped.limit == 5.0 and act.offload is False
+    with pytest.raises(TypeError):
+        teo.GroupedLinear(2, 16, 8, no_such_arg=1)
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_repr_shows_offload(offload):
+    op = teo.GroupedLinear(4, 32, 16, bias=False, device="meta", offload=offload)
+    text = repr(te.ops.Sequential(op, teo.ScaledSReLU(offload=offload)))
+    assert f"GroupedLinear(num_groups=4, in_features=32, out_features=16, bias=False, offload={offload})" in text
+    assert f"ScaledSReLU(offload={offload})" in text
+
+
+@pytest.mark.parametrize("cls", list(OPS), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("bad", ["False", 0, 1, None, torch.tensor(True)])
+def test_non_bool_offload_raises_naming_the_op_and_builds_nothing(cls, bad, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cls.te_op, "__init__", lambda self, *a, **k: calls.append(1))
+    with pytest.raises(TypeError, match=rf"{cls.__name__}: offload must be a bool"):
+        cls(**OPS[cls], offload=bad)
+    assert calls == []  # rejected before TE allocated anything
+
+
+def test_offload_can_be_switched_after_construction_but_only_to_a_bool():
+    op = teo.ScaledSReLU()
+    op.offload = False
+    assert op.offload is False and "offload=False" in repr(op)
+    with pytest.raises(TypeError, match="ScaledSReLU: offload must be a bool"):
+        op.offload = "no"
+    assert op.offload is False
+
+
+def test_user_subclass_keeps_its_own_constructor():
+    class MyLinear(teo.GroupedLinear):
+        def __init__(self, width, **kw):
+            super().__init__(2, width, width, bias=False, device="meta", **kw)
+
+    op = MyLinear(8, offload=False)
+    assert op.in_features == 8 and op.offload is False
+
+
+# --- what the ops hand to the policy -------------------------------------------------------
+
+
+def _split_path_saved(op: teo.GroupedLinear, tokens=(3, 0, 5)):
+    """TE's split-path layout: [split_sizes, None x4, *input slices, *weights]."""
+    x = torch.randn(sum(tokens), op.in_features)
+    xs = list(torch.split(x, list(tokens)))
+    ws = [getattr(op, f"weight{i}") for i in range(op.num_groups)]
+    return [torch.tensor(tokens), None, None, None, None, *xs, *ws], xs, ws
+
+
+def _grouped_path_saved(op: teo.GroupedLinear):
+    """TE's graph-safe layout: [split_sizes, 4 offset tensors, grouped input, *weights]."""
+    meta = [torch.zeros(op.num_groups, dtype=torch.int64) for _ in range(5)]
+    grouped_x = GroupedTensorStorage(
+        shape=(8, op.in_features), dtype=torch.float32, num_tensors=op.num_groups, quantizer=None,
+        data=torch.randn(8 * op.in_features), first_dims=torch.tensor([3, 0, 5]),
+        tensor_offsets=torch.tensor([0, 3, 3, 8]) * op.in_features,
+    )
+    # A cast weight workspace (as under autocast) is a plain tensor, not a Parameter.
+    ws = [getattr(op, f"weight{i}").detach().to(torch.bfloat16) for i in range(op.num_groups)]
+    return [*meta, grouped_x, *ws], [grouped_x], ws
+
+
+@pytest.mark.parametrize("layout", [_split_path_saved, _grouped_path_saved], ids=["split", "grouped"])
+@pytest.mark.parametrize("offload", [True, False])
+def test_grouped_linear_routes_saved_tensors_through_policy(layout, offload, monkeypatch):
+    op = teo.GroupedLinear(3, 16, 8, bias=False, device="cpu", offload=offload)
+    saved, acts, ws = layout(op)
+    assert list(op.saved_weights(saved)) == ws
+
+    def te_fuser_forward(self, basic_op_ctxs, input_, **kwargs):  # stands in for TE's compute
+        basic_op_ctxs[0].save_for_backward(*saved)
+        return input_, [()]
+
+    monkeypatch.setattr(te.ops.GroupedLinear, "fuser_forward", te_fuser_forward)
+    ctx = OperationContext()
+    op.fuser_forward([ctx], torch.empty(0), basic_op_extra_inputs=[()], prev_op_grad_output_quantizer=None,
+                     next_op_input_quantizer=None, basic_op_kwargs=[{}])
+    assert list(ctx.to_save) == saved
+    for w in ws:
+        assert getattr(w, KEEP_ATTR, False)
+    for a in acts:
+        targets = [a] if isinstance(a, torch.Tensor) else [t for t in a.get_data_tensors() if t is not None]
+        assert all(getattr(t, KEEP_ATTR, False) == (not offload) for t in targets)
+
+
+def test_unknown_saved_layout_is_an_error_not_a_silent_offload():
+    op = teo.GroupedLinear(3, 16, 8, bias=False, device="cpu")
+    saved, _, _ = _split_path_saved(op)
+    with pytest.raises(RuntimeError, match="matches no known GroupedLinear layout"):
+        op.saved_weights(saved[1:])
+    saved[-1] = torch.randn(5, 5)  # not weight-shaped where a weight should be
+    with pytest.raises(RuntimeError, match="expected a weight"):
+        op.saved_weights(saved)
+
+
+def test_activation_ops_save_no_weights():
+    x, probs = torch.randn(4, 8), torch.rand(4)
+    assert teo.ScaledSReLU().saved_weights((x, probs)) == ()

@@ -1,0 +1,166 @@
+"""CPU: the policy's marks on plain, grouped and quantized storages, under V1 and V2 semantics."""
+
+import pytest
+import torch
+from transformer_engine.pytorch import cpu_offload  # loads the extension that registers tex
+import transformer_engine_torch as tex  # noqa: E402
+from transformer_engine.pytorch.tensor import GroupedTensorStorage
+from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
+from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
+
+from te_offload_ops import policy
+from te_offload_ops.policy import KEEP_ATTR, V1_OFFLOAD_ATTR, data_tensors, mark_saved_tensors
+
+
+@pytest.fixture(params=["v2", "v1"])
+def engine(request, monkeypatch):
+    """Which TE engine's semantics the mark functions follow (TE reads the env var at import)."""
+    monkeypatch.setattr(cpu_offload, "NVTE_CPU_OFFLOAD_V1", request.param == "v1")
+    return request.param
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """Pretend an engine is active and record start_offload calls (it records CUDA events)."""
+    calls = []
+    monkeypatch.setattr(cpu_offload, "is_cpu_offload_enabled", lambda: True)
+    monkeypatch.setattr(cpu_offload, "start_offload", lambda *ts: calls.extend(ts))
+    return calls
+
+
+def same(found, expected) -> bool:
+    return len(found) == len(expected) and all(a is b for a, b in zip(found, expected))
+
+
+def kept(t) -> bool:
+    return getattr(t, KEEP_ATTR, False) is True
+
+
+def v1_marked(t) -> bool:
+    return hasattr(t, V1_OFFLOAD_ATTR)
+
+
+def grouped_storage(tokens=(3, 0, 5), hidden=4):
+    total = sum(tokens)
+    first_dims = torch.tensor(tokens, dtype=torch.int64)
+    offsets = torch.tensor([0, *torch.tensor(tokens).cumsum(0).tolist()], dtype=torch.int64) * hidden
+    return GroupedTensorStorage(
+        shape=(total, hidden), dtype=torch.bfloat16, num_tensors=len(tokens), quantizer=None,
+        data=torch.randn(total * hidden, dtype=torch.bfloat16), first_dims=first_dims, tensor_offsets=offsets,
+    )
+
+
+def fp8_storage(cls=Float8TensorStorage, shape=(16, 8)):
+    kwargs = dict(data=torch.zeros(shape, dtype=torch.uint8), fp8_scale_inv=torch.ones(1),
+                  fp8_dtype=tex.DType.kFloat8E4M3, data_transpose=torch.zeros(shape[::-1], dtype=torch.uint8))
+    if cls is Float8Tensor:
+        return Float8Tensor(shape=shape, dtype=torch.bfloat16, requires_grad=False, device="cpu", **kwargs)
+    return cls(fake_dtype=torch.bfloat16, **kwargs)
+
+
+STORAGES = {
+    "plain": lambda: torch.randn(8, 4),
+    "grouped": grouped_storage,
+    "fp8-storage": fp8_storage,
+    "fp8-tensor": lambda: fp8_storage(Float8Tensor),
+}
+
+
+@pytest.mark.parametrize("kind", list(STORAGES))
+def test_offloaded_activation_marks(kind, engine, started):
+    act = STORAGES[kind]()
+    mark_saved_tensors([act], offload=True)
+    for t in data_tensors(act):
+        assert not kept(t)
+        # V1 offloads only what carries its attribute; V2 offloads whatever is unmarked.
+        assert v1_marked(t) == (engine == "v1")
+    assert same(started, [act])
+
+
+@pytest.mark.parametrize("kind", list(STORAGES))
+def test_activation_of_opted_out_op_is_kept(kind, engine, started):
+    act = STORAGES[kind]()
+    # The TE op marked it for V1 before our policy ran: the opt-out must undo that.
+    cpu_offload.mark_activation_offload(act)
+    mark_saved_tensors([act], offload=False)
+    for t in data_tensors(act):
+        assert kept(t) and not v1_marked(t)
+    if isinstance(act, torch.Tensor):
+        assert kept(act)  # a tensor subclass reaches the hooks whole
+    assert started == []
+
+
+@pytest.mark.parametrize("kind", list(STORAGES))
+@pytest.mark.parametrize("offload", [True, False])
+def test_weights_are_never_offloaded(kind, offload, engine, started):
+    weight = STORAGES[kind]()
+    param = torch.nn.Parameter(torch.randn(4, 4))
+    act = torch.randn(4, 4)
+    mark_saved_tensors([act, weight, param], offload=offload, weights=[weight])
+    for t in (*data_tensors(weight), param):
+        assert kept(t) and not v1_marked(t)
+    assert kept(act) == (not offload)
+    assert same(started, [act] if offload else [])
+
+
+def test_parameter_counts_as_weight_even_when_not_listed(engine, started):
+    param = torch.nn.Parameter(torch.randn(4, 4))
+    mark_saved_tensors([param], offload=True)
+    assert kept(param) and not v1_marked(param)
+    assert started == []
+
+
+def test_no_start_offload_without_an_engine(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_offload, "start_offload", lambda *ts: calls.extend(ts))
+    assert not cpu_offload.is_cpu_offload_enabled()
+    mark_saved_tensors([torch.randn(4)], offload=True)
+    assert calls == []
+
+
+def test_keep_wins_over_offload_for_a_shared_tensor(engine, started):
+    shared = torch.randn(4, 4)
+    mark_saved_tensors([shared], offload=False)  # e.g. saved by an op with offload=False
+    mark_saved_tensors([shared], offload=True)   # and by another op later in the same forward
+    assert kept(shared) and not v1_marked(shared)
+    assert started == []
+
+
+def test_none_entries_are_skipped(engine):
+    mark_saved_tensors([None, torch.randn(2)], offload=True, weights=[None])
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None, 0.0])
+def test_offload_flag_must_be_bool(bad):
+    t = torch.randn(2)
+    with pytest.raises(TypeError, match="offload must be a bool"):
+        mark_saved_tensors([t], offload=bad)
+    assert not kept(t) and not v1_marked(t)
+
+
+def test_save_for_backward_marks_then_saves(engine, started):
+    class Ctx:
+        def save_for_backward(self, *ts):
+            self.to_save = ts
+
+    ctx, act, w = Ctx(), torch.randn(3), torch.nn.Parameter(torch.randn(3))
+    policy.save_for_backward(ctx, act, None, w, offload=True, weights=[w])
+    assert ctx.to_save == (act, None, w)
+    assert kept(w) and not kept(act)
+
+
+def test_grouped_data_tensors_fallback_matches_te(monkeypatch):
+    """Without GroupedTensorStorage.get_data_tensors(), prepare_for_saving() answers the same."""
+    storage = grouped_storage()
+    expected = tuple(t for t in storage.get_data_tensors() if t is not None)
+    monkeypatch.delattr(GroupedTensorStorage, "get_data_tensors")
+    found = data_tensors(storage)
+    assert len(found) == len(expected) and all(a is b for a, b in zip(found, expected))
+    assert storage.rowwise_data is expected[0]  # the storage itself is left whole
+    mark_saved_tensors([storage], offload=False)
+    assert all(kept(t) for t in expected)
+
+
+def test_data_tensors_rejects_other_types():
+    with pytest.raises(TypeError, match="expected a tensor or a TE tensor storage"):
+        data_tensors([torch.randn(2)])
