@@ -39,7 +39,9 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", "-E", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per expert (uniform splits)")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per expert on average")
+    p.add_argument("--routing", choices=["uniform", "skewed"], default="uniform",
+                   help="skewed: expert i gets tokens in proportion to 2^-i (the last ones get few)")
     p.add_argument("--hidden", "-H", type=int, default=2688)
     p.add_argument("--ffn", "-F", type=int, default=1856)
     p.add_argument("--layers", "-L", type=int, default=8)
@@ -121,6 +123,16 @@ def measure_pcie(nbytes: int = 1 << 29, reps: int = 5) -> dict:
     return {"d2h_GBps": d2h, "h2d_GBps": h2d, "bidirectional_each_GBps": both_gbs}
 
 
+def split_sizes(args) -> list[int]:
+    total = args.experts * args.tokens
+    if args.routing == "uniform":
+        return [args.tokens] * args.experts
+    weights = [2.0 ** -i for i in range(args.experts)]
+    sizes = [int(total * w / sum(weights)) for w in weights]
+    sizes[0] += total - sum(sizes)
+    return sizes
+
+
 def build_stack(args, ops: str, offload):
     import torch
     import transformer_engine.pytorch as te
@@ -155,7 +167,7 @@ def measure_policy(args, engine: str, ops: str, offload) -> dict:
     x = torch.randn(T, args.hidden, device="cuda", dtype=dt, requires_grad=True)
     probs = [torch.rand(T, device="cuda", dtype=dt, requires_grad=True) for _ in stack]
     dy = torch.randn(T, args.hidden, device="cuda", dtype=dt)
-    splits = torch.full((args.experts,), args.tokens, device="cuda", dtype=torch.int64)
+    splits = torch.tensor(split_sizes(args), device="cuda", dtype=torch.int64)
     params = [p for mlp in stack for p in mlp.parameters()] + [x, *probs]
 
     def step(sync_after_forward: bool):
@@ -269,8 +281,9 @@ def main(argv=None) -> int:
     result = {
         "benchmark": "offload_policies", "gpu": gpu,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "config": {k: getattr(args, k) for k in ("experts", "tokens", "hidden", "ffn", "layers",
-                                                 "offload_layers", "dtype", "warmup", "iters")},
+        "config": {**{k: getattr(args, k) for k in ("experts", "tokens", "routing", "hidden", "ffn", "layers",
+                                                    "offload_layers", "dtype", "warmup", "iters")},
+                   "split_sizes": split_sizes(args)},
         "bound_formula": "max(fwd_no_offload, bytes/BW_d2h) + max(bwd_no_offload, bytes/BW_h2d)",
         "runs": runs,
     }

@@ -30,7 +30,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"# Offload policies on {result['gpu']} ({result['date']})",
         "",
-        f"E={c['experts']} experts x {c['tokens']} tokens, H={c['hidden']}, F={c['ffn']}, {c['dtype']}, "
+        f"E={c['experts']} experts x {c['tokens']} tokens ({c['routing']} routing: {c['split_sizes']}), H={c['hidden']}, F={c['ffn']}, {c['dtype']}, "
         f"{c['layers']} layers, {c['offload_layers']} offloaded; median of {c['iters']} steps.",
         f"PCIe bound = {result['bound_formula']}; R = activation memory saved / bytes offloaded.",
         "",
@@ -73,7 +73,7 @@ def chart(result: dict, path: Path) -> bool:
     ax_m.set_xticks(list(xs), labels, rotation=45, ha="right", fontsize=8)
     c = result["config"]
     fig.suptitle(f"Offload policies, {result['gpu']}: {c['layers']} layers ({c['offload_layers']} offloaded), "
-                 f"E={c['experts']}x{c['tokens']}, H={c['hidden']}, F={c['ffn']}, {c['dtype']}")
+                 f"E={c['experts']}x{c['tokens']} ({c['routing']}), H={c['hidden']}, F={c['ffn']}, {c['dtype']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -82,6 +82,8 @@ def chart(result: dict, path: Path) -> bool:
 
 def write_reports(result: dict, folder: Path) -> list[Path]:
     stem = "offload_policies_" + re.sub(r"[^A-Za-z0-9]+", "_", result["gpu"]).strip("_")
+    if result["config"]["routing"] != "uniform":
+        stem += "_" + result["config"]["routing"]
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"{stem}.json", folder / f"{stem}.md"]
     paths[0].write_text(json.dumps(result, indent=2) + "\n")

@@ -112,27 +112,66 @@ def _grouped_path_saved(op: teo.GroupedLinear):
     return [*meta, grouped_x, *ws], [grouped_x], ws
 
 
-@pytest.mark.parametrize("layout", [_split_path_saved, _grouped_path_saved], ids=["split", "grouped"])
-@pytest.mark.parametrize("offload", [True, False])
-def test_grouped_linear_routes_saved_tensors_through_policy(layout, offload, monkeypatch):
-    op = teo.GroupedLinear(3, 16, 8, bias=False, device="cpu", offload=offload)
-    saved, acts, ws = layout(op)
-    assert list(op.saved_weights(saved)) == ws
-
+def _run_fuser_forward(op, saved, monkeypatch, input_=None):
     def te_fuser_forward(self, basic_op_ctxs, input_, **kwargs):  # stands in for TE's compute
         basic_op_ctxs[0].save_for_backward(*saved)
         return input_, [()]
 
     monkeypatch.setattr(te.ops.GroupedLinear, "fuser_forward", te_fuser_forward)
     ctx = OperationContext()
-    op.fuser_forward([ctx], torch.empty(0), basic_op_extra_inputs=[()], prev_op_grad_output_quantizer=None,
-                     next_op_input_quantizer=None, basic_op_kwargs=[{}])
-    assert list(ctx.to_save) == saved
+    op.fuser_forward([ctx], torch.empty(0) if input_ is None else input_, basic_op_extra_inputs=[()],
+                     prev_op_grad_output_quantizer=None, next_op_input_quantizer=None, basic_op_kwargs=[{}])
+    return ctx
+
+
+@pytest.mark.parametrize("layout", [_split_path_saved, _grouped_path_saved], ids=["split", "grouped"])
+@pytest.mark.parametrize("offload", [True, False])
+def test_grouped_linear_routes_saved_tensors_through_policy(layout, offload, monkeypatch):
+    op = teo.GroupedLinear(3, 16, 8, bias=False, device="cpu", offload=offload)
+    saved, acts, ws = layout(op)
+    assert list(op.saved_weights(saved)) == ws
+    ctx = _run_fuser_forward(op, saved, monkeypatch)
+    if layout is _split_path_saved:
+        acts = [acts[0]._base]  # the slices' buffer is saved in their place
+        assert ctx.teo_input_rows == [3, 0, 5]
+    assert list(ctx.to_save) == saved[:5] + acts + ws
     for w in ws:
         assert getattr(w, KEEP_ATTR, False)
     for a in acts:
         targets = [a] if isinstance(a, torch.Tensor) else [t for t in a.get_data_tensors() if t is not None]
         assert all(getattr(t, KEEP_ATTR, False) == (not offload) for t in targets)
+
+
+def test_split_input_is_saved_as_one_buffer_and_cut_again_in_backward(monkeypatch):
+    op = teo.GroupedLinear(3, 16, 8, bias=False, device="cpu")
+    x = torch.randn(8, 16)
+    xs = list(torch.split(x, [3, 0, 5]))
+    ws = [getattr(op, f"weight{i}") for i in range(3)]
+    ctx = _run_fuser_forward(op, [torch.tensor([3, 0, 5]), None, None, None, None, *xs, *ws], monkeypatch, x)
+    assert ctx.to_save[5] is x  # the layer input itself, not three views of it
+
+    seen = {}
+    monkeypatch.setattr(te.ops.GroupedLinear, "fuser_backward",
+                        lambda self, ctxs, grad, **kw: seen.setdefault("saved", ctxs[0].saved_tensors))
+    ctx.saved_tensors = ctx.to_save  # what autograd hands back
+    op.fuser_backward([ctx], torch.empty(0), basic_op_grad_extra_outputs=[()])
+    back = seen["saved"]
+    assert len(back) == 5 + 3 + 3 and all(b is w for b, w in zip(back[-3:], ws))
+    assert [t.shape[0] for t in back[5:8]] == [3, 0, 5]
+    assert all(torch.equal(a, b) for a, b in zip(back[5:8], xs))
+
+
+def test_slices_not_tiling_one_buffer_are_saved_as_they_are(monkeypatch):
+    op = teo.GroupedLinear(2, 16, 8, bias=False, device="cpu")
+    xs = [torch.randn(3, 16), torch.randn(5, 16)]  # separate tensors (as FP8 split_quantize gives)
+    ws = [op.weight0, op.weight1]
+    saved = [torch.tensor([3, 5]), None, None, None, None, *xs, *ws]
+    ctx = _run_fuser_forward(op, saved, monkeypatch)
+    assert list(ctx.to_save) == saved and getattr(ctx, "teo_input_rows", None) is None
+    big = torch.randn(10, 16)
+    gap = [big[0:3], big[4:9]]  # views with a gap between them
+    ctx = _run_fuser_forward(op, [torch.tensor([3, 5]), None, None, None, None, *gap, *ws], monkeypatch)
+    assert ctx.to_save[5] is gap[0]
 
 
 def test_unknown_saved_layout_is_an_error_not_a_silent_offload():

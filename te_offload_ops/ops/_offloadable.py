@@ -65,11 +65,16 @@ class OffloadableOp:
         del saved
         return ()
 
+    def repack_saved(self, ctx, saved: tuple, input_) -> tuple:
+        """Hook to change how what TE saved is stored (undone in backward). Default: as is."""
+        del ctx, input_
+        return saved
+
     def fuser_forward(self, basic_op_ctxs, input_, **kwargs):  # noqa: D102 (TE's signature)
         out = super().fuser_forward(basic_op_ctxs, input_, **kwargs)
         ctx = basic_op_ctxs[0]
         if ctx.to_save is not None:
-            saved = tuple(ctx.to_save)
+            saved = self.repack_saved(ctx, tuple(ctx.to_save), input_)
             policy.save_for_backward(ctx, *saved, offload=self.offload, weights=self.saved_weights(saved))
         return out
 

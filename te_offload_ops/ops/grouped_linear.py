@@ -17,12 +17,40 @@ from ._offloadable import OffloadableOp
 _METADATA_SLOTS = 5
 
 
+def _covering_buffer(slices: Sequence[torch.Tensor], candidates: Sequence[Any]) -> Optional[torch.Tensor]:
+    """The contiguous 2-D tensor that ``slices`` tile row by row, in order, if there is one."""
+    rows = sum(x.shape[0] for x in slices)
+    for buf in candidates:
+        if type(buf) is not torch.Tensor or buf.dim() != 2 or not buf.is_contiguous() or buf.shape[0] != rows:
+            continue
+        width, offset = buf.shape[1], buf.storage_offset()
+        ptr = buf.untyped_storage().data_ptr()
+        for x in slices:
+            if (type(x) is not torch.Tensor or x.dtype != buf.dtype or x.shape[1:] != buf.shape[1:]
+                    or x.untyped_storage().data_ptr() != ptr or x.storage_offset() != offset
+                    or not x.is_contiguous()):
+                break
+            offset += x.shape[0] * width
+        else:
+            return buf
+    return None
+
+
 class GroupedLinear(OffloadableOp, te.ops.GroupedLinear):
-    """``te.ops.GroupedLinear`` whose saved inputs follow the offload policy; weights stay resident."""
+    """``te.ops.GroupedLinear`` whose saved inputs follow the offload policy; weights stay resident.
+
+    On TE's split path the input is saved as one slice per expert, all views of one buffer. An
+    engine that skips small tensors (TE V2 skips < 256 Ki elements) keeps a small expert's slice
+    on the GPU, and that view keeps the whole buffer alive, so nothing is saved. This op saves the
+    buffer itself instead and cuts the slices again in backward.
+    """
+
+    def _layout(self) -> tuple[int, int]:
+        """(metadata slots, weight slots) of TE's saved tuple."""
+        return _METADATA_SLOTS + int(self._scale_bias), 1 if self.single_grouped_weight else self.num_groups
 
     def saved_weights(self, saved: Sequence[Optional[Any]]) -> Sequence[Optional[Any]]:
-        num_weights = 1 if self.single_grouped_weight else self.num_groups
-        prefix = _METADATA_SLOTS + int(self._scale_bias)
+        prefix, num_weights = self._layout()
         if len(saved) not in (prefix + 1 + num_weights, prefix + self.num_groups + num_weights):
             raise RuntimeError(
                 f"{type(self).__name__}: TE saved {len(saved)} tensors, which matches no known "
@@ -41,6 +69,29 @@ class GroupedLinear(OffloadableOp, te.ops.GroupedLinear):
         if w is None or isinstance(w, torch.nn.Parameter) or is_storage(w):
             return True
         return isinstance(w, torch.Tensor) and tuple(w.shape[-2:]) == (self.out_features, self.in_features)
+
+    def repack_saved(self, ctx, saved: tuple, input_) -> tuple:
+        prefix, num_weights = self._layout()
+        if self.num_groups == 1 or len(saved) != prefix + self.num_groups + num_weights:
+            return saved  # one input entry already (graph-safe path, or a single group)
+        slices = saved[prefix : prefix + self.num_groups]
+        if any(x is None for x in slices):
+            return saved
+        buf = _covering_buffer(slices, (input_, slices[0]._base))
+        if buf is None:
+            return saved  # e.g. FP8 slices from split_quantize: separate tensors, nothing pinned
+        ctx.teo_input_rows = [x.shape[0] for x in slices]
+        return saved[:prefix] + (buf,) + saved[prefix + self.num_groups :]
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, **kwargs):  # noqa: D102 (TE's signature)
+        ctx = basic_op_ctxs[0]
+        rows = getattr(ctx, "teo_input_rows", None)
+        if rows is not None:
+            prefix, _ = self._layout()
+            saved = tuple(ctx.saved_tensors)
+            ctx.saved_tensors = saved[:prefix] + tuple(torch.split(saved[prefix], rows)) + saved[prefix + 1 :]
+            ctx.teo_input_rows = None
+        return super().fuser_backward(basic_op_ctxs, grad_output, **kwargs)
 
     def _config_repr(self) -> list[str]:
         return [
