@@ -5,7 +5,7 @@ Import torch before Transformer Engine: torch loads the NVIDIA libraries TE's co
 
 import torch  # noqa: F401  (must precede transformer_engine)
 
-from . import engines, policy
+from . import engines, fused, policy
 from .ops import (
     GroupedLinear,
     OffloadableOp,
@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "engines",
+    "fused",
     "policy",
     "OffloadableOp",
     "GroupedLinear",

@@ -134,7 +134,12 @@ def save_for_backward(
     *tensors: Optional[Any],
     offload: bool,
     weights: Sequence[Optional[Any]] = (),
+    owner: Optional[Any] = None,
 ) -> None:
-    """Mark ``tensors`` by the policy, then save them on ``ctx`` (an OperationContext)."""
+    """Mark ``tensors`` by the policy, then save them on ``ctx`` (an OperationContext).
+
+    ``owner`` is the op whose tensors these are (for tools that attribute saved tensors).
+    """
+    del owner
     mark_saved_tensors(tensors, offload=offload, weights=weights)
     ctx.save_for_backward(*tensors)

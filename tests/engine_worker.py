@@ -4,11 +4,12 @@ TE reads NVTE_CPU_OFFLOAD_V1 when it is imported, so the V1 engine needs its own
     NVTE_CPU_OFFLOAD_V1=1 python tests/engine_worker.py OUT.pt v1 FC1 ACT FC2   (flags 0/1)
 """
 
+import dataclasses
 import sys
 
 import torch
 
-from engines import Config, make_inputs, make_stack, run_step
+from engines import Config, forward_plan, make_inputs, make_stack, run_step
 
 
 def main(out_path: str, engine: str, *flags: str) -> None:
@@ -16,9 +17,12 @@ def main(out_path: str, engine: str, *flags: str) -> None:
     stack = make_stack(cfg)
     inputs = make_inputs(cfg)
     runs = {name: run_step(stack, inputs, name) for name in ("none", engine)}
-    torch.save({name: {"out": r["out"].cpu(), "grads": {k: v.cpu() for k, v in r["grads"].items()},
-                       "moved": {"|".join(k): n for k, n in r["moved"].items()}}
-                for name, r in runs.items()}, out_path)
+    results = {name: {"out": r["out"].cpu(), "grads": {k: v.cpu() for k, v in r["grads"].items()},
+                       "moved": {"|".join(k): n for k, n in r["moved"].items()},
+                       "entries": [dataclasses.astuple(e) for e in r["recorder"].entries]}
+               for name, r in runs.items()}
+    results["plans"] = [forward_plan(mlp) for mlp in stack]
+    torch.save(results, out_path)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,23 @@ class Config:
         return sum(self.splits)
 
 
+def fused_path_problem() -> str | None:
+    """Why the CuTe DSL fused path cannot run here, or None."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return "the fused SReLU grouped MLP needs an sm_90 GPU"
+    try:
+        from te_offload_ops import kernels
+    except ImportError as exc:
+        return f"the CuTe DSL kernels do not import: {exc}"
+    problems = kernels.unavailable_reasons()
+    return "; ".join(problems) if problems else None
+
+
+def forward_plan(mlp: te.ops.Sequential) -> list[str]:
+    """Names of the ops TE's fuser ran forward for ``mlp`` (after its first call)."""
+    return [type(op).__name__ for group in mlp._module_groups for op, _ in group._forward_ops]
+
+
 def make_mlp(cfg: Config) -> te.ops.Sequential:
     E, H, F, dt = cfg.experts, cfg.hidden, cfg.ffn, cfg.dtype
     if cfg.stock_te:

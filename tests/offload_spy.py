@@ -1,7 +1,7 @@
 """Test helpers: which op saved which tensor, and a Megatron-style offload engine that counts bytes.
 
-``SaveRecorder`` wraps ops' ``fuser_forward`` so each tensor they hand to autograd is attributed
-to (op name, "weight" | "activation"). ``SpyEngine`` is a plain ``saved_tensors_hooks`` engine in
+``SaveRecorder`` wraps the policy's ``save_for_backward`` so each tensor an op of this package
+hands to autograd is attributed to (op name, "weight" | "activation"). ``SpyEngine`` is a plain ``saved_tensors_hooks`` engine in
 the manner of Megatron-Core's fine-grained offloading: it moves every saved CUDA tensor without
 ``_TE_do_not_offload`` to CPU during forward and back during backward, counting bytes per kind.
 """
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from te_offload_ops import policy
 from te_offload_ops.policy import KEEP_ATTR, data_tensors, is_storage
 
 
@@ -58,29 +59,29 @@ class SaveRecorder:
 
     @contextlib.contextmanager
     def watch(self, named_ops: dict[str, torch.nn.Module]):
-        """Record what each op in ``named_ops`` saves while the context is open."""
-        for name, op in named_ops.items():
-            # TE's own ops have no saved_weights(): their weights reach autograd as Parameters.
-            weights_of = getattr(op, "saved_weights", lambda saved: ())
+        """Record what each op in ``named_ops`` saves through the policy while the context is open.
 
-            def wrapped(ctxs, input_, _name=name, _orig=op.fuser_forward, _weights_of=weights_of, **kw):
-                out = _orig(ctxs, input_, **kw)
-                saved = tuple(ctxs[0].to_save or ())
-                weight_ids = {id(w) for w in _weights_of(saved) if w is not None}
-                for obj in saved:
-                    if obj is None:
-                        continue
-                    is_weight = id(obj) in weight_ids or isinstance(obj, torch.nn.Parameter)
-                    for t in _saved_carriers(obj):
-                        self._note(t, _name, "weight" if is_weight else "activation")
-                return out
+        Every save of this package's ops, fused or not, goes through policy.save_for_backward.
+        """
+        names = {id(op): name for name, op in named_ops.items()}
+        original = policy.save_for_backward
 
-            op.fuser_forward = wrapped
+        def recording_save(ctx, *tensors, offload, weights=(), owner=None):
+            original(ctx, *tensors, offload=offload, weights=weights, owner=owner)
+            name = names.get(id(owner), "unnamed op")
+            weight_ids = {id(w) for w in weights if w is not None}
+            for obj in tensors:
+                if obj is None:
+                    continue
+                is_weight = id(obj) in weight_ids or isinstance(obj, torch.nn.Parameter)
+                for t in _saved_carriers(obj):
+                    self._note(t, name, "weight" if is_weight else "activation")
+
+        policy.save_for_backward = recording_save
         try:
             yield self
         finally:
-            for op in named_ops.values():
-                del op.fuser_forward  # drop the instance attribute; the class method shows again
+            policy.save_for_backward = original
 
 
 class SpyEngine:

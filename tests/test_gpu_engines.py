@@ -9,7 +9,23 @@ import pytest
 import torch
 
 from conftest import requires_gpu
-from engines import Config, make_inputs, make_stack, offloadable_activation_bytes, run_step
+from engines import Config, forward_plan, fused_path_problem, make_inputs, make_stack, offloadable_activation_bytes, run_step
+from offload_spy import Saved
+from te_offload_ops.fused.selection import DISABLE_ENV
+
+
+@pytest.fixture(params=["unfused", "fused"])
+def path(request, monkeypatch):
+    """Run each engine test on the unfused ops and on the Hopper fused op."""
+    if request.param == "fused" and (problem := fused_path_problem()):
+        pytest.skip(problem)
+    monkeypatch.setenv(DISABLE_ENV, "1" if request.param == "fused" else "0")
+    return request.param
+
+
+def _check_path(stack, path):
+    expected = ["FusedScaledSReLUMLP"] if path == "fused" else ["GroupedLinear", "ScaledSReLU", "GroupedLinear"]
+    assert all(forward_plan(mlp) == expected for mlp in stack)
 
 POLICIES = {
     "all": (True, True, True),
@@ -23,19 +39,21 @@ def _kept_ops(offload):
     return [name for name, flag in zip(("fc1", "act", "fc2"), offload) if not flag]
 
 
-def _assert_moves_follow_policy(moved: dict, offload, layers: int):
-    """No weight bytes, nothing from ops with offload=False, activations of offloading ops moved."""
+def _assert_moves_follow_policy(moved: dict, offload, entries, layers: list[int]):
+    """No weight bytes, nothing from ops with offload=False, and each offloading op of an offloaded
+    layer moved at least the bytes of the large (>= 256 Ki elements) activations it saved."""
     by_key = {tuple(k.split("|")) if isinstance(k, str) else k: n for k, n in moved.items()}
-    weight_bytes = sum(n for (op, kind), n in by_key.items() if kind == "weight")
-    assert weight_bytes == 0, by_key
-    for name in _kept_ops(offload):
-        kept_bytes = sum(n for (op, _), n in by_key.items() if op.endswith("." + name))
-        assert kept_bytes == 0, (name, by_key)
     assert ("unknown", "unknown") not in by_key, by_key  # every moved tensor was attributed
-    # The offloaded layer (layer 0) did move the activations of the ops that allow it.
-    for name, flag in zip(("fc1", "act", "fc2"), offload):
-        if flag:
-            assert by_key.get((f"L0.{name}", "activation"), 0) > 0, (name, by_key)
+    assert sum(n for (_, kind), n in by_key.items() if kind == "weight") == 0, by_key
+    for name in _kept_ops(offload):
+        assert sum(n for (op, _), n in by_key.items() if op.endswith("." + name)) == 0, (name, by_key)
+    for layer in layers:
+        for name, flag in zip(("fc1", "act", "fc2"), offload):
+            op = f"L{layer}.{name}"
+            large = {(e.data_ptr, e.nbytes) for e in entries
+                     if e.op == op and e.kind == "activation" and e.numel >= 256 * 1024}
+            if flag:
+                assert by_key.get((op, "activation"), 0) >= sum(n for _, n in large), (op, by_key)
 
 
 def _assert_same(a: dict, b: dict):
@@ -47,37 +65,41 @@ def _assert_same(a: dict, b: dict):
 @requires_gpu
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("engine", ["v2", "spy"])
-def test_in_process_engines(engine, policy):
+def test_in_process_engines(engine, policy, path):
     if engine == "v2" and os.environ.get("NVTE_CPU_OFFLOAD_V1") == "1":
         pytest.skip("this process runs TE's V1 engine (NVTE_CPU_OFFLOAD_V1=1)")
     cfg = Config(offload=POLICIES[policy])
     stack, inputs = make_stack(cfg), make_inputs(cfg)
     base = run_step(stack, inputs, "none")
     run = run_step(stack, inputs, engine)
+    _check_path(stack, path)
     _assert_same(base, run)
-    _assert_moves_follow_policy(run["moved"], cfg.offload, cfg.layers)
+    offloaded_layers = list(range(cfg.layers)) if engine == "spy" else [0]
+    _assert_moves_follow_policy(run["moved"], cfg.offload, run["recorder"].entries, offloaded_layers)
 
 
 @requires_gpu
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_v1_engine(policy, tmp_path):
+def test_v1_engine(policy, path, tmp_path):
     flags = ["1" if f else "0" for f in POLICIES[policy]]
     out = tmp_path / "v1.pt"
     worker = Path(__file__).with_name("engine_worker.py")
     root = str(worker.parent.parent)  # the checkout, so the child imports te_offload_ops as we do
-    env = dict(os.environ, NVTE_CPU_OFFLOAD_V1="1",
+    env = dict(os.environ, NVTE_CPU_OFFLOAD_V1="1", **{DISABLE_ENV: "1" if path == "fused" else "0"},
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, str(worker), str(out), "v1", *flags], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = torch.load(out)
+    assert all(plan == (["FusedScaledSReLUMLP"] if path == "fused" else ["GroupedLinear", "ScaledSReLU", "GroupedLinear"])
+               for plan in res["plans"])
     _assert_same(res["none"], res["v1"])
-    _assert_moves_follow_policy(res["v1"]["moved"], POLICIES[policy], 2)
+    _assert_moves_follow_policy(res["v1"]["moved"], POLICIES[policy], [Saved(*e) for e in res["v1"]["entries"]], [0])
 
 
 @requires_gpu
 @pytest.mark.parametrize("policy", ["all", "keep-fc1"])
-def test_v2_memory_saved_matches_offloaded_bytes(policy):
+def test_v2_memory_saved_matches_offloaded_bytes(policy, path):
     """Activation memory drops by >= 97% of the bytes of the offloaded layer's activations."""
     if os.environ.get("NVTE_CPU_OFFLOAD_V1") == "1":
         pytest.skip("this process runs TE's V1 engine (NVTE_CPU_OFFLOAD_V1=1)")
@@ -85,6 +107,7 @@ def test_v2_memory_saved_matches_offloaded_bytes(policy):
     stack, inputs = make_stack(cfg), make_inputs(cfg)
     base = run_step(stack, inputs, "none")
     run = run_step(stack, inputs, "v2")
+    _check_path(stack, path)
     theoretical = offloadable_activation_bytes(run["recorder"], layer=0)
     moved = sum(run["moved"].values())
     assert theoretical > 0 and moved == theoretical, (moved, theoretical)

@@ -75,7 +75,8 @@ class OffloadableOp:
         ctx = basic_op_ctxs[0]
         if ctx.to_save is not None:
             saved = self.repack_saved(ctx, tuple(ctx.to_save), input_)
-            policy.save_for_backward(ctx, *saved, offload=self.offload, weights=self.saved_weights(saved))
+            policy.save_for_backward(ctx, *saved, offload=self.offload, weights=self.saved_weights(saved),
+                                    owner=self)
         return out
 
     def _config_repr(self) -> list[str]:

@@ -1,0 +1,114 @@
+"""When the Hopper fused SReLU grouped MLP may replace GroupedLinear, ScaledSReLU, GroupedLinear.
+
+Two stages, because TE's fuser decides a fusion once per recipe and caches it:
+
+* :func:`static_blockers` at fusion time: the GPU, the recipe, the ops and their settings, and
+  the switch ``TEO_FUSED_SRELU_MLP=0``.
+* :func:`runtime_blockers` at each forward: the input's dtype, device and shape, and whether
+  the kernels compiled. The fused op then runs the three ops unfused and records why.
+
+Each returns the list of reasons that stop fusion (empty: fuse).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+DISABLE_ENV = "TEO_FUSED_SRELU_MLP"  # "0" turns the fusion off (read when TE's fuser fuses)
+
+# TMA needs 16-byte aligned rows: 8 elements of a 16-bit type.
+ROW_ALIGNMENT = 8
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _cuda_capability() -> Optional[tuple[int, int]]:
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def _recipe_blocker(recipe: Any) -> Optional[str]:
+    if recipe is None:
+        return None
+    return f"a quantization recipe is active ({type(recipe).__name__}); the Hopper kernels are bf16/fp16 only"
+
+
+def _linear_blockers(name: str, op: Any) -> list[str]:
+    reasons = []
+    if op.use_bias:
+        reasons.append(f"{name} has a bias")
+    if op.single_grouped_weight:
+        reasons.append(f"{name} stores a single grouped weight")
+    if op.wgrad_store.delay_wgrad_compute():
+        reasons.append(f"{name} delays its weight gradient")
+    if op._accumulate_into_main_grad:
+        reasons.append(f"{name} accumulates into main_grad")
+    if op._with_quantized_weight:
+        reasons.append(f"{name} has quantized weights")
+    for dim_name in ("in_features", "out_features"):
+        if getattr(op, dim_name) % ROW_ALIGNMENT:
+            reasons.append(f"{name}.{dim_name}={getattr(op, dim_name)} is not a multiple of {ROW_ALIGNMENT}")
+    dtype = op.weight0.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        reasons.append(f"{name} weights are {dtype}; the kernels take bf16 or fp16")
+    return reasons
+
+
+def static_blockers(fc1: Any, act: Any, fc2: Any, *, recipe: Any = None,
+                    capability: Optional[tuple[int, int]] = None) -> list[str]:
+    """Why (fc1, act, fc2) cannot fuse on this GPU with this recipe; [] if it can.
+
+    ``capability`` defaults to the current CUDA device's.
+    """
+    from ..ops import GroupedLinear, ScaledSReLU
+
+    if not (isinstance(fc1, GroupedLinear) and isinstance(act, ScaledSReLU) and isinstance(fc2, GroupedLinear)):
+        return ["the ops are not te_offload_ops GroupedLinear, ScaledSReLU, GroupedLinear"]
+    reasons = []
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        reasons.append(f"disabled by {DISABLE_ENV}=0")
+    capability = _cuda_capability() if capability is None else capability
+    if capability is None:
+        reasons.append("no CUDA GPU")
+    elif tuple(capability) != (9, 0):
+        reasons.append(f"GPU is sm_{capability[0]}{capability[1]}; the kernels are for sm_90 (Hopper)")
+    if (blocker := _recipe_blocker(recipe)) is not None:
+        reasons.append(blocker)
+    if type(act)._scaled_unary_forward is not ScaledSReLU._scaled_unary_forward:
+        reasons.append(f"{type(act).__name__} changes the activation")
+    if act.activation_recompute_in_mlp:
+        reasons.append("activation_recompute_in_mlp is set (the fused op chooses what to recompute)")
+    reasons += _linear_blockers("fc1", fc1) + _linear_blockers("fc2", fc2)
+    if fc1.num_groups != fc2.num_groups:
+        reasons.append(f"fc1 has {fc1.num_groups} groups and fc2 {fc2.num_groups}")
+    if fc1.out_features != fc2.in_features:
+        reasons.append(f"fc1.out_features={fc1.out_features} != fc2.in_features={fc2.in_features}")
+    if fc1.weight0.dtype != fc2.weight0.dtype:
+        reasons.append(f"fc1 weights are {fc1.weight0.dtype} and fc2 weights {fc2.weight0.dtype}")
+    return reasons
+
+
+def runtime_blockers(x: Any, split_sizes: Any, probs: Any, *, weight_dtype: torch.dtype, hidden: int) -> list[str]:
+    """Why this call's inputs cannot take the fused path; [] if they can."""
+    reasons = []
+    if type(x) is not torch.Tensor:
+        reasons.append(f"input is a {type(x).__name__}, not a plain tensor")
+        return reasons
+    if torch.is_autocast_enabled() and torch.get_autocast_dtype("cuda") != weight_dtype:
+        reasons.append(f"autocast to {torch.get_autocast_dtype('cuda')} differs from the weights' {weight_dtype}")
+    if x.dtype != weight_dtype:
+        reasons.append(f"input is {x.dtype}, weights are {weight_dtype}")
+    if not x.is_cuda:
+        reasons.append("input is not on a CUDA device")
+    if x.dim() != 2 or x.shape[-1] != hidden:
+        reasons.append(f"input has shape {tuple(x.shape)}; the fused op takes (tokens, {hidden})")
+    if not (isinstance(probs, torch.Tensor) and probs.dim() == 1 and probs.shape[0] == (x.shape[0] if x.dim() else -1)):
+        reasons.append(f"probs must have shape (tokens,), got {tuple(getattr(probs, 'shape', ()))}")
+    elif probs.dtype != x.dtype:
+        reasons.append(f"probs are {probs.dtype}, input is {x.dtype}")
+    if not (isinstance(split_sizes, torch.Tensor) and split_sizes.is_cuda):
+        reasons.append("split_sizes must be a CUDA tensor (the fused path never reads them on the host)")
+    return reasons

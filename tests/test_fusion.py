@@ -1,0 +1,128 @@
+"""CPU: when the Hopper fused SReLU grouped MLP is selected, and the reasons when it is not."""
+
+import pytest
+import torch
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.pytorch.ops.fuser import OperationFuser
+
+import te_offload_ops as teo
+from te_offload_ops import fused
+from te_offload_ops.fused import FusedScaledSReLUMLP, explain_fusion, runtime_blockers, static_blockers
+
+
+def mlp_ops(E=4, H=64, F=32, dtype=torch.bfloat16, **fc_kwargs):
+    return [teo.GroupedLinear(E, H, F, bias=False, device="cpu", dtype=dtype, **fc_kwargs),
+            teo.ScaledSReLU(),
+            teo.GroupedLinear(E, F, H, bias=False, device="cpu", dtype=dtype, **fc_kwargs)]
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    monkeypatch.setattr(fused.selection, "_cuda_capability", lambda: (9, 0))
+    monkeypatch.delenv(fused.selection.DISABLE_ENV, raising=False)
+
+
+def fused_plan(ops, recipe=None):
+    """What TE's own fuser runs forward, with our fusion registered."""
+    fuser = OperationFuser(ops)
+    x = torch.randn(8, ops[0].in_features, dtype=ops[0].weight0.dtype, requires_grad=True)
+    splits = torch.tensor([2] * ops[0].num_groups)
+    fuser.maybe_fuse_ops(True, recipe, x, [[splits], [torch.rand(8)], [splits]])
+    return [type(op) for op, _ in fuser._forward_ops], [type(op) for op, _ in fuser._backward_ops]
+
+
+def test_fuses_on_hopper_in_bf16_through_te_fuser(hopper):
+    assert fused_plan(mlp_ops()) == ([FusedScaledSReLUMLP], [FusedScaledSReLUMLP])
+
+
+def test_fp16_fuses_too(hopper):
+    assert fused_plan(mlp_ops(dtype=torch.float16))[0] == [FusedScaledSReLUMLP]
+
+
+def test_fuses_every_mlp_in_a_longer_pipeline(hopper):
+    ops = mlp_ops() + mlp_ops()
+    plan, _ = fused_plan(ops)
+    assert plan == [FusedScaledSReLUMLP, FusedScaledSReLUMLP]
+
+
+def test_explain_fusion_reports_reasons_per_window(hopper):
+    seq = te.ops.Sequential(*mlp_ops(), teo.ScaledSReLU())
+    report = dict(explain_fusion(seq))
+    assert report[0] == []
+    assert "not te_offload_ops" in report[1][0]
+
+
+@pytest.mark.parametrize("capability, expected", [((10, 0), "sm_100"), ((8, 0), "sm_80"), ((12, 0), "sm_120")])
+def test_other_gpus_fall_back(capability, expected):
+    reasons = static_blockers(*mlp_ops(), capability=capability)
+    assert any(expected in r and "sm_90" in r for r in reasons)
+
+
+def test_no_gpu_falls_back(monkeypatch):
+    monkeypatch.setattr(fused.selection, "_cuda_capability", lambda: None)
+    assert fused_plan(mlp_ops())[0] == [teo.GroupedLinear, teo.ScaledSReLU, teo.GroupedLinear]
+    assert "no CUDA GPU" in static_blockers(*mlp_ops())
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"])
+def test_fp8_recipes_fall_back(recipe):
+    reasons = static_blockers(*mlp_ops(), recipe=recipe, capability=(9, 0))
+    assert any("quantization recipe" in r and type(recipe).__name__ in r for r in reasons)
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(bias=True), "has a bias"),
+    (dict(accumulate_into_main_grad=True), "main_grad"),
+    (dict(delay_wgrad_compute=True), "delays its weight gradient"),
+])
+def test_unsupported_linear_settings_fall_back(kwargs, expected):
+    ops = mlp_ops()
+    ops[2] = teo.GroupedLinear(4, 32, 64, device="cpu", dtype=torch.bfloat16, **{"bias": False, **kwargs})
+    assert any(expected in r for r in static_blockers(*ops, capability=(9, 0)))
+
+
+def test_misaligned_and_mismatched_dims_fall_back():
+    reasons = static_blockers(*mlp_ops(H=60), capability=(9, 0))
+    assert any("in_features=60 is not a multiple of 8" in r for r in reasons)
+    ops = mlp_ops()
+    ops[2] = teo.GroupedLinear(4, 48, 64, bias=False, device="cpu", dtype=torch.bfloat16)
+    assert any("fc1.out_features=32 != fc2.in_features=48" in r for r in static_blockers(*ops, capability=(9, 0)))
+    ops[2] = teo.GroupedLinear(3, 32, 64, bias=False, device="cpu", dtype=torch.bfloat16)
+    assert any("fc1 has 4 groups and fc2 3" in r for r in static_blockers(*ops, capability=(9, 0)))
+
+
+def test_fp32_weights_fall_back():
+    assert any("take bf16 or fp16" in r for r in static_blockers(*mlp_ops(dtype=torch.float32), capability=(9, 0)))
+
+
+def test_other_activations_and_stock_te_ops_do_not_fuse(hopper):
+    ops = mlp_ops()
+    tanh = [ops[0], teo.ScaledTanhSReLU(tanh_clamp_scale=2.0), ops[2]]
+    assert fused_plan(tanh)[0] == [teo.GroupedLinear, teo.ScaledTanhSReLU, teo.GroupedLinear]
+    stock = [te.ops.GroupedLinear(4, 64, 32, bias=False, device="cpu", dtype=torch.bfloat16), te.ops.ScaledSReLU(),
+             te.ops.GroupedLinear(4, 32, 64, bias=False, device="cpu", dtype=torch.bfloat16)]
+    assert FusedScaledSReLUMLP not in fused_plan(stock)[0]
+
+    class Doubled(teo.ScaledSReLU):
+        def _scaled_unary_forward(self, input_, scales):
+            return 2 * super()._scaled_unary_forward(input_, scales)
+
+    assert any("changes the activation" in r for r in static_blockers(ops[0], Doubled(), ops[2], capability=(9, 0)))
+
+
+def test_switch_turns_fusion_off(hopper, monkeypatch):
+    monkeypatch.setenv(fused.selection.DISABLE_ENV, "0")
+    assert fused_plan(mlp_ops())[0] == [teo.GroupedLinear, teo.ScaledSReLU, teo.GroupedLinear]
+    assert "disabled by TEO_FUSED_SRELU_MLP=0" in static_blockers(*mlp_ops(), capability=(9, 0))
+
+
+def test_runtime_blockers_name_each_problem():
+    splits, probs = torch.tensor([4, 4]), torch.rand(8, dtype=torch.bfloat16)
+    reasons = runtime_blockers(torch.randn(8, 64, dtype=torch.float32), splits, probs,
+                               weight_dtype=torch.bfloat16, hidden=64)
+    text = " | ".join(reasons)
+    assert "input is torch.float32" in text and "not on a CUDA device" in text and "split_sizes must be a CUDA" in text
+    bad_shape = runtime_blockers(torch.randn(8, 32, dtype=torch.bfloat16), splits, torch.rand(7),
+                                 weight_dtype=torch.bfloat16, hidden=64)
+    assert any("(tokens, 64)" in r for r in bad_shape) and any("probs must have shape" in r for r in bad_shape)
