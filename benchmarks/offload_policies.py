@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--offload-layers", type=int, default=None, help="layers offloaded (default L-1)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--engines", default="v2,v1", help="comma-separated, from v2,v1")
+    p.add_argument("--unfused", action="store_true",
+                   help="run our ops unfused even where the Hopper fused SReLU MLP could run")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--out", type=Path, default=HERE / "results", help="folder for JSON, markdown, PNG")
@@ -155,6 +157,13 @@ def build_stack(args, ops: str, offload):
     return layers
 
 
+def compute_path(mlp) -> str:
+    """Which ops TE's fuser ran forward: "fused" (our Hopper fused op) or "unfused"."""
+    ran = [op for group in mlp._module_groups for op, _ in group._forward_ops]
+    fused = [op for op in ran if type(op).__name__ == "FusedScaledSReLUMLP"]
+    return "fused" if fused and not any(op.last_fallback_reasons for op in fused) else "unfused"
+
+
 def measure_policy(args, engine: str, ops: str, offload) -> dict:
     """Median step time, forward time, memory and bytes offloaded for one (engine, policy)."""
     import torch
@@ -192,8 +201,9 @@ def measure_policy(args, engine: str, ops: str, offload) -> dict:
         torch.cuda.synchronize()
         return ev[0].elapsed_time(ev[1]), ev[0].elapsed_time(ev[2]), fwd_mem, counter.total
 
-    for _ in range(args.warmup):
+    for _ in range(max(1, args.warmup)):
         step(False)
+    path = compute_path(stack[0])
     for p in params:  # so the baseline holds weights and inputs only
         p.grad = None
     torch.cuda.synchronize()
@@ -206,7 +216,7 @@ def measure_policy(args, engine: str, ops: str, offload) -> dict:
     step_ms = statistics.median(t[1] for t in times)
     del stack, params, x, probs, dy
     torch.cuda.empty_cache()
-    return {"step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": step_ms - fwd_ms,
+    return {"path": path, "step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": step_ms - fwd_ms,
             "step_ms_min": min(t[1] for t in times), "step_ms_max": max(t[1] for t in times),
             "peak_MiB": peak / 2**20, "act_MiB": (fwd_mem - base) / 2**20, "offloaded_MiB": offloaded / 2**20}
 
@@ -225,7 +235,7 @@ def run_child(args) -> None:
                "offload": dict(zip(("fc1", "act", "fc2"), flags))}
         row.update(measure_policy(args, eng, ops, flags))
         out["rows"].append(row)
-        print(f"[{engine} {i}/{len(plan)}] {name:16s} step {row['step_ms']:7.2f} ms  peak {row['peak_MiB']:8.0f} MiB  "
+        print(f"[{engine} {i}/{len(plan)}] {name:16s} {row['path']:7s} step {row['step_ms']:7.2f} ms  peak {row['peak_MiB']:8.0f} MiB  "
               f"offloaded {row['offloaded_MiB']:7.0f} MiB", flush=True)
     out["gpu"] = torch.cuda.get_device_name()
     args.child_out.write_text(json.dumps(out))
@@ -270,6 +280,8 @@ def main(argv=None) -> int:
     for engine in args.engines:
         child_out = args.out / f".child_{engine}.json"
         env = dict(os.environ, NVTE_CPU_OFFLOAD_V1="1" if engine == "v1" else "0", PYTHONUNBUFFERED="1")
+        if args.unfused:
+            env["TEO_FUSED_SRELU_MLP"] = "0"
         cmd = [sys.executable, __file__, "--child", engine, "--child-out", str(child_out)] + (argv or sys.argv[1:])
         if subprocess.run(cmd, env=env).returncode != 0:
             print(f"offload_policies.py: the {engine} run failed (output above)", file=sys.stderr)

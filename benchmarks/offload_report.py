@@ -9,6 +9,7 @@ from pathlib import Path
 COLUMNS = [  # header, key, format
     ("engine", "engine", "{}"),
     ("policy", "policy", "{}"),
+    ("path", "path", "{}"),
     ("step ms", "step_ms", "{:.2f}"),
     ("fwd ms", "fwd_ms", "{:.2f}"),
     ("peak MiB", "peak_MiB", "{:.0f}"),
