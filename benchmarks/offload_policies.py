@@ -74,7 +74,7 @@ def cuda_problem() -> str | None:
     except ImportError:
         return "PyTorch is not installed (run: bash scripts/setup_env.sh)"
     if not torch.cuda.is_available():
-        return "no CUDA GPU is visible (torch.cuda.is_available() is False); this benchmark measures GPU memory and PCIe traffic"
+        return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as exc:  # noqa: BLE001 (report any import failure plainly)
@@ -262,7 +262,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     problem = cuda_problem()
     if problem:
-        print(f"offload_policies.py: cannot run: {problem}", file=sys.stderr)
+        print(f"offload_policies.py: cannot run: {problem}; it measures GPU memory and PCIe traffic",
+              file=sys.stderr)
         return 2
     if args.child:
         run_child(args)

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Fused SReLU grouped MLP vs TE's unfused ops vs a cuBLAS bmm roof, forward and forward+backward.
+
+One grouped MLP layer (GroupedLinear -> ScaledSReLU -> GroupedLinear, bf16) with uniform splits so
+that the same GEMMs can also run as cuBLAS batched GEMMs (the roof: 2 bmm forward, 6 forward +
+backward). Times are medians of CUDA-event timings; TFLOP/s count 2*T*H*F per GEMM. The first
+call of the fused op (kernel compilation included) is timed separately. Writes JSON and markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+MODEL_SHAPES = {  # name -> (hidden, ffn) of MoE experts with non-gated activations, or close
+    "H2688-F1856": (2688, 1856),
+    "H2048-F768": (2048, 768),
+    "H4096-F1536": (4096, 1536),
+    "H7168-F2048": (7168, 2048),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", action="store_true", help="E in {8, 32} x tokens/expert in {256..4096} x model shapes")
+    p.add_argument("--experts", "-E", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per expert")
+    p.add_argument("--hidden", "-H", type=int, default=2688)
+    p.add_argument("--ffn", "-F", type=int, default=1856)
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--max-tokens", type=int, default=64 * 1024, help="sweep: skip configs with more tokens in all")
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    args = p.parse_args(argv)
+    for name in ("experts", "tokens", "hidden", "ffn", "iters"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name} must be positive")
+    return args
+
+
+def configs(args):
+    if not args.sweep:
+        return [(args.experts, args.tokens, args.hidden, args.ffn)]
+    out = []
+    for E in (8, 32):
+        for tokens in (256, 512, 1024, 2048, 4096):
+            for H, F in MODEL_SHAPES.values():
+                if E * tokens <= args.max_tokens:
+                    out.append((E, tokens, H, F))
+    return out
+
+
+def median_ms(fn, iters: int) -> float:
+    import torch
+
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(E, tokens, H, F, dtype, iters) -> dict:
+    import torch
+    import transformer_engine.pytorch as te
+
+    import te_offload_ops as teo
+    from offload_policies import compute_path
+
+    T = E * tokens
+    ours = te.ops.Sequential(teo.GroupedLinear(E, H, F, bias=False, device="cuda", dtype=dtype), teo.ScaledSReLU(),
+                             teo.GroupedLinear(E, F, H, bias=False, device="cuda", dtype=dtype))
+    stock = te.ops.Sequential(te.ops.GroupedLinear(E, H, F, bias=False, device="cuda", dtype=dtype),
+                              te.ops.ScaledSReLU(), te.ops.GroupedLinear(E, F, H, bias=False, device="cuda", dtype=dtype))
+    stock.load_state_dict(ours.state_dict())
+    x = torch.randn(T, H, device="cuda", dtype=dtype, requires_grad=True)
+    probs = torch.rand(T, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(T, H, device="cuda", dtype=dtype)
+    splits = torch.full((E,), tokens, device="cuda", dtype=torch.int64)
+
+    def fwd(mlp):
+        with torch.no_grad():
+            mlp(x, splits, probs, splits)
+
+    def fwd_bwd(mlp):
+        mlp(x, splits, probs, splits).backward(dy)
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fwd_bwd(ours)  # first call: compiles the kernels if the fused path runs
+    torch.cuda.synchronize()
+    first_call_s = time.perf_counter() - t0
+    path = compute_path(ours)
+    row = {"E": E, "tokens_per_expert": tokens, "H": H, "F": F, "path": path, "first_call_s": first_call_s}
+    fused_ops = [op for g in ours._module_groups for op, _ in g._forward_ops if hasattr(op, "last_fallback_reasons")]
+    row["fallback_reasons"] = fused_ops[0].last_fallback_reasons if fused_ops else ["fusion not selected"]
+
+    w1 = torch.randn(E, F, H, device="cuda", dtype=dtype)
+    w2 = torch.randn(E, H, F, device="cuda", dtype=dtype)
+    xb, dyb = x.detach().view(E, tokens, H), dy.view(E, tokens, H)
+    a = torch.randn(E, tokens, F, device="cuda", dtype=dtype)
+
+    def bmm_fwd():
+        torch.bmm(xb, w1.transpose(1, 2))
+        torch.bmm(a, w2.transpose(1, 2))
+
+    def bmm_fwd_bwd():
+        bmm_fwd()
+        torch.bmm(dyb, w2)                      # fc2 dgrad
+        torch.bmm(dyb.transpose(1, 2), a)       # fc2 wgrad
+        torch.bmm(a, w1)                        # fc1 dgrad
+        torch.bmm(a.transpose(1, 2), xb)        # fc1 wgrad
+
+    flop = 2 * T * H * F
+    for label, fn, n_gemm in (("fwd", fwd, 2), ("fwd_bwd", fwd_bwd, 6)):
+        ms_ours, ms_te = median_ms(lambda: fn(ours), iters), median_ms(lambda: fn(stock), iters)
+        ms_bmm = median_ms(bmm_fwd if label == "fwd" else bmm_fwd_bwd, iters)
+        row[label] = {
+            "ours_ms": ms_ours, "te_ms": ms_te, "bmm_ms": ms_bmm,
+            "ours_tflops": n_gemm * flop / ms_ours / 1e9, "te_tflops": n_gemm * flop / ms_te / 1e9,
+            "bmm_tflops": n_gemm * flop / ms_bmm / 1e9, "speedup_vs_te": ms_te / ms_ours,
+        }
+    del ours, stock, x, probs, dy, w1, w2, a
+    torch.cuda.empty_cache()
+    return row
+
+
+def markdown(result) -> str:
+    lines = [f"# Fused SReLU grouped MLP on {result['gpu']} ({result['date']})", "",
+             f"{result['dtype']}, uniform splits; median of {result['iters']} CUDA-event timings; "
+             "TFLOP/s = GEMM flops / time (2 GEMMs forward, 6 forward+backward). "
+             "`path` says whether our ops ran the fused kernels.", "",
+             "| E | tok/expert | H | F | path | fwd ms ours / TE / bmm | fwd TFLOP/s ours / TE / bmm "
+             "| fwd+bwd ms ours / TE / bmm | fwd+bwd TFLOP/s ours / TE / bmm | vs TE | first call s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        f, b = r["fwd"], r["fwd_bwd"]
+        lines.append(
+            f"| {r['E']} | {r['tokens_per_expert']} | {r['H']} | {r['F']} | {r['path']} "
+            f"| {f['ours_ms']:.3f} / {f['te_ms']:.3f} / {f['bmm_ms']:.3f} "
+            f"| {f['ours_tflops']:.0f} / {f['te_tflops']:.0f} / {f['bmm_tflops']:.0f} "
+            f"| {b['ours_ms']:.3f} / {b['te_ms']:.3f} / {b['bmm_ms']:.3f} "
+            f"| {b['ours_tflops']:.0f} / {b['te_tflops']:.0f} / {b['bmm_tflops']:.0f} "
+            f"| {b['speedup_vs_te']:.2f}x | {r['first_call_s']:.1f} |")
+    reasons = {"; ".join(r["fallback_reasons"]) for r in result["rows"] if r["fallback_reasons"]}
+    if reasons:
+        lines += ["", "Unfused because: " + " / ".join(sorted(reasons))]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from offload_policies import cuda_problem
+
+    if problem := cuda_problem():
+        print(f"bench_fused_mlp.py: cannot run: {problem}", file=sys.stderr)
+        return 2
+    import torch
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    gpu = torch.cuda.get_device_name()
+    plan = configs(args)
+    rows = []
+    print(f"fused SReLU grouped MLP on {gpu}: {len(plan)} configs", flush=True)
+    for i, (E, tokens, H, F) in enumerate(plan, 1):
+        row = measure(E, tokens, H, F, dtype, args.iters)
+        rows.append(row)
+        b = row["fwd_bwd"]
+        print(f"[{i}/{len(plan)}] E={E} tok={tokens} H={H} F={F} {row['path']}: fwd+bwd {b['ours_ms']:.3f} ms "
+              f"({b['ours_tflops']:.0f} TFLOP/s) vs TE {b['te_ms']:.3f} ms, bmm roof {b['bmm_tflops']:.0f} TFLOP/s",
+              flush=True)
+    result = {"benchmark": "fused_srelu_mlp", "gpu": gpu, "dtype": args.dtype, "iters": args.iters,
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "fused_mlp_" + re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_") + ("_sweep" if args.sweep else "")
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown(result)
+    (args.out / f"{stem}.md").write_text(table)
+    print("\n" + table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
