@@ -12,8 +12,9 @@ both layers are always kept resident.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from transformer_engine.pytorch.ops.op import FusedOperation
@@ -46,13 +47,22 @@ def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> 
     return torch._grouped_mm(dy.t(), x, offs=offsets)
 
 
-def _kernel_problems() -> list[str]:
+@functools.lru_cache(maxsize=1)
+def _kernel_import_problem() -> Optional[str]:
     # Imported on first use: the CuTe DSL loads only when the fused path runs.
     try:
-        from .. import kernels
+        from .. import kernels  # noqa: F401
     except ImportError as exc:
-        return [f"the CuTe DSL kernels do not import: {exc}"]
-    return kernels.unavailable_reasons()
+        return f"the CuTe DSL kernels do not import: {exc}"
+    return None
+
+
+def _kernel_problems() -> list[str]:
+    if (problem := _kernel_import_problem()) is not None:
+        return [problem]
+    from .. import kernels
+
+    return list(kernels.unavailable_reasons())
 
 
 class FusedScaledSReLUMLP(FusedOperation):
