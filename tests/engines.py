@@ -15,6 +15,7 @@ import transformer_engine.pytorch as te
 
 import te_offload_ops as teo
 from te_offload_ops.engines import offload_context
+from te_offload_ops.fused.selection import kernel_problem
 from offload_spy import SaveRecorder, SpyEngine
 
 OP_NAMES = ("fc1", "act", "fc2")
@@ -41,12 +42,7 @@ def fused_path_problem() -> str | None:
     """Why the CuTe DSL fused path cannot run here, or None."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return "the fused SReLU grouped MLP needs an sm_90 GPU"
-    try:
-        from te_offload_ops import kernels
-    except ImportError as exc:
-        return f"the CuTe DSL kernels do not import: {exc}"
-    problems = kernels.unavailable_reasons()
-    return "; ".join(problems) if problems else None
+    return kernel_problem()
 
 
 def forward_plan(mlp: te.ops.Sequential) -> list[str]:

@@ -19,8 +19,16 @@ def mlp_ops(E=4, H=64, F=32, dtype=torch.bfloat16, **fc_kwargs):
 
 @pytest.fixture
 def hopper(monkeypatch):
+    """An sm_90 GPU whose kernels are available (the fusion decision, not the kernels, is tested)."""
     monkeypatch.setattr(fused.selection, "_cuda_capability", lambda: (9, 0))
+    monkeypatch.setattr(fused.selection, "kernel_problem", lambda: None)
     monkeypatch.delenv(fused.selection.DISABLE_ENV, raising=False)
+
+
+def test_missing_kernels_block_fusion_with_the_reason(hopper, monkeypatch):
+    monkeypatch.setattr(fused.selection, "kernel_problem", lambda: "the CuTe DSL kernels do not import: boom")
+    assert fused_plan(mlp_ops())[0] == [teo.GroupedLinear, teo.ScaledSReLU, teo.GroupedLinear]
+    assert static_blockers(*mlp_ops()) == ["the CuTe DSL kernels do not import: boom"]
 
 
 def fused_plan(ops, recipe=None):
@@ -76,13 +84,13 @@ def test_fp8_recipes_fall_back(recipe):
     (dict(accumulate_into_main_grad=True), "main_grad"),
     (dict(delay_wgrad_compute=True), "delays its weight gradient"),
 ])
-def test_unsupported_linear_settings_fall_back(kwargs, expected):
+def test_unsupported_linear_settings_fall_back(kwargs, expected, hopper):
     ops = mlp_ops()
     ops[2] = teo.GroupedLinear(4, 32, 64, device="cpu", dtype=torch.bfloat16, **{"bias": False, **kwargs})
     assert any(expected in r for r in static_blockers(*ops, capability=(9, 0)))
 
 
-def test_misaligned_and_mismatched_dims_fall_back():
+def test_misaligned_and_mismatched_dims_fall_back(hopper):
     reasons = static_blockers(*mlp_ops(H=60), capability=(9, 0))
     assert any("in_features=60 is not a multiple of 8" in r for r in reasons)
     ops = mlp_ops()
@@ -92,7 +100,7 @@ def test_misaligned_and_mismatched_dims_fall_back():
     assert any("fc1 has 4 groups and fc2 3" in r for r in static_blockers(*ops, capability=(9, 0)))
 
 
-def test_fp32_weights_fall_back():
+def test_fp32_weights_fall_back(hopper):
     assert any("take bf16 or fp16" in r for r in static_blockers(*mlp_ops(dtype=torch.float32), capability=(9, 0)))
 
 

@@ -3,15 +3,15 @@
 Two stages, because TE's fuser decides a fusion once per recipe and caches it:
 
 * :func:`static_blockers` at fusion time: the GPU, the recipe, the ops and their settings, and
-  the switch ``TEO_FUSED_SRELU_MLP=0``.
-* :func:`runtime_blockers` at each forward: the input's dtype, device and shape, and whether
-  the kernels compiled. The fused op then runs the three ops unfused and records why.
+  the switch ``TEO_FUSED_SRELU_MLP=0``, and whether the CuTe DSL kernels import.
+* :func:`runtime_blockers` at each forward: the input's dtype, device and shape. The fused op then runs the three ops unfused and records why.
 
 Each returns the list of reasons that stop fusion (empty: fuse).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Optional
 
@@ -22,6 +22,17 @@ DISABLE_ENV = "TEO_FUSED_SRELU_MLP"  # "0" turns the fusion off (read when TE's 
 # TMA needs 16-byte aligned rows: 8 elements of a 16-bit type.
 ROW_ALIGNMENT = 8
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_problem() -> Optional[str]:
+    """Why the CuTe DSL kernels cannot run in this process, or None. Imports them on first use."""
+    try:
+        from .. import kernels
+    except ImportError as exc:
+        return f"the CuTe DSL kernels do not import: {exc}"
+    reasons = kernels.unavailable_reasons()
+    return "; ".join(reasons) if reasons else None
 
 
 def _cuda_capability() -> Optional[tuple[int, int]]:
@@ -77,6 +88,8 @@ def static_blockers(fc1: Any, act: Any, fc2: Any, *, recipe: Any = None,
         reasons.append(f"GPU is sm_{capability[0]}{capability[1]}; the kernels are for sm_90 (Hopper)")
     if (blocker := _recipe_blocker(recipe)) is not None:
         reasons.append(blocker)
+    if not reasons and (problem := kernel_problem()) is not None:
+        reasons.append(problem)
     if type(act)._scaled_unary_forward is not ScaledSReLU._scaled_unary_forward:
         reasons.append(f"{type(act).__name__} changes the activation")
     if act.activation_recompute_in_mlp:

@@ -12,9 +12,8 @@ both layers are always kept resident.
 
 from __future__ import annotations
 
-import functools
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from transformer_engine.pytorch.ops.op import FusedOperation
@@ -47,24 +46,6 @@ def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> 
     return torch._grouped_mm(dy.t(), x, offs=offsets)
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel_import_problem() -> Optional[str]:
-    # Imported on first use: the CuTe DSL loads only when the fused path runs.
-    try:
-        from .. import kernels  # noqa: F401
-    except ImportError as exc:
-        return f"the CuTe DSL kernels do not import: {exc}"
-    return None
-
-
-def _kernel_problems() -> list[str]:
-    if (problem := _kernel_import_problem()) is not None:
-        return [problem]
-    from .. import kernels
-
-    return list(kernels.unavailable_reasons())
-
-
 class FusedScaledSReLUMLP(FusedOperation):
     """Joint forward/backward fusion of te_offload_ops GroupedLinear, ScaledSReLU, GroupedLinear."""
 
@@ -93,8 +74,6 @@ class FusedScaledSReLUMLP(FusedOperation):
                                    hidden=self.fc1.in_features)
         if any(basic_op_kwargs):
             reasons.append("output or grad-input buffers were passed through op kwargs")
-        if not reasons:
-            reasons = _kernel_problems()
         if reasons:
             self._note_fallback(reasons)
             basic_op_ctxs[0].teo_fused = False
