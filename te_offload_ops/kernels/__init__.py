@@ -1,0 +1,33 @@
+"""Hopper (sm_90a) grouped-GEMM kernels (CuTe DSL) for the fused SReLU MoE MLP.
+
+Importing this package does not import the CuTe DSL; it is imported on the
+first kernel call (or by :func:`get_kernel`).
+"""
+
+from .api import (
+    DEFAULT_TILE,
+    clear_cache,
+    compile_times,
+    compile_variant,
+    get_kernel,
+    grouped_gemm,
+    grouped_gemm_dsrelu_bwd,
+    grouped_gemm_srelu_fwd,
+    grouped_wgrad,
+    pick_tile,
+    unavailable_reasons,
+)
+
+__all__ = [
+    "DEFAULT_TILE",
+    "clear_cache",
+    "compile_times",
+    "compile_variant",
+    "get_kernel",
+    "grouped_gemm",
+    "grouped_gemm_dsrelu_bwd",
+    "grouped_gemm_srelu_fwd",
+    "grouped_wgrad",
+    "pick_tile",
+    "unavailable_reasons",
+]

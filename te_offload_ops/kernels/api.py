@@ -1,0 +1,281 @@
+"""Torch entry points for the Hopper grouped GEMM kernels.
+
+All entry points take plain torch tensors, allocate their outputs, never read
+``split_sizes`` on the host (no device sync) and launch on the current CUDA
+stream.  Compiled kernels are cached per
+``(dtype, tile, epilogue, N, K, E, B major)``; the first call of a key compiles
+(see :func:`compile_times`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+
+import torch
+
+_log = logging.getLogger(__name__)
+
+_CACHE: dict = {}
+_COMPILE_SECONDS: dict = {}
+_LOCK = threading.Lock()
+
+DEFAULT_TILE = (128, 192)
+
+
+def _cutlass():
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    return cutlass, cute, make_ptr, make_fake_stream
+
+
+def unavailable_reasons() -> list[str]:
+    """Why the kernels cannot be compiled in this process (empty: they can).
+
+    Checks that the CuTe DSL and its CUDA driver bindings import; the GPU
+    itself is the fusion selector's business."""
+    reasons = []
+    try:
+        _cutlass()
+    except Exception as exc:  # any import failure of the DSL stack
+        reasons.append(f"the CuTe DSL (nvidia-cutlass-dsl) does not import: {exc}")
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except Exception as exc:
+        reasons.append(f"cuda-python driver bindings do not import: {exc}")
+    return reasons
+
+
+def _cutlass_dtype(dtype: torch.dtype):
+    cutlass = _cutlass()[0]
+    if dtype == torch.bfloat16:
+        return cutlass.BFloat16
+    if dtype == torch.float16:
+        return cutlass.Float16
+    raise TypeError(f"grouped GEMM supports bf16 and fp16, got {dtype}")
+
+
+def pick_tile(n: int) -> tuple[int, int]:
+    """(BM, BN): the BN among 256/192/128 with the least padding of the last
+    n-block (ties go to the larger BN); 64 only when N <= 64."""
+    if n <= 64:
+        return (128, 64)
+    best = max((n / (-(-n // bn) * bn), bn) for bn in (256, 192, 128))
+    return (128, best[1])
+
+
+def _compile(
+    dtype: torch.dtype, n: int, k: int, e: int, b_n_major: bool, epilogue: str, tile,
+    options: str | None = None,
+):
+    cutlass, cute, make_ptr, make_fake_stream = _cutlass()
+    from .gemm_sm90 import GroupedGemmSm90
+
+    dt = _cutlass_dtype(dtype)
+    kern = GroupedGemmSm90(dt, n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile_mn=tile)
+    gmem = cute.AddressSpace.gmem
+    fake = 1 << 20  # any aligned address: only the types matter at compile time
+    args = [
+        make_ptr(dt, fake, gmem, assumed_align=16),  # A
+        make_ptr(dt, fake, gmem, assumed_align=16),  # B
+        make_ptr(dt, fake, gmem, assumed_align=16),  # C / Z / dZ
+        make_ptr(cutlass.Int32, fake, gmem, assumed_align=4),  # split sizes
+        make_ptr(dt, fake, gmem, assumed_align=2),  # probs
+        make_ptr(dt, fake, gmem, assumed_align=16),  # z (dsrelu input)
+        make_ptr(dt, fake, gmem, assumed_align=16),  # act
+        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # dprobs partials
+    ]
+    t0 = time.perf_counter()
+    extra = {"options": options} if options else {}
+    compiled = cute.compile(
+        kern, *args, cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(), **extra
+    )
+    return kern, compiled, time.perf_counter() - t0
+
+
+def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=None):
+    """Compile one variant without caching; returns (kernel object, compiled, seconds).
+
+    Works without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile
+    tests); ``options`` is passed to ``cute.compile`` (e.g. ``"--keep-ptx"``)."""
+    tile = tuple(tile) if tile is not None else pick_tile(n)
+    return _compile(dtype, n, k, e, bool(b_n_major), epilogue, tile, options)
+
+
+def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None):
+    """Compiled kernel for one variant (compiles and caches on first use)."""
+    tile = tuple(tile) if tile is not None else pick_tile(n)
+    key = (dtype, tile, epilogue, n, k, e, bool(b_n_major))
+    hit = _CACHE.get(key)
+    if hit is None:
+        with _LOCK:
+            hit = _CACHE.get(key)
+            if hit is None:
+                kern, compiled, secs = _compile(dtype, n, k, e, bool(b_n_major), epilogue, tile)
+                _COMPILE_SECONDS[key] = secs
+                _log.info("compiled grouped GEMM %s in %.2f s", key, secs)
+                hit = _CACHE[key] = (kern, compiled)
+    return hit
+
+
+def compile_times() -> dict:
+    """{cache key: first-call compile seconds} for every kernel compiled so far."""
+    return dict(_COMPILE_SECONDS)
+
+
+def clear_cache() -> None:
+    with _LOCK:
+        _CACHE.clear()
+        _COMPILE_SECONDS.clear()
+
+
+def _aligned(t: torch.Tensor, align: int = 16) -> torch.Tensor:
+    t = t.contiguous()
+    if t.data_ptr() % align:
+        t = t.clone()
+    return t
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _launch(kern, compiled, tensors, num_tokens):
+    dt = kern.dtype
+    cutlass, cute, make_ptr, _ = _cutlass()
+    import cuda.bindings.driver as cuda
+
+    gmem = cute.AddressSpace.gmem
+    ptrs = []
+    for t, kind in tensors:
+        if kind == "i32":
+            ptrs.append(make_ptr(cutlass.Int32, t.data_ptr(), gmem, assumed_align=4))
+        elif kind == "f32":
+            ptrs.append(make_ptr(cutlass.Float32, t.data_ptr(), gmem, assumed_align=4))
+        elif kind == "vec":
+            ptrs.append(make_ptr(dt, t.data_ptr(), gmem, assumed_align=2))
+        else:
+            ptrs.append(make_ptr(dt, t.data_ptr(), gmem, assumed_align=16))
+    # persistent grid: one CTA per SM at most, and no more CTAs than a bound
+    # of the tile count that needs no split sizes on the host
+    tile_bound = (-(-num_tokens // kern.bm) + kern.num_experts) * kern.n_tiles
+    num_ctas = min(_sm_count(tensors[0][0].device.index), tile_bound)
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    compiled(*ptrs, cutlass.Int32(num_tokens), cutlass.Int32(num_ctas), stream)
+
+
+def _check(a, b, split_sizes, b_n_major):
+    if a.dim() != 2 or b.dim() != 3:
+        raise ValueError("a must be (T, K) and b (E, N, K) / (E, K, N)")
+    if a.dtype != b.dtype:
+        raise TypeError("a and b must have the same dtype")
+    e = b.shape[0]
+    k = a.shape[1]
+    kb = b.shape[2] if not b_n_major else b.shape[1]
+    if kb != k:
+        raise ValueError(f"K mismatch: a has {k}, b has {kb}")
+    if split_sizes.numel() != e:
+        raise ValueError("split_sizes must have one entry per expert")
+    n = b.shape[1] if not b_n_major else b.shape[2]
+    return e, n, k
+
+
+def _splits_i32(split_sizes: torch.Tensor, device) -> torch.Tensor:
+    s = split_sizes
+    if s.device != device:
+        s = s.to(device, non_blocking=True)
+    if s.dtype != torch.int32:
+        s = s.to(torch.int32)
+    return s.contiguous()
+
+
+def grouped_gemm(a, b, split_sizes, *, trans_b=False, tile=None):
+    """c[rows of e] = a[rows of e] @ b[e].T  (b: (E, N, K)); with ``trans_b``
+    b is (E, K, N) and c = a_e @ b[e].  Returns c (T, N) in a.dtype."""
+    e, n, k = _check(a, b, split_sizes, trans_b)
+    t = a.shape[0]
+    c = torch.empty(t, n, dtype=a.dtype, device=a.device)
+    if t == 0:
+        return c
+    kern, compiled = get_kernel(a.dtype, n, k, e, b_n_major=trans_b, epilogue="plain", tile=tile)
+    a, b = _aligned(a), _aligned(b)
+    s = _splits_i32(split_sizes, a.device)
+    _launch(
+        kern, compiled,
+        [(a, "m"), (b, "m"), (c, "m"), (s, "i32"), (a, "vec"), (c, "m"), (c, "m"),
+         (s, "f32")],
+        t,
+    )
+    return c
+
+
+def grouped_gemm_srelu_fwd(x, w1, split_sizes, probs, *, tile=None):
+    """z = x_e @ w1[e].T (w1: (E, N, K)), act = relu(z)^2 * probs[:, None].
+
+    Returns (act, z), both (T, N) in x.dtype.  act is computed from the fp32
+    accumulator (not from the rounded z)."""
+    e, n, k = _check(x, w1, split_sizes, False)
+    t = x.shape[0]
+    z = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    act = torch.empty_like(z)
+    if t == 0:
+        return act, z
+    if probs.shape != (t,):
+        raise ValueError("probs must be (T,)")
+    kern, compiled = get_kernel(x.dtype, n, k, e, b_n_major=False, epilogue="srelu", tile=tile)
+    x, w1 = _aligned(x), _aligned(w1)
+    p = probs.to(x.dtype).contiguous()
+    s = _splits_i32(split_sizes, x.device)
+    _launch(
+        kern, compiled,
+        [(x, "m"), (w1, "m"), (z, "m"), (s, "i32"), (p, "vec"), (z, "m"), (act, "m"),
+         (s, "f32")],
+        t,
+    )
+    return act, z
+
+
+def grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, *, tile=None):
+    """dact = dy_e @ w2[e] (w2: (E, H, F), i.e. (E, K, N)); then
+    dz = dact * probs * 2 relu(z), dprobs[t] = sum_f dact[t, f] relu(z[t, f])^2,
+    act = relu(z)^2 * probs.  Returns (dz, dprobs, act); dprobs has probs.dtype.
+
+    dprobs is reduced in fp32 deterministically: each n-block writes its own
+    partial row sum and the partials are added by one torch reduction."""
+    e, n, k = _check(dy, w2, split_sizes, True)
+    t = dy.shape[0]
+    dz = torch.empty(t, n, dtype=dy.dtype, device=dy.device)
+    act = torch.empty_like(dz)
+    if t == 0:
+        return dz, torch.zeros(0, dtype=probs.dtype, device=dy.device), act
+    if z.shape != (t, n) or probs.shape != (t,):
+        raise ValueError("z must be (T, N) and probs (T,)")
+    kern, compiled = get_kernel(dy.dtype, n, k, e, b_n_major=True, epilogue="dsrelu", tile=tile)
+    dy, w2, zc = _aligned(dy), _aligned(w2), _aligned(z.to(dy.dtype))
+    p = probs.to(dy.dtype).contiguous()
+    s = _splits_i32(split_sizes, dy.device)
+    part = torch.empty(kern.n_tiles, t, dtype=torch.float32, device=dy.device)
+    _launch(
+        kern, compiled,
+        [(dy, "m"), (w2, "m"), (dz, "m"), (s, "i32"), (p, "vec"), (zc, "m"), (act, "m"),
+         (part, "f32")],
+        t,
+    )
+    dprobs = part.sum(0).to(probs.dtype)
+    return dz, dprobs, act
+
+
+def grouped_wgrad(dy, x, split_sizes):
+    """dW[e] = dy_e^T @ x_e  ->  (E, N, K) via torch._grouped_mm (no host sync).
+
+    dy is (T, N), x is (T, K).  Experts with zero tokens get zeros."""
+    offs = torch.cumsum(_splits_i32(split_sizes, dy.device), 0, dtype=torch.int32)
+    try:
+        return torch._grouped_mm(dy.t(), x, offs=offs)
+    except RuntimeError:  # layouts this torch build's grouped_mm does not take
+        return torch._grouped_mm(dy.t().contiguous(), x.t().contiguous().t(), offs=offs)

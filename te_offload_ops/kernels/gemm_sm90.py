@@ -1,0 +1,518 @@
+"""Hopper (sm_90a) grouped GEMM kernels written with the CuTe DSL.
+
+Layout contract
+---------------
+* ``A`` is the token matrix ``(T, K)`` (row-major), tokens concatenated by
+  expert: expert ``e`` owns rows ``[off[e], off[e+1])`` with ``off`` the
+  exclusive cumulative sum of ``split_sizes`` (an int32 tensor on the GPU).
+* ``B`` holds one weight per expert, viewed by the kernel as ``(N, K, E)``:
+  K-major when it comes from a ``(E, N, K)`` tensor (``C_e = A_e @ B_e^T``)
+  and N-major when it comes from a ``(E, K, N)`` tensor (``C_e = A_e @ B_e``).
+* ``C`` is ``(T, N)`` row-major.
+
+Schedule: persistent and warp-specialized
+-----------------------------------------
+One CTA per SM (the host caps the grid at the SM count and at a bound of the
+tile count that needs no split sizes).  Each CTA reads the ``E`` split sizes
+on the GPU, counts the real tiles (``sum_e ceil(split_e / BM)`` m-blocks times
+the n-blocks) and walks tiles ``cta, cta + grid, ...``; the n-block index runs
+fastest, so the CTAs in flight share A rows and one expert's weights in L2.
+
+* warpgroup 0 is the producer: it gives up registers and its warp 0 issues
+  the TMA loads of A and B into a ``stages``-deep mbarrier pipeline.  It runs
+  ahead across tile boundaries, so the next tile's first k-tiles land while
+  the consumers are still in the previous tile's epilogue.
+* warpgroups 1 and 2 are the consumers: each owns 64 rows of the 128-row tile,
+  runs WGMMA over the pipeline and then the epilogue straight from its
+  accumulator registers to global memory (no shared-memory staging, so the
+  whole shared memory goes to pipeline stages).
+
+A tile may start in the middle of the token matrix (rows are not aligned to
+BM), so the A tile is read through a shifted TMA coordinate space; rows past
+the expert's end are read (they belong to the next expert or are zero-filled
+past ``T``) but never written: the epilogue predicates every store on
+``row < off[e+1]`` and ``col < N``.
+
+Epilogues
+---------
+``plain``   C = acc
+``srelu``   Z = acc, ACT = relu(acc)^2 * prob[row]  (ACT from the fp32 acc)
+``dsrelu``  with dact = acc and z read from global memory:
+            DZ = dact * prob * 2 relu(z),  ACT = relu(z)^2 * prob,
+            PART[n_block, row] = sum over the tile's columns of
+            dact * relu(z)^2 (fp32, one writer per element: the host adds the
+            n-block partial sums, so dprobs is deterministic).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+EPILOGUES = ("plain", "srelu", "dsrelu")
+
+_WG = 128  # threads per warpgroup
+_THREADS = 3 * _WG  # producer warpgroup + two consumer warpgroups
+_PRODUCER_REGS = 40  # the TMA warp needs few registers ...
+_CONSUMER_REGS = 232  # ... so the accumulators get more (40*128 + 232*256 <= 64 Ki)
+_BK = 64
+_EPI_COLS = 64  # the epilogue stages the tile 64 columns at a time
+_EPI_ROW = _EPI_COLS + 8  # 16 bytes of padding per staged row: no bank conflicts on writes
+_EPI_BARRIER = 1  # named barrier of the 256 consumer threads (0 is __syncthreads)
+
+
+class GroupedGemmSm90:
+    """One compiled variant: (dtype, BM, BN, epilogue, N, K, E, B major)."""
+
+    def __init__(
+        self,
+        dtype,
+        n: int,
+        k: int,
+        num_experts: int,
+        *,
+        b_n_major: bool,
+        epilogue: str = "plain",
+        tile_mn: tuple[int, int] = (128, 192),
+    ):
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"unknown epilogue {epilogue!r}")
+        bm, bn = tile_mn
+        if bm != 128:
+            raise ValueError("BM must be 128 (two 64-row consumer warpgroups)")
+        if bn % 64 != 0 or not 64 <= bn <= 256:
+            raise ValueError("BN must be 64, 128, 192 or 256")
+        if n % 8 or k % 8:
+            raise ValueError("N and K must be multiples of 8 (16-byte TMA rows)")
+        self.dtype = dtype
+        self.n, self.k, self.num_experts = n, k, num_experts
+        self.b_n_major = b_n_major
+        self.epilogue = epilogue
+        self.bm, self.bn, self.bk = bm, bn, _BK
+        self.k_tiles = (k + _BK - 1) // _BK
+        self.n_tiles = (n + bn - 1) // bn
+        elem = dtype.width // 8
+        stage_bytes = (bm + bn) * _BK * elem
+        # epilogue staging: one (BM, 64 + pad) chunk per output tensor
+        self.n_out = 1 if epilogue == "plain" else 2
+        self.epi_elems = bm * _EPI_ROW
+        budget = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 2048
+        budget -= self.n_out * self.epi_elems * elem
+        self.stages = max(2, min(8, budget // stage_bytes))
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        p_a: cute.Pointer,
+        p_b: cute.Pointer,
+        p_c: cute.Pointer,
+        p_split: cute.Pointer,
+        p_prob: cute.Pointer,
+        p_z: cute.Pointer,
+        p_act: cute.Pointer,
+        p_part: cute.Pointer,
+        num_tokens: cutlass.Int32,
+        num_ctas: cutlass.Int32,
+        stream,
+    ):
+        n, k, e = self.n, self.k, self.num_experts
+        bm, bn, bk = self.bm, self.bn, self.bk
+        m_a = cute.make_tensor(p_a, cute.make_layout((num_tokens, k), stride=(k, 1)))
+        if cutlass.const_expr(self.b_n_major):
+            m_b = cute.make_tensor(p_b, cute.make_layout((n, k, e), stride=(1, n, n * k)))
+        else:
+            m_b = cute.make_tensor(p_b, cute.make_layout((n, k, e), stride=(k, 1, n * k)))
+        m_c = cute.make_tensor(p_c, cute.make_layout((num_tokens, n), stride=(n, 1)))
+        m_split = cute.make_tensor(p_split, cute.make_layout((e,)))
+        m_prob = cute.make_tensor(p_prob, cute.make_layout((num_tokens,)))
+        m_z = cute.make_tensor(p_z, cute.make_layout((num_tokens, n), stride=(n, 1)))
+        m_act = cute.make_tensor(p_act, cute.make_layout((num_tokens, n), stride=(n, 1)))
+        m_part = cute.make_tensor(
+            p_part, cute.make_layout((num_tokens, self.n_tiles), stride=(1, num_tokens))
+        )
+
+        a_major = LayoutEnum.ROW_MAJOR
+        b_major = LayoutEnum.COL_MAJOR if self.b_n_major else LayoutEnum.ROW_MAJOR
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            a_major.sm90_mma_major_mode(),
+            b_major.sm90_mma_major_mode(),
+            cutlass.Float32,
+            (2, 1, 1),
+            tiler_mn=(64, bn),
+        )
+        tile_mnk = (bm, bn, bk)
+        sa_layout = sm90_utils.make_smem_layout_a(a_major, tile_mnk, self.dtype, self.stages)
+        sb_layout = sm90_utils.make_smem_layout_b(b_major, tile_mnk, self.dtype, self.stages)
+        tma_a, g_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(),
+            m_a,
+            cute.slice_(sa_layout, (None, None, 0)),
+            (bm, bk),
+        )
+        tma_b, g_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(),
+            m_b,
+            cute.slice_(sb_layout, (None, None, 0)),
+            (bn, bk),
+        )
+
+        @cute.struct
+        class Smem:
+            bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sa: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sa_layout)], 1024
+            ]
+            sb: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sb_layout)], 1024
+            ]
+            epi: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, self.n_out * self.epi_elems], 128
+            ]
+
+        self.smem_struct = Smem
+        self.kernel(
+            tma_a, g_a, tma_b, g_b, m_c, m_split, m_prob, m_z, m_act, m_part,
+            tiled_mma, sa_layout, sb_layout,
+        ).launch(
+            grid=[num_ctas, 1, 1], block=[_THREADS, 1, 1], min_blocks_per_mp=1, stream=stream
+        )
+
+    # ---------------------------------------------------------------- device
+    @cute.jit
+    def _locate(self, m_split, m_blk):
+        """(expert, first row, end row) of m-block ``m_blk``; split sizes read on the GPU."""
+        bm = self.bm
+        expert = cutlass.Int32(0)
+        row0 = cutlass.Int32(0)
+        row_end = cutlass.Int32(0)
+        tiles_before = cutlass.Int32(0)
+        rows_before = cutlass.Int32(0)
+        for ei in cutlass.range_constexpr(self.num_experts):
+            cnt = m_split[ei]
+            ntile = (cnt + bm - 1) // bm
+            local = m_blk - tiles_before
+            if local >= 0:
+                if local < ntile:
+                    expert = cutlass.Int32(ei)
+                    row0 = rows_before + local * bm
+                    row_end = rows_before + cnt
+            tiles_before = tiles_before + ntile
+            rows_before = rows_before + cnt
+        return expert, row0, row_end
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        g_a: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        g_b: cute.Tensor,
+        m_c: cute.Tensor,
+        m_split: cute.Tensor,
+        m_prob: cute.Tensor,
+        m_z: cute.Tensor,
+        m_act: cute.Tensor,
+        m_part: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        sa_layout: cute.ComposedLayout,
+        sb_layout: cute.ComposedLayout,
+    ):
+        bm, bn, bk = self.bm, self.bn, self.bk
+        dtype = self.dtype
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = cute.arch.make_warp_uniform(tidx // _WG)
+
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+
+        # real work: sum_e ceil(split_e / BM) m-blocks, each with n_tiles n-blocks
+        m_total = cutlass.Int32(0)
+        for ei in cutlass.range_constexpr(self.num_experts):
+            m_total = m_total + (m_split[ei] + bm - 1) // bm
+        n_work = m_total * self.n_tiles
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.smem_struct)
+        sa = st.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
+        sb = st.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
+        stage_bytes = cute.size_in_bytes(
+            dtype, cute.slice_(sa_layout, (None, None, 0))
+        ) + cute.size_in_bytes(dtype, cute.slice_(sb_layout, (None, None, 0)))
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bars.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # one arrive per consumer warp (lane 0 signals)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * _WG // 32),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            if warp == 0:
+                self._produce(cta, num_ctas, n_work, m_split, pipe, tma_a, g_a, tma_b, g_b, sa, sb)
+        else:
+            cute.arch.setmaxregister_increase(_CONSUMER_REGS)
+            self._consume(
+                tidx - _WG, wg - 1, cta, num_ctas, n_work, m_split, pipe, sa, sb, st,
+                tiled_mma, m_c, m_prob, m_z, m_act, m_part,
+            )
+
+    @cute.jit
+    def _produce(self, cta, num_ctas, n_work, m_split, pipe, tma_a, g_a, tma_b, g_b, sa, sb):
+        bm, bn, bk = self.bm, self.bn, self.bk
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        tile = cta
+        while tile < n_work:
+            m_blk = tile // self.n_tiles
+            n_blk = tile - m_blk * self.n_tiles
+            expert, row0, _ = self._locate(m_split, m_blk)
+            # A rows start at row0 (any row), B at this expert / n-block.
+            g_a_tile = cute.local_tile(cute.domain_offset((row0, 0), g_a), (bm, bk), (0, None))
+            g_b_tile = cute.local_tile(g_b[None, None, expert], (bn, bk), (n_blk, None))
+            t_sa, t_ga = cpasync.tma_partition(
+                tma_a, 0, cute.make_layout(1),
+                cute.group_modes(sa, 0, 2), cute.group_modes(g_a_tile, 0, 2),
+            )
+            t_sb, t_gb = cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1),
+                cute.group_modes(sb, 0, 2), cute.group_modes(g_b_tile, 0, 2),
+            )
+            for kt in cutlass.range(self.k_tiles, unroll=1):
+                pipe.producer_acquire(prod)
+                bar = pipe.producer_get_barrier(prod)
+                cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar)
+                cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar)
+                pipe.producer_commit(prod)
+                prod.advance()
+            tile = tile + num_ctas
+        pipe.producer_tail(prod)
+
+    @cute.jit
+    def _consume(
+        self, ctid, cwg, cta, num_ctas, n_work, m_split, pipe, sa, sb, st,
+        tiled_mma, m_c, m_prob, m_z, m_act, m_part,
+    ):
+        bm, bn = self.bm, self.bn
+        dtype = self.dtype
+        # A/B operands are smem descriptors shared by a whole warpgroup: slice
+        # by warpgroup.  Accumulator elements differ per thread: the epilogue
+        # partitions C with the slice of this very thread.
+        wg_mma = tiled_mma.get_slice(cute.make_layout(2, stride=_WG)(cwg))
+        frag_a = tiled_mma.make_fragment_A(wg_mma.partition_A(sa))
+        frag_b = tiled_mma.make_fragment_B(wg_mma.partition_B(sb))
+        thr_mma = tiled_mma.get_slice(ctid)
+        c_id = thr_mma.partition_C(cute.make_identity_tensor((bm, bn)))
+        acc = cute.make_rmem_tensor(c_id.shape, cutlass.Float32)
+        num_kb = cute.size(frag_a, mode=[2])
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        # epilogue inputs (prob per row, z), loaded before the mainloop so
+        # their latency hides under it
+        n_rows = cute.size(acc.shape[0][1]) * cute.size(acc.shape[1])
+        prob_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        z_r = cute.make_rmem_tensor(c_id.shape, dtype)
+
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        tile = cta
+        while tile < n_work:
+            m_blk = tile // self.n_tiles
+            n_blk = tile - m_blk * self.n_tiles
+            _, row0, row_end = self._locate(m_split, m_blk)
+            rows_here = row_end - row0
+            cols_here = self.n - n_blk * bn
+            if cutlass.const_expr(self.epilogue != "plain"):
+                self._load_epilogue_inputs(
+                    c_id, row0, rows_here, cols_here, n_blk, prob_r, z_r, m_prob, m_z, thr_mma
+                )
+
+            acc.fill(0.0)
+            for kt in cutlass.range(self.k_tiles, unroll=1):
+                pipe.consumer_wait(cons)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(num_kb):
+                    cute.gemm(
+                        tiled_mma, acc,
+                        frag_a[None, None, kb, cons.index],
+                        frag_b[None, None, kb, cons.index],
+                        acc,
+                    )
+                warpgroup.commit_group()
+                # keep one wgmma batch in flight; the stage before it is read
+                warpgroup.wait_group(1)
+                if kt > 0:
+                    pipe.consumer_release(rel)
+                    rel.advance()
+                cons.advance()
+            warpgroup.wait_group(0)
+            pipe.consumer_release(rel)
+            rel.advance()
+
+            self._epilogue(ctid, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r, thr_mma,
+                           c_id, st, m_c, m_act, m_part)
+            tile = tile + num_ctas
+
+    @cute.jit
+    def _load_epilogue_inputs(self, c_id, row0, rows_here, cols_here, n_blk, prob_r, z_r,
+                              m_prob, m_z, thr_mma):
+        shp = c_id.shape
+        n_half = cute.size(shp[0][1])
+        for mm in cutlass.range_constexpr(cute.size(shp[1])):
+            for h in cutlass.range_constexpr(n_half):
+                row = c_id[(0, h, 0), mm, 0][0]
+                prob_r[mm * n_half + h] = cutlass.Float32(0.0)
+                if row < rows_here:
+                    prob_r[mm * n_half + h] = m_prob[row0 + row].to(cutlass.Float32)
+        if cutlass.const_expr(self.epilogue == "dsrelu"):
+            g_z = thr_mma.partition_C(
+                cute.local_tile(cute.domain_offset((row0, 0), m_z), (self.bm, self.bn), (0, n_blk))
+            )
+            z_r.fill(0.0)
+            for mm in cutlass.range_constexpr(cute.size(shp[1])):
+                for h in cutlass.range_constexpr(n_half):
+                    row = c_id[(0, h, 0), mm, 0][0]
+                    for nn in cutlass.range_constexpr(cute.size(shp[2])):
+                        for g in cutlass.range_constexpr(cute.size(shp[0][2])):
+                            if row < rows_here:
+                                if c_id[(0, h, g), mm, nn][1] < cols_here:
+                                    pair = (None, h, g), mm, nn
+                                    cute.autovec_copy(g_z[pair], z_r[pair])
+
+    @cute.jit
+    def _epilogue(self, ctid, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r, thr_mma,
+                  c_id, st, m_c, m_act, m_part):
+        """Accumulators -> shared memory -> global memory, 64 columns at a time.
+
+        Hopper 64xN warpgroup accumulators hold, per thread, elements
+        ((column pair, row half, column group of 8), m, n); the four lanes of
+        a quad share their rows, so a per-thread sum over the column modes plus
+        a 4-lane butterfly gives a row total (the dprobs partials).  The staged
+        chunk leaves shared memory as 16-byte vectors, 8 threads per 128-byte
+        row segment, each predicated on ``row < rows_here`` and ``col < N``.
+        """
+        bm, bn = self.bm, self.bn
+        dtype = self.dtype
+        n_chunks = bn // _EPI_COLS
+        # (BM, (64, chunks)) views with stride 0 over the chunk index: column c
+        # of the tile lands in staged column c % 64
+        stage_layout = cute.make_layout((bm, (_EPI_COLS, n_chunks)), stride=(_EPI_ROW, (1, 0)))
+        chunk_layout = cute.make_layout((bm, _EPI_COLS), stride=(_EPI_ROW, 1))
+        base = st.epi.data_ptr()
+        s_out0 = cute.make_tensor(base, stage_layout)
+        c_s0 = thr_mma.partition_C(s_out0)
+        s_chunk0 = cute.make_tensor(base, chunk_layout)
+        if cutlass.const_expr(self.n_out == 2):
+            s_out1 = cute.make_tensor(base + self.epi_elems, stage_layout)
+            c_s1 = thr_mma.partition_C(s_out1)
+            s_chunk1 = cute.make_tensor(base + self.epi_elems, chunk_layout)
+
+        vec = 128 // dtype.width
+        cp_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+        tiled_cp = cute.make_tiled_copy_tv(
+            cp_atom,
+            cute.make_layout((2 * _WG // (_EPI_COLS // vec), _EPI_COLS // vec),
+                             stride=(_EPI_COLS // vec, 1)),
+            cute.make_layout((1, vec)),
+        )
+        thr_cp = tiled_cp.get_slice(ctid)
+        cp_id = thr_cp.partition_S(cute.make_identity_tensor((bm, _EPI_COLS)))
+        cp_s0 = thr_cp.partition_S(s_chunk0)
+        if cutlass.const_expr(self.n_out == 2):
+            cp_s1 = thr_cp.partition_S(s_chunk1)
+        n_i = cute.size(cp_id, mode=[1])
+        n_j = cute.size(cp_id, mode=[2])
+
+        shp = acc.shape
+        n_pair = cute.size(shp[0][0])
+        n_half = cute.size(shp[0][1])
+        grp_per_chunk = _EPI_COLS // 8
+        row_sum = cute.make_rmem_tensor(cute.make_layout(cute.size(prob_r)), cutlass.Float32)
+        row_sum.fill(0.0)
+        for ch in cutlass.range_constexpr(n_chunks):
+            # 1) this chunk's accumulator elements -> shared memory
+            for mm in cutlass.range_constexpr(cute.size(shp[1])):
+                for h in cutlass.range_constexpr(n_half):
+                    p = prob_r[mm * n_half + h]
+                    s = row_sum[mm * n_half + h]
+                    for nn in cutlass.range_constexpr(cute.size(shp[2])):
+                        for g in cutlass.range_constexpr(ch * grp_per_chunk, (ch + 1) * grp_per_chunk):
+                            for pr in cutlass.range_constexpr(n_pair):
+                                crd = ((pr, h, g), mm, nn)
+                                d = acc[crd]
+                                if cutlass.const_expr(self.epilogue == "plain"):
+                                    c_s0[crd] = d.to(dtype)
+                                elif cutlass.const_expr(self.epilogue == "srelu"):
+                                    r = cute.arch.fmax(d, cutlass.Float32(0.0))
+                                    c_s0[crd] = d.to(dtype)
+                                    c_s1[crd] = (r * r * p).to(dtype)
+                                else:
+                                    r = cute.arch.fmax(z_r[crd].to(cutlass.Float32), cutlass.Float32(0.0))
+                                    rr = r * r
+                                    c_s0[crd] = (d * p * (r + r)).to(dtype)
+                                    c_s1[crd] = (rr * p).to(dtype)
+                                    s = s + d * rr
+                    row_sum[mm * n_half + h] = s
+            cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=2 * _WG)
+            # 2) shared memory -> global memory, coalesced, predicated
+            col0 = n_blk * bn + ch * _EPI_COLS
+            cp_g0 = thr_cp.partition_D(self._chunk(m_c, row0, col0))
+            if cutlass.const_expr(self.n_out == 2):
+                cp_g1 = thr_cp.partition_D(self._chunk(m_act, row0, col0))
+            for i in cutlass.range_constexpr(n_i):
+                for j in cutlass.range_constexpr(n_j):
+                    crd = cp_id[0, i, j]
+                    if crd[0] < rows_here:
+                        if crd[1] + ch * _EPI_COLS < cols_here:
+                            cute.autovec_copy(cp_s0[None, i, j], cp_g0[None, i, j])
+                            if cutlass.const_expr(self.n_out == 2):
+                                cute.autovec_copy(cp_s1[None, i, j], cp_g1[None, i, j])
+            cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=2 * _WG)
+
+        if cutlass.const_expr(self.epilogue == "dsrelu"):
+            for mm in cutlass.range_constexpr(cute.size(shp[1])):
+                for h in cutlass.range_constexpr(n_half):
+                    s = row_sum[mm * n_half + h]
+                    # every lane takes part in the shuffles, valid row or not
+                    s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
+                    s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
+                    row = c_id[(0, h, 0), mm, 0][0]
+                    if ctid % 4 == 0:
+                        if row < rows_here:
+                            m_part[row0 + row, n_blk] = s
+
+    @cute.jit
+    def _chunk(self, t, row0, col0):
+        """(BM, 64) global tile at (row0, col0), its pointer marked 16-byte aligned.
+
+        It is: rows are N elements apart with N % 8 == 0, and col0 % 64 == 0.
+        Without the mark the copies fall back to 2-byte stores."""
+        ptr = (t.iterator + (row0 * self.n + col0)).align(16)
+        return cute.make_tensor(ptr, cute.make_layout((self.bm, _EPI_COLS), stride=(self.n, 1)))
+
+
+def smem_bytes_estimate(kernel: GroupedGemmSm90) -> int:
+    elem = kernel.dtype.width // 8
+    return kernel.stages * (kernel.bm + kernel.bn) * kernel.bk * elem + 16 * kernel.stages
+
+
+def flops(num_tokens: int, n: int, k: int) -> float:
+    return 2.0 * num_tokens * n * k
+
+
+__all__ = ["GroupedGemmSm90", "EPILOGUES", "smem_bytes_estimate", "flops"]

@@ -1,0 +1,156 @@
+"""GPU correctness of the Hopper grouped GEMM kernels against fp32 torch references."""
+
+import importlib.util
+
+import pytest
+import torch
+
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [
+    pytest.mark.skipif(
+        not _HOPPER, reason="needs a CUDA device of compute capability 9.0 (Hopper, sm_90a)"
+    )
+]
+if importlib.util.find_spec("pytest_timeout") is not None:
+    # a hung kernel (mbarrier deadlock) blocks inside a CUDA call: only the
+    # thread method can report it (it dumps the stacks and ends the run)
+    pytestmark.append(pytest.mark.timeout(240, method="thread"))
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+# (split sizes, N, K): uneven splits, a zero-token expert, a lone partial tile,
+# small and large N/K (N not a multiple of the tile, K not a multiple of 64).
+SHAPES = [
+    ([37, 0, 300, 129], 64, 64),
+    ([128, 1, 0, 255, 513], 200, 136),
+    ([0, 0, 70, 0], 1856, 2688),
+    ([700, 300, 0, 1100], 2688, 1856),
+]
+
+
+def _offsets(splits):
+    off = [0]
+    for s in splits:
+        off.append(off[-1] + s)
+    return off
+
+
+def _inputs(splits, n, k, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t, e = sum(splits), len(splits)
+    x = torch.randn(t, k, device="cuda", dtype=torch.float32, generator=g).to(dtype)
+    w = (torch.randn(e, n, k, device="cuda", dtype=torch.float32, generator=g) / k**0.5).to(dtype)
+    s = torch.tensor(splits, device="cuda", dtype=torch.int64)
+    return x, w, s
+
+
+def _ref_mm(x, w, splits, trans_b):
+    off = _offsets(splits)
+    n = w.shape[2] if trans_b else w.shape[1]
+    out = torch.zeros(x.shape[0], n, device=x.device, dtype=torch.float32)
+    for e in range(len(splits)):
+        xe = x[off[e] : off[e + 1]].float()
+        we = w[e].float()
+        out[off[e] : off[e + 1]] = xe @ (we if trans_b else we.t())
+    return out
+
+
+def _close(got, ref, dtype, scale=1.0):
+    tol = (2e-2 if dtype == torch.bfloat16 else 5e-3) * scale
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits,n,k", SHAPES)
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_grouped_gemm(dtype, splits, n, k, trans_b):
+    from te_offload_ops.kernels import grouped_gemm
+
+    x, w, s = _inputs(splits, n, k, dtype)
+    if trans_b:
+        w = w.transpose(1, 2).contiguous()  # (E, K, N)
+    c = grouped_gemm(x, w, s, trans_b=trans_b)
+    assert c.shape == (sum(splits), n) and c.dtype == dtype
+    _close(c, _ref_mm(x, w, splits, trans_b), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits,n,k", SHAPES)
+def test_srelu_fwd(dtype, splits, n, k):
+    from te_offload_ops.kernels import grouped_gemm_srelu_fwd
+
+    x, w, s = _inputs(splits, n, k, dtype, seed=1)
+    probs = torch.rand(x.shape[0], device="cuda").to(dtype)
+    act, z = grouped_gemm_srelu_fwd(x, w, s, probs)
+    z_ref = _ref_mm(x, w, splits, False)
+    act_ref = torch.relu(z_ref) ** 2 * probs.float()[:, None]
+    _close(z, z_ref, dtype)
+    _close(act, act_ref, dtype, scale=2.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits,n,k", SHAPES)
+def test_dsrelu_bwd(dtype, splits, n, k):
+    from te_offload_ops.kernels import grouped_gemm_dsrelu_bwd
+
+    # fc2 backward: dy (T, H=K), w2 (E, H=K, F=N), z (T, F=N)
+    dy, w2t, s = _inputs(splits, n, k, dtype, seed=2)
+    w2 = w2t.transpose(1, 2).contiguous()  # (E, K, N)
+    t = dy.shape[0]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    z = torch.randn(t, n, device="cuda", generator=g).to(dtype)
+    probs = torch.rand(t, device="cuda", generator=g).to(dtype)
+    dz, dprobs, act = grouped_gemm_dsrelu_bwd(dy, w2, s, z, probs)
+
+    dact = _ref_mm(dy, w2, splits, True)
+    r = torch.relu(z.float())
+    p = probs.float()[:, None]
+    _close(dz, dact * p * 2 * r, dtype, scale=2.0)
+    _close(act, r * r * p, dtype)
+    dprobs_ref = (dact * r * r).sum(1)
+    # a sum over N terms: scale the tolerance with the row magnitude
+    mag = (dact.abs() * r * r).sum(1)
+    err = (dprobs.float() - dprobs_ref).abs()
+    bound = 2e-2 * mag + 2e-2 * dprobs_ref.abs() + 1e-3
+    assert dprobs.shape == (t,) and dprobs.dtype == dtype
+    assert bool((err <= bound).all()), f"max dprobs error {err.max().item()}"
+
+
+def test_no_host_sync_and_deterministic():
+    """The entry points must not synchronise on split sizes, and dprobs must
+    reproduce bit for bit."""
+    from te_offload_ops.kernels import grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd
+
+    splits, n, k = [300, 0, 517, 131], 192, 256
+    x, w, s = _inputs(splits, n, k, torch.bfloat16, seed=4)
+    probs = torch.rand(x.shape[0], device="cuda").to(torch.bfloat16)
+    grouped_gemm_srelu_fwd(x, w, s, probs)  # compile outside the sync check
+    w2 = w.transpose(1, 2).contiguous()
+    z = torch.randn(x.shape[0], n, device="cuda").to(torch.bfloat16)
+    dy = torch.randn(x.shape[0], k, device="cuda").to(torch.bfloat16)
+    grouped_gemm_dsrelu_bwd(dy, w2, s, z, probs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_gemm_srelu_fwd(x, w, s, probs)
+        out1 = grouped_gemm_dsrelu_bwd(dy, w2, s, z, probs)
+        out2 = grouped_gemm_dsrelu_bwd(dy, w2, s, z, probs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(out1, out2):
+        assert torch.equal(a, b)
+
+
+def test_wgrad_grouped_mm():
+    from te_offload_ops.kernels import grouped_wgrad
+
+    splits, n, k = [64, 0, 200, 136], 128, 192
+    x, _, s = _inputs(splits, 1, k, torch.bfloat16, seed=5)
+    dy = torch.randn(x.shape[0], n, device="cuda").to(torch.bfloat16)
+    dw = grouped_wgrad(dy, x, s)
+    off = _offsets(splits)
+    ref = torch.stack(
+        [dy[off[e] : off[e + 1]].float().t() @ x[off[e] : off[e + 1]].float() for e in range(4)]
+    )
+    assert dw.shape == (4, n, k)
+    torch.testing.assert_close(dw.float(), ref, atol=5e-2, rtol=2e-2)
