@@ -38,6 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--ffn", "-F", type=int, default=1856)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--profile", action="store_true", help="also record GPU time per kernel of our fwd+bwd")
     p.add_argument("--max-tokens", type=int, default=64 * 1024, help="sweep: skip configs with more tokens in all")
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args(argv)
@@ -59,7 +60,9 @@ def configs(args):
     return out
 
 
-def median_ms(fn, iters: int) -> float:
+def median_ms(fn, iters: int, inner: int = 5) -> float:
+    """Median over `iters` samples of the CUDA-event time per call, each sample timing `inner`
+    back-to-back calls so that the host runs ahead and launch gaps do not count as GPU time."""
     import torch
 
     fn()
@@ -67,14 +70,40 @@ def median_ms(fn, iters: int) -> float:
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(inner):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / inner)
     return statistics.median(times)
 
 
-def measure(E, tokens, H, F, dtype, iters) -> dict:
+def profile_kernels(fn, steps: int = 5, top: int = 12) -> list[dict]:
+    """GPU time per kernel per call of fn (averaged over `steps` calls), longest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if dev_us > 0:
+            rows.append({"kernel": ev.key[:90], "calls_per_step": ev.count / steps, "us_per_step": dev_us / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top] if top else rows
+
+
+def gpu_busy_ms(fn) -> float:
+    """Sum of kernel times per call of fn: the step time if the host never made the GPU wait."""
+    return sum(r["us_per_step"] for r in profile_kernels(fn, top=0)) / 1e3
+
+
+def measure(E, tokens, H, F, dtype, iters, profile=False) -> dict:
     import torch
     import transformer_engine.pytorch as te
 
@@ -97,6 +126,10 @@ def measure(E, tokens, H, F, dtype, iters) -> dict:
             mlp(x, splits, probs, splits)
 
     def fwd_bwd(mlp):
+        # a training step starts from empty grads (zero_grad(set_to_none=True)); otherwise each
+        # repetition would also time adding into x.grad, probs.grad and every weight's grad
+        for t in (x, probs, *mlp.parameters()):
+            t.grad = None
         mlp(x, splits, probs, splits).backward(dy)
 
     torch.cuda.synchronize()
@@ -134,6 +167,14 @@ def measure(E, tokens, H, F, dtype, iters) -> dict:
             "ours_tflops": n_gemm * flop / ms_ours / 1e9, "te_tflops": n_gemm * flop / ms_te / 1e9,
             "bmm_tflops": n_gemm * flop / ms_bmm / 1e9, "speedup_vs_te": ms_te / ms_ours,
         }
+    # wall time above includes host overhead when the GPU outruns Python (small problems, the
+    # op fuser's per-call work); kernel time alone says how fast the GPU work itself is
+    b = row["fwd_bwd"]
+    b["ours_gpu_ms"], b["te_gpu_ms"] = gpu_busy_ms(lambda: fwd_bwd(ours)), gpu_busy_ms(lambda: fwd_bwd(stock))
+    b["ours_gpu_tflops"] = 6 * flop / b["ours_gpu_ms"] / 1e9
+    b["te_gpu_tflops"] = 6 * flop / b["te_gpu_ms"] / 1e9
+    if profile:
+        row["fused_fwd_bwd_kernels"] = profile_kernels(lambda: fwd_bwd(ours))
     del ours, stock, x, probs, dy, w1, w2, a
     torch.cuda.empty_cache()
     return row
@@ -141,12 +182,14 @@ def measure(E, tokens, H, F, dtype, iters) -> dict:
 
 def markdown(result) -> str:
     lines = [f"# Fused SReLU grouped MLP on {result['gpu']} ({result['date']})", "",
-             f"{result['dtype']}, uniform splits; median of {result['iters']} CUDA-event timings; "
+             f"{result['dtype']}, uniform splits; median of {result['iters']} CUDA-event timings of 5 back-to-back calls each; "
              "TFLOP/s = GEMM flops / time (2 GEMMs forward, 6 forward+backward). "
-             "`path` says whether our ops ran the fused kernels.", "",
+             "`path` says whether our ops ran the fused kernels. Kernel time = sum of the GPU kernels of one "
+             "fwd+bwd (torch profiler): what the step costs when the host keeps ahead, as in a deep model.", "",
              "| E | tok/expert | H | F | path | fwd ms ours / TE / bmm | fwd TFLOP/s ours / TE / bmm "
-             "| fwd+bwd ms ours / TE / bmm | fwd+bwd TFLOP/s ours / TE / bmm | vs TE | first call s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| fwd+bwd ms ours / TE / bmm | fwd+bwd TFLOP/s ours / TE / bmm | vs TE "
+             "| fwd+bwd kernel-time ms ours / TE | kernel-time TFLOP/s ours / TE | first call s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         f, b = r["fwd"], r["fwd_bwd"]
         lines.append(
@@ -155,7 +198,8 @@ def markdown(result) -> str:
             f"| {f['ours_tflops']:.0f} / {f['te_tflops']:.0f} / {f['bmm_tflops']:.0f} "
             f"| {b['ours_ms']:.3f} / {b['te_ms']:.3f} / {b['bmm_ms']:.3f} "
             f"| {b['ours_tflops']:.0f} / {b['te_tflops']:.0f} / {b['bmm_tflops']:.0f} "
-            f"| {b['speedup_vs_te']:.2f}x | {r['first_call_s']:.1f} |")
+            f"| {b['speedup_vs_te']:.2f}x | {b['ours_gpu_ms']:.3f} / {b['te_gpu_ms']:.3f} "
+            f"| {b['ours_gpu_tflops']:.0f} / {b['te_gpu_tflops']:.0f} | {r['first_call_s']:.1f} |")
     reasons = {"; ".join(r["fallback_reasons"]) for r in result["rows"] if r["fallback_reasons"]}
     if reasons:
         lines += ["", "Unfused because: " + " / ".join(sorted(reasons))]
@@ -177,12 +221,15 @@ def main(argv=None) -> int:
     rows = []
     print(f"fused SReLU grouped MLP on {gpu}: {len(plan)} configs", flush=True)
     for i, (E, tokens, H, F) in enumerate(plan, 1):
-        row = measure(E, tokens, H, F, dtype, args.iters)
+        row = measure(E, tokens, H, F, dtype, args.iters, profile=args.profile)
         rows.append(row)
         b = row["fwd_bwd"]
         print(f"[{i}/{len(plan)}] E={E} tok={tokens} H={H} F={F} {row['path']}: fwd+bwd {b['ours_ms']:.3f} ms "
-              f"({b['ours_tflops']:.0f} TFLOP/s) vs TE {b['te_ms']:.3f} ms, bmm roof {b['bmm_tflops']:.0f} TFLOP/s",
+              f"({b['ours_tflops']:.0f} TFLOP/s; kernels {b['ours_gpu_ms']:.3f} ms, {b['ours_gpu_tflops']:.0f} TFLOP/s) "
+              f"vs TE {b['te_ms']:.3f} ms (kernels {b['te_gpu_ms']:.3f} ms), bmm roof {b['bmm_tflops']:.0f} TFLOP/s",
               flush=True)
+        for k in row.get("fused_fwd_bwd_kernels", []):
+            print(f"    {k['us_per_step']:8.1f} us  x{k['calls_per_step']:<4g} {k['kernel']}", flush=True)
     result = {"benchmark": "fused_srelu_mlp", "gpu": gpu, "dtype": args.dtype, "iters": args.iters,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)

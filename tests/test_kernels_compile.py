@@ -85,6 +85,32 @@ def test_variant_compiles_for_sm90a(dtype, n, k, e, b_n_major, epilogue, monkeyp
     print(f"compile {epilogue} N={n} K={k} E={e} BN={bn}: {secs:.2f} s")
 
 
+@pytest.mark.parametrize("cluster_n", [1, 2])
+def test_cluster_pair_multicasts_a(cluster_n, monkeypatch, tmp_path):
+    from te_offload_ops.kernels import compile_variant
+
+    monkeypatch.chdir(tmp_path)
+    kern, compiled, _ = compile_variant(
+        torch.bfloat16, 1856, 256, 4, b_n_major=False, epilogue="srelu", options="--keep-ptx",
+        cluster_n=cluster_n,
+    )
+    ptx = str(compiled.artifacts.PTX)
+    assert kern.cluster_n == cluster_n
+    assert ("multicast::cluster" in ptx) == (cluster_n == 2)
+
+
+def test_cluster_needs_paired_n_blocks():
+    import cutlass
+
+    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
+
+    with pytest.raises(ValueError, match="cluster_n"):
+        GroupedGemmSm90(cutlass.BFloat16, 3 * 192, 64, 2, b_n_major=False, cluster_n=2)
+    assert api.pick_cluster(3 * 192, (128, 192)) == 1
+    assert api.pick_cluster(1856, (128, 192)) == 2
+
+
 def test_cache_reuses_compiled_kernel():
     from te_offload_ops.kernels import api
 

@@ -154,3 +154,21 @@ def test_wgrad_grouped_mm():
     )
     assert dw.shape == (4, n, k)
     torch.testing.assert_close(dw.float(), ref, atol=5e-2, rtol=2e-2)
+
+
+def test_cluster_pair_matches_single_cta(monkeypatch):
+    """The 2-CTA cluster only changes who loads A (multicast), not the math: bitwise equal."""
+    from te_offload_ops.kernels import api, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd
+
+    splits, n, k = [300, 0, 517, 131], 1856, 512  # 10 n-blocks: pairs up
+    assert api.pick_cluster(n, api.pick_tile(n)) == 2
+    x, w, s = _inputs(splits, n, k, torch.bfloat16, seed=6)
+    probs = torch.rand(x.shape[0], device="cuda").to(torch.bfloat16)
+    w2 = w.transpose(1, 2).contiguous()
+    z = torch.randn(x.shape[0], n, device="cuda").to(torch.bfloat16)
+    dy = torch.randn(x.shape[0], k, device="cuda").to(torch.bfloat16)
+    pair = grouped_gemm_srelu_fwd(x, w, s, probs) + grouped_gemm_dsrelu_bwd(dy, w2, s, z, probs)
+    monkeypatch.setenv(api.CLUSTER_ENV, "1")
+    single = grouped_gemm_srelu_fwd(x, w, s, probs) + grouped_gemm_dsrelu_bwd(dy, w2, s, z, probs)
+    for a, b in zip(pair, single):
+        assert torch.equal(a, b)

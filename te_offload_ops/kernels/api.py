@@ -3,7 +3,7 @@
 All entry points take plain torch tensors, allocate their outputs, never read
 ``split_sizes`` on the host (no device sync) and launch on the current CUDA
 stream.  Compiled kernels are cached per
-``(dtype, tile, epilogue, N, K, E, B major)``; the first call of a key compiles
+``(dtype, tile, cluster, epilogue, N, K, E, B major)``; the first call of a key compiles
 (see :func:`compile_times`).
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 
@@ -68,15 +69,27 @@ def pick_tile(n: int) -> tuple[int, int]:
     return (128, best[1])
 
 
+CLUSTER_ENV = "TEO_GEMM_CLUSTER_N"  # "1" turns off the 2-CTA A multicast (for comparisons)
+
+
+def pick_cluster(n: int, tile) -> int:
+    """2 (A multicast over a CTA pair) when the n-blocks pair up, else 1; TEO_GEMM_CLUSTER_N=1 forces 1."""
+    if os.environ.get(CLUSTER_ENV, "") == "1":
+        return 1
+    return 2 if (-(-n // tile[1])) % 2 == 0 else 1
+
+
 def _compile(
     dtype: torch.dtype, n: int, k: int, e: int, b_n_major: bool, epilogue: str, tile,
-    options: str | None = None,
+    options: str | None = None, cluster_n: int = 1,
 ):
     cutlass, cute, make_ptr, make_fake_stream = _cutlass()
     from .gemm_sm90 import GroupedGemmSm90
 
     dt = _cutlass_dtype(dtype)
-    kern = GroupedGemmSm90(dt, n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile_mn=tile)
+    kern = GroupedGemmSm90(
+        dt, n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile_mn=tile, cluster_n=cluster_n
+    )
     gmem = cute.AddressSpace.gmem
     fake = 1 << 20  # any aligned address: only the types matter at compile time
     args = [
@@ -97,25 +110,29 @@ def _compile(
     return kern, compiled, time.perf_counter() - t0
 
 
-def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=None):
+def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=None, cluster_n=None):
     """Compile one variant without caching; returns (kernel object, compiled, seconds).
 
     Works without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile
     tests); ``options`` is passed to ``cute.compile`` (e.g. ``"--keep-ptx"``)."""
     tile = tuple(tile) if tile is not None else pick_tile(n)
-    return _compile(dtype, n, k, e, bool(b_n_major), epilogue, tile, options)
+    cluster_n = cluster_n or pick_cluster(n, tile)
+    return _compile(dtype, n, k, e, bool(b_n_major), epilogue, tile, options, cluster_n)
 
 
 def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None):
     """Compiled kernel for one variant (compiles and caches on first use)."""
     tile = tuple(tile) if tile is not None else pick_tile(n)
-    key = (dtype, tile, epilogue, n, k, e, bool(b_n_major))
+    cluster_n = pick_cluster(n, tile)
+    key = (dtype, tile, cluster_n, epilogue, n, k, e, bool(b_n_major))
     hit = _CACHE.get(key)
     if hit is None:
         with _LOCK:
             hit = _CACHE.get(key)
             if hit is None:
-                kern, compiled, secs = _compile(dtype, n, k, e, bool(b_n_major), epilogue, tile)
+                kern, compiled, secs = _compile(
+                    dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n
+                )
                 _COMPILE_SECONDS[key] = secs
                 _log.info("compiled grouped GEMM %s in %.2f s", key, secs)
                 hit = _CACHE[key] = (kern, compiled)
@@ -164,7 +181,8 @@ def _launch(kern, compiled, tensors, num_tokens):
     # persistent grid: one CTA per SM at most, and no more CTAs than a bound
     # of the tile count that needs no split sizes on the host
     tile_bound = (-(-num_tokens // kern.bm) + kern.num_experts) * kern.n_tiles
-    num_ctas = min(_sm_count(tensors[0][0].device.index), tile_bound)
+    cn = kern.cluster_n
+    num_ctas = min(_sm_count(tensors[0][0].device.index) // cn * cn, tile_bound)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     compiled(*ptrs, cutlass.Int32(num_tokens), cutlass.Int32(num_ctas), stream)
 

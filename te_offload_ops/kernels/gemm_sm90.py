@@ -79,6 +79,7 @@ class GroupedGemmSm90:
         b_n_major: bool,
         epilogue: str = "plain",
         tile_mn: tuple[int, int] = (128, 192),
+        cluster_n: int = 1,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(f"unknown epilogue {epilogue!r}")
@@ -96,6 +97,12 @@ class GroupedGemmSm90:
         self.bm, self.bn, self.bk = bm, bn, _BK
         self.k_tiles = (k + _BK - 1) // _BK
         self.n_tiles = (n + bn - 1) // bn
+        # cluster_n == 2: two CTAs on adjacent n-blocks of one m-block share the
+        # A tile, each loading half of it and multicasting to both (half the A
+        # traffic out of L2)
+        if cluster_n not in (1, 2) or self.n_tiles % cluster_n:
+            raise ValueError(f"cluster_n must be 1, or 2 when the n-blocks ({self.n_tiles}) pair up")
+        self.cluster_n = cluster_n
         elem = dtype.width // 8
         stage_bytes = (bm + bn) * _BK * elem
         # epilogue staging: one (BM, 64 + pad) chunk per output tensor
@@ -152,10 +159,12 @@ class GroupedGemmSm90:
         sa_layout = sm90_utils.make_smem_layout_a(a_major, tile_mnk, self.dtype, self.stages)
         sb_layout = sm90_utils.make_smem_layout_b(b_major, tile_mnk, self.dtype, self.stages)
         tma_a, g_a = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(),
+            cpasync.CopyBulkTensorTileG2SMulticastOp()
+            if cutlass.const_expr(self.cluster_n > 1) else cpasync.CopyBulkTensorTileG2SOp(),
             m_a,
             cute.slice_(sa_layout, (None, None, 0)),
             (bm, bk),
+            num_multicast=self.cluster_n,
         )
         tma_b, g_b = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(),
@@ -182,10 +191,19 @@ class GroupedGemmSm90:
             tma_a, g_a, tma_b, g_b, m_c, m_split, m_prob, m_z, m_act, m_part,
             tiled_mma, sa_layout, sb_layout,
         ).launch(
-            grid=[num_ctas, 1, 1], block=[_THREADS, 1, 1], min_blocks_per_mp=1, stream=stream
+            grid=[num_ctas, 1, 1], block=[_THREADS, 1, 1], cluster=[self.cluster_n, 1, 1],
+            min_blocks_per_mp=1, stream=stream,
         )
 
     # ---------------------------------------------------------------- device
+    @cute.jit
+    def _tile_coords(self, group, rank):
+        """(m-block, n-block) of this CTA in tile group ``group``; n runs fastest."""
+        groups_per_m = self.n_tiles // self.cluster_n
+        m_blk = group // groups_per_m
+        n_blk = (group - m_blk * groups_per_m) * self.cluster_n + rank
+        return m_blk, n_blk
+
     @cute.jit
     def _locate(self, m_split, m_blk):
         """(expert, first row, end row) of m-block ``m_blk``; split sizes read on the GPU."""
@@ -232,6 +250,11 @@ class GroupedGemmSm90:
         num_ctas, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // _WG)
+        # CTAs walk the tiles as clusters: cluster c takes tile groups c, c + clusters, ...;
+        # a group is cluster_n adjacent n-blocks of one m-block, one per CTA rank
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster = cta // self.cluster_n
+        num_clusters = num_ctas // self.cluster_n
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
@@ -241,7 +264,8 @@ class GroupedGemmSm90:
         m_total = cutlass.Int32(0)
         for ei in cutlass.range_constexpr(self.num_experts):
             m_total = m_total + (m_split[ei] + bm - 1) // bm
-        n_work = m_total * self.n_tiles
+        n_work = m_total * (self.n_tiles // self.cluster_n)  # tile groups
+        cluster_mn = (1, self.cluster_n)
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_struct)
@@ -254,40 +278,47 @@ class GroupedGemmSm90:
             barrier_storage=st.bars.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # one arrive per consumer warp (lane 0 signals)
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * _WG // 32),
+            # one arrive per consumer warp of every CTA that writes into this one
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.cluster_n * 2 * _WG // 32
+            ),
             tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)),
             defer_sync=True,
         )
-        pipeline.pipeline_init_arrive()
-        pipeline.pipeline_init_wait()
+        # peers multicast into this CTA's buffers and arrive on its barriers:
+        # initialise all barriers of the cluster before anyone starts
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_mn, is_relaxed=True)
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_mn)
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp == 0:
-                self._produce(cta, num_ctas, n_work, m_split, pipe, tma_a, g_a, tma_b, g_b, sa, sb)
+                self._produce(
+                    rank, cluster, num_clusters, n_work, m_split, pipe, tma_a, g_a, tma_b, g_b, sa, sb
+                )
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self._consume(
-                tidx - _WG, wg - 1, cta, num_ctas, n_work, m_split, pipe, sa, sb, st,
+                tidx - _WG, wg - 1, rank, cluster, num_clusters, n_work, m_split, pipe, sa, sb, st,
                 tiled_mma, m_c, m_prob, m_z, m_act, m_part,
             )
 
     @cute.jit
-    def _produce(self, cta, num_ctas, n_work, m_split, pipe, tma_a, g_a, tma_b, g_b, sa, sb):
+    def _produce(self, rank, cluster, num_clusters, n_work, m_split, pipe, tma_a, g_a, tma_b, g_b,
+                 sa, sb):
         bm, bn, bk = self.bm, self.bn, self.bk
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        tile = cta
+        mcast = cutlass.Int16((1 << self.cluster_n) - 1)  # A goes to every CTA of the cluster
+        tile = cluster
         while tile < n_work:
-            m_blk = tile // self.n_tiles
-            n_blk = tile - m_blk * self.n_tiles
+            m_blk, n_blk = self._tile_coords(tile, rank)
             expert, row0, _ = self._locate(m_split, m_blk)
             # A rows start at row0 (any row), B at this expert / n-block.
             g_a_tile = cute.local_tile(cute.domain_offset((row0, 0), g_a), (bm, bk), (0, None))
             g_b_tile = cute.local_tile(g_b[None, None, expert], (bn, bk), (n_blk, None))
             t_sa, t_ga = cpasync.tma_partition(
-                tma_a, 0, cute.make_layout(1),
+                tma_a, rank, cute.make_layout(self.cluster_n),
                 cute.group_modes(sa, 0, 2), cute.group_modes(g_a_tile, 0, 2),
             )
             t_sb, t_gb = cpasync.tma_partition(
@@ -297,16 +328,21 @@ class GroupedGemmSm90:
             for kt in cutlass.range(self.k_tiles, unroll=1):
                 pipe.producer_acquire(prod)
                 bar = pipe.producer_get_barrier(prod)
-                cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar)
+                if cutlass.const_expr(self.cluster_n > 1):
+                    cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar,
+                              mcast_mask=mcast)
+                else:
+                    cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar)
                 cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar)
                 pipe.producer_commit(prod)
                 prod.advance()
-            tile = tile + num_ctas
+            tile = tile + num_clusters
+        # stay until every consumer of the cluster has released every stage
         pipe.producer_tail(prod)
 
     @cute.jit
     def _consume(
-        self, ctid, cwg, cta, num_ctas, n_work, m_split, pipe, sa, sb, st,
+        self, ctid, cwg, rank, cluster, num_clusters, n_work, m_split, pipe, sa, sb, st,
         tiled_mma, m_c, m_prob, m_z, m_act, m_part,
     ):
         bm, bn = self.bm, self.bn
@@ -330,10 +366,9 @@ class GroupedGemmSm90:
 
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        tile = cta
+        tile = cluster
         while tile < n_work:
-            m_blk = tile // self.n_tiles
-            n_blk = tile - m_blk * self.n_tiles
+            m_blk, n_blk = self._tile_coords(tile, rank)
             _, row0, row_end = self._locate(m_split, m_blk)
             rows_here = row_end - row0
             cols_here = self.n - n_blk * bn
@@ -366,7 +401,7 @@ class GroupedGemmSm90:
 
             self._epilogue(ctid, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r, thr_mma,
                            c_id, st, m_c, m_act, m_part)
-            tile = tile + num_ctas
+            tile = tile + num_clusters
 
     @cute.jit
     def _load_epilogue_inputs(self, c_id, row0, rows_here, cols_here, n_blk, prob_r, z_r,
