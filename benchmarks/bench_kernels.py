@@ -18,9 +18,13 @@ import argparse
 import faulthandler
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _time(fn, reps, inner, warmup=3):

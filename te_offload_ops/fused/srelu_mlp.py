@@ -41,11 +41,6 @@ def stacked_weight(op) -> torch.Tensor:
     return torch.stack([w.detach() for w in ws])
 
 
-def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """dW[e] = dy_e^T @ x_e for each expert's rows: (E, dy cols, x cols)."""
-    return torch._grouped_mm(dy.t(), x, offs=offsets)
-
-
 class FusedScaledSReLUMLP(FusedOperation):
     """Joint forward/backward fusion of te_offload_ops GroupedLinear, ScaledSReLU, GroupedLinear."""
 
@@ -140,11 +135,10 @@ class FusedScaledSReLUMLP(FusedOperation):
         x, split_sizes, *_ = ctx1.saved_tensors
         z, probs = ctx_act.saved_tensors
         dy = dy.contiguous()
-        offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32)
 
         dz, dprobs, act = kernels.grouped_gemm_dsrelu_bwd(dy, stacked_weight(fc2), split_sizes, z, probs)
-        dw2 = list(_grouped_wgrad(dy, act, offsets).unbind(0)) if fc2.weight0.requires_grad else [None] * E
+        dw2 = list(kernels.grouped_wgrad(dy, act, split_sizes).unbind(0)) if fc2.weight0.requires_grad else [None] * E
         del act
         dx = kernels.grouped_gemm(dz, stacked_weight(fc1), split_sizes, trans_b=True) if ctx1.input_requires_grad else None
-        dw1 = list(_grouped_wgrad(dz, x, offsets).unbind(0)) if fc1.weight0.requires_grad else [None] * E
+        dw1 = list(kernels.grouped_wgrad(dz, x, split_sizes).unbind(0)) if fc1.weight0.requires_grad else [None] * E
         return dx, [dw1, (), dw2], [(None,), (dprobs if ctx_act.probs_require_grad else None,), (None,)]

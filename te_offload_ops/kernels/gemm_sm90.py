@@ -358,11 +358,14 @@ class GroupedGemmSm90:
         acc = cute.make_rmem_tensor(c_id.shape, cutlass.Float32)
         num_kb = cute.size(frag_a, mode=[2])
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        # epilogue inputs (prob per row, z), loaded before the mainloop so
+        thr_cp = self._staging_copy().get_slice(ctid)
+        cp_id = thr_cp.partition_S(cute.make_identity_tensor((bm, _EPI_COLS)))
+        # epilogue inputs (prob per row; z as coalesced 16-byte vectors, one
+        # register tensor per 64-column chunk), loaded before the mainloop so
         # their latency hides under it
         n_rows = cute.size(acc.shape[0][1]) * cute.size(acc.shape[1])
         prob_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        z_r = cute.make_rmem_tensor(c_id.shape, dtype)
+        z_r = [cute.make_rmem_tensor(cp_id.shape, dtype) for _ in range(bn // _EPI_COLS)]
 
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -374,7 +377,7 @@ class GroupedGemmSm90:
             cols_here = self.n - n_blk * bn
             if cutlass.const_expr(self.epilogue != "plain"):
                 self._load_epilogue_inputs(
-                    c_id, row0, rows_here, cols_here, n_blk, prob_r, z_r, m_prob, m_z, thr_mma
+                    c_id, row0, rows_here, cols_here, n_blk, prob_r, z_r, m_prob, m_z, thr_cp, cp_id
                 )
 
             acc.fill(0.0)
@@ -400,12 +403,23 @@ class GroupedGemmSm90:
             rel.advance()
 
             self._epilogue(ctid, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r, thr_mma,
-                           c_id, st, m_c, m_act, m_part)
+                           c_id, thr_cp, cp_id, st, m_c, m_act, m_part)
             tile = tile + num_clusters
+
+    def _staging_copy(self):
+        """Tiled copy of a (BM, 64) chunk as 16-byte vectors: 8 threads per 128-byte row segment."""
+        vec = 128 // self.dtype.width
+        per_row = _EPI_COLS // vec
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        return cute.make_tiled_copy_tv(
+            atom,
+            cute.make_layout((2 * _WG // per_row, per_row), stride=(per_row, 1)),
+            cute.make_layout((1, vec)),
+        )
 
     @cute.jit
     def _load_epilogue_inputs(self, c_id, row0, rows_here, cols_here, n_blk, prob_r, z_r,
-                              m_prob, m_z, thr_mma):
+                              m_prob, m_z, thr_cp, cp_id):
         shp = c_id.shape
         n_half = cute.size(shp[0][1])
         for mm in cutlass.range_constexpr(cute.size(shp[1])):
@@ -415,23 +429,19 @@ class GroupedGemmSm90:
                 if row < rows_here:
                     prob_r[mm * n_half + h] = m_prob[row0 + row].to(cutlass.Float32)
         if cutlass.const_expr(self.epilogue == "dsrelu"):
-            g_z = thr_mma.partition_C(
-                cute.local_tile(cute.domain_offset((row0, 0), m_z), (self.bm, self.bn), (0, n_blk))
-            )
-            z_r.fill(0.0)
-            for mm in cutlass.range_constexpr(cute.size(shp[1])):
-                for h in cutlass.range_constexpr(n_half):
-                    row = c_id[(0, h, 0), mm, 0][0]
-                    for nn in cutlass.range_constexpr(cute.size(shp[2])):
-                        for g in cutlass.range_constexpr(cute.size(shp[0][2])):
-                            if row < rows_here:
-                                if c_id[(0, h, g), mm, nn][1] < cols_here:
-                                    pair = (None, h, g), mm, nn
-                                    cute.autovec_copy(g_z[pair], z_r[pair])
+            for ch in cutlass.range_constexpr(len(z_r)):
+                g_z = thr_cp.partition_S(self._chunk(m_z, row0, n_blk * self.bn + ch * _EPI_COLS))
+                z_r[ch].fill(0.0)
+                for i in cutlass.range_constexpr(cute.size(cp_id, mode=[1])):
+                    for j in cutlass.range_constexpr(cute.size(cp_id, mode=[2])):
+                        crd = cp_id[0, i, j]
+                        if crd[0] < rows_here:
+                            if crd[1] + ch * _EPI_COLS < cols_here:
+                                cute.autovec_copy(g_z[None, i, j], z_r[ch][None, i, j])
 
     @cute.jit
     def _epilogue(self, ctid, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r, thr_mma,
-                  c_id, st, m_c, m_act, m_part):
+                  c_id, thr_cp, cp_id, st, m_c, m_act, m_part):
         """Accumulators -> shared memory -> global memory, 64 columns at a time.
 
         Hopper 64xN warpgroup accumulators hold, per thread, elements
@@ -457,16 +467,6 @@ class GroupedGemmSm90:
             c_s1 = thr_mma.partition_C(s_out1)
             s_chunk1 = cute.make_tensor(base + self.epi_elems, chunk_layout)
 
-        vec = 128 // dtype.width
-        cp_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
-        tiled_cp = cute.make_tiled_copy_tv(
-            cp_atom,
-            cute.make_layout((2 * _WG // (_EPI_COLS // vec), _EPI_COLS // vec),
-                             stride=(_EPI_COLS // vec, 1)),
-            cute.make_layout((1, vec)),
-        )
-        thr_cp = tiled_cp.get_slice(ctid)
-        cp_id = thr_cp.partition_S(cute.make_identity_tensor((bm, _EPI_COLS)))
         cp_s0 = thr_cp.partition_S(s_chunk0)
         if cutlass.const_expr(self.n_out == 2):
             cp_s1 = thr_cp.partition_S(s_chunk1)
@@ -480,6 +480,13 @@ class GroupedGemmSm90:
         row_sum = cute.make_rmem_tensor(cute.make_layout(cute.size(prob_r)), cutlass.Float32)
         row_sum.fill(0.0)
         for ch in cutlass.range_constexpr(n_chunks):
+            if cutlass.const_expr(self.epilogue == "dsrelu"):
+                # z of this chunk -> the ACT staging buffer, read back below in
+                # the accumulator layout and overwritten in place with ACT
+                for i in cutlass.range_constexpr(n_i):
+                    for j in cutlass.range_constexpr(n_j):
+                        cute.autovec_copy(z_r[ch][None, i, j], cp_s1[None, i, j])
+                cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=2 * _WG)
             # 1) this chunk's accumulator elements -> shared memory
             for mm in cutlass.range_constexpr(cute.size(shp[1])):
                 for h in cutlass.range_constexpr(n_half):
@@ -497,7 +504,7 @@ class GroupedGemmSm90:
                                     c_s0[crd] = d.to(dtype)
                                     c_s1[crd] = (r * r * p).to(dtype)
                                 else:
-                                    r = cute.arch.fmax(z_r[crd].to(cutlass.Float32), cutlass.Float32(0.0))
+                                    r = cute.arch.fmax(c_s1[crd].to(cutlass.Float32), cutlass.Float32(0.0))
                                     rr = r * r
                                     c_s0[crd] = (d * p * (r + r)).to(dtype)
                                     c_s1[crd] = (rr * p).to(dtype)
