@@ -187,11 +187,22 @@ def _launch(kern, compiled, tensors, num_tokens):
     compiled(*ptrs, cutlass.Int32(num_tokens), cutlass.Int32(num_ctas), stream)
 
 
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def _check(a, b, split_sizes, b_n_major):
+    """Host-side checks only: the split sizes' sum is not checked (that would sync). Rows past
+    sum(split_sizes) are left unwritten; a sum past T never writes past T."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise TypeError("a and b must be torch tensors")
+    if not isinstance(split_sizes, torch.Tensor) or split_sizes.is_floating_point():
+        raise TypeError("split_sizes must be an integer torch tensor")
+    if not (a.is_cuda and b.is_cuda) or a.device != b.device:
+        raise ValueError(f"a and b must be on one CUDA device, got {a.device} and {b.device}")
+    if a.dtype not in _DTYPES or b.dtype != a.dtype:
+        raise TypeError(f"grouped GEMM takes bf16 or fp16 operands of one dtype, got {a.dtype} and {b.dtype}")
     if a.dim() != 2 or b.dim() != 3:
         raise ValueError("a must be (T, K) and b (E, N, K) / (E, K, N)")
-    if a.dtype != b.dtype:
-        raise TypeError("a and b must have the same dtype")
     e = b.shape[0]
     k = a.shape[1]
     kb = b.shape[2] if not b_n_major else b.shape[1]

@@ -367,12 +367,16 @@ class GroupedGemmSm90:
         prob_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
         z_r = [cute.make_rmem_tensor(cp_id.shape, dtype) for _ in range(bn // _EPI_COLS)]
 
+        num_tokens = cute.size(m_c, mode=[0])
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tile = cluster
         while tile < n_work:
             m_blk, n_blk = self._tile_coords(tile, rank)
             _, row0, row_end = self._locate(m_split, m_blk)
+            # split sizes summing past T must not write past T (no host check: it would sync)
+            if row_end > num_tokens:
+                row_end = num_tokens
             rows_here = row_end - row0
             cols_here = self.n - n_blk * bn
             if cutlass.const_expr(self.epilogue != "plain"):
@@ -548,13 +552,4 @@ class GroupedGemmSm90:
         return cute.make_tensor(ptr, cute.make_layout((self.bm, _EPI_COLS), stride=(self.n, 1)))
 
 
-def smem_bytes_estimate(kernel: GroupedGemmSm90) -> int:
-    elem = kernel.dtype.width // 8
-    return kernel.stages * (kernel.bm + kernel.bn) * kernel.bk * elem + 16 * kernel.stages
-
-
-def flops(num_tokens: int, n: int, k: int) -> float:
-    return 2.0 * num_tokens * n * k
-
-
-__all__ = ["GroupedGemmSm90", "EPILOGUES", "smem_bytes_estimate", "flops"]
+__all__ = ["GroupedGemmSm90", "EPILOGUES"]

@@ -1,0 +1,34 @@
+"""CPU: the kernel entry points reject bad input on the host, before compiling or launching."""
+
+import pytest
+import torch
+
+from te_offload_ops import kernels
+
+
+def _args(dtype=torch.bfloat16, device="cpu"):
+    a = torch.zeros(16, 32, dtype=dtype, device=device)
+    b = torch.zeros(2, 64, 32, dtype=dtype, device=device)
+    return a, b, torch.tensor([8, 8])
+
+
+def test_cpu_tensors_are_refused():
+    a, b, s = _args()
+    with pytest.raises(ValueError, match="CUDA"):
+        kernels.grouped_gemm(a, b, s)
+
+
+def test_bad_types_are_refused():
+    a, b, s = _args()
+    with pytest.raises(TypeError, match="split_sizes"):
+        kernels.grouped_gemm(a, b, [8, 8])
+    with pytest.raises(TypeError, match="torch tensors"):
+        kernels.grouped_gemm(object(), b, s)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to build CUDA tensors")
+def test_unsupported_dtype_is_refused():
+    a, b, s = _args(torch.float32, "cuda")
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        kernels.grouped_gemm(a, b, s)
+    assert kernels.compile_times() == {} or all(k[0] != torch.float32 for k in kernels.compile_times())
