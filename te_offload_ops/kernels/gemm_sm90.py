@@ -23,9 +23,11 @@ fastest, so the CTAs in flight share A rows and one expert's weights in L2.
   ahead across tile boundaries, so the next tile's first k-tiles land while
   the consumers are still in the previous tile's epilogue.
 * warpgroups 1 and 2 are the consumers: each owns 64 rows of the 128-row tile,
-  runs WGMMA over the pipeline and then the epilogue straight from its
-  accumulator registers to global memory (no shared-memory staging, so the
-  whole shared memory goes to pipeline stages).
+  runs WGMMA over the pipeline and then the epilogue, which stages the tile
+  through shared memory 64 columns at a time and stores 16-byte vectors.
+
+With ``cluster_n == 2`` two CTAs form a cluster on adjacent n-blocks of one
+m-block: each loads half of the shared A tile and multicasts it to both.
 
 A tile may start in the middle of the token matrix (rows are not aligned to
 BM), so the A tile is read through a shifted TMA coordinate space; rows past
