@@ -8,8 +8,11 @@ on (wgmma, TMA bulk tensor loads) rather than only "it did not raise".
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+# --keep-ptx writes a file; keep it out of the checkout
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="teo-ptx-"))
 
 import importlib.util  # noqa: E402
 
@@ -30,11 +33,9 @@ else:
 pytestmark = pytest.mark.skipif(not _HAVE_DSL, reason=_WHY if not _HAVE_DSL else "")
 
 
-def _ptx(dtype, n, k, e, b_n_major, epilogue, tile=None, monkeypatch=None, tmp_path=None):
+def _ptx(dtype, n, k, e, b_n_major, epilogue, tile=None):
     from te_offload_ops.kernels import compile_variant
 
-    if monkeypatch is not None:  # --keep-ptx also writes a file into the cwd
-        monkeypatch.chdir(tmp_path)
     kern, compiled, secs = compile_variant(
         dtype, n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile=tile, options="--keep-ptx"
     )
@@ -62,10 +63,10 @@ VARIANTS = [
     VARIANTS,
     ids=[f"{str(v[0])[6:]}-N{v[1]}-K{v[2]}-E{v[3]}-{'nmaj' if v[4] else 'kmaj'}-{v[5]}" for v in VARIANTS],
 )
-def test_variant_compiles_for_sm90a(dtype, n, k, e, b_n_major, epilogue, monkeypatch, tmp_path):
+def test_variant_compiles_for_sm90a(dtype, n, k, e, b_n_major, epilogue):
     from te_offload_ops.kernels import pick_tile
 
-    kern, ptx, secs = _ptx(dtype, n, k, e, b_n_major, epilogue, None, monkeypatch, tmp_path)
+    kern, ptx, secs = _ptx(dtype, n, k, e, b_n_major, epilogue)
     bn = pick_tile(n)[1]
     assert kern.bn == bn
     ab = "bf16" if dtype == torch.bfloat16 else "f16"
@@ -86,10 +87,9 @@ def test_variant_compiles_for_sm90a(dtype, n, k, e, b_n_major, epilogue, monkeyp
 
 
 @pytest.mark.parametrize("cluster_n", [1, 2])
-def test_cluster_pair_multicasts_a(cluster_n, monkeypatch, tmp_path):
+def test_cluster_pair_multicasts_a(cluster_n):
     from te_offload_ops.kernels import compile_variant
 
-    monkeypatch.chdir(tmp_path)
     kern, compiled, _ = compile_variant(
         torch.bfloat16, 1856, 256, 4, b_n_major=False, epilogue="srelu", options="--keep-ptx",
         cluster_n=cluster_n,
