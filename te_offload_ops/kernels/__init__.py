@@ -5,7 +5,6 @@ first kernel call (or by :func:`get_kernel`).
 """
 
 from .api import (
-    DEFAULT_TILE,
     clear_cache,
     compile_times,
     compile_variant,
@@ -19,7 +18,6 @@ from .api import (
 )
 
 __all__ = [
-    "DEFAULT_TILE",
     "clear_cache",
     "compile_times",
     "compile_variant",

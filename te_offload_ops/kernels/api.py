@@ -23,9 +23,6 @@ _CACHE: dict = {}
 _COMPILE_SECONDS: dict = {}
 _LOCK = threading.Lock()
 
-DEFAULT_TILE = (128, 192)
-
-
 def _cutlass():
     import cutlass
     import cutlass.cute as cute
@@ -304,7 +301,4 @@ def grouped_wgrad(dy, x, split_sizes):
 
     dy is (T, N), x is (T, K).  Experts with zero tokens get zeros."""
     offs = torch.cumsum(_splits_i32(split_sizes, dy.device), 0, dtype=torch.int32)
-    try:
-        return torch._grouped_mm(dy.t(), x, offs=offs)
-    except RuntimeError:  # layouts this torch build's grouped_mm does not take
-        return torch._grouped_mm(dy.t().contiguous(), x.t().contiguous().t(), offs=offs)
+    return torch._grouped_mm(dy.t(), x, offs=offs)
