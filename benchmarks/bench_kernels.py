@@ -5,7 +5,8 @@ Shape: E experts x tokens/expert, H (hidden) and F (ffn):
   fc2 fwd   act(T,F) @ W2_e^T    K=F, N=H
   fc2 dgrad dy(T,H) @ W2_e       K=H, N=F   (fused dSReLU epilogue)
   fc1 dgrad dz(T,F) @ W1_e       K=F, N=H
-  wgrads    dY_e^T @ X_e         via torch._grouped_mm vs bmm
+  wgrads    dY_e^T @ X_e         ours (CuTe, weight-gradient form) vs bmm and
+                                 torch._grouped_mm
 
 Each number is the median over `--reps` samples of CUDA-event time per call,
 each sample timing `--inner` back-to-back calls.  Prints a table and writes
@@ -102,6 +103,8 @@ def main():
         ("fc2_plain", lambda: K.grouped_gemm(act, w2, even, tile=tile)),
         ("fc2_dgrad_dsrelu", lambda: K.grouped_gemm_dsrelu_bwd(dy, w2, even, z, probs, tile=tile)),
         ("fc1_dgrad", lambda: K.grouped_gemm(dz, w1, even, trans_b=True, tile=tile)),
+        ("fc2_wgrad", lambda: K.grouped_wgrad(dy, act, even, backend="cute")),
+        ("fc1_wgrad", lambda: K.grouped_wgrad(dz, x, even, backend="cute")),
     ]:
         faulthandler.dump_traceback_later(args.watchdog, exit=True)
         t0 = time.perf_counter()
@@ -143,12 +146,21 @@ def main():
          lambda: torch._grouped_mm(dz, w1, offs=offs)),
         ("fc1 dgrad uneven", f, h,
          lambda: K.grouped_gemm(dz, w1, uneven, trans_b=True, tile=tile), None, None),
-        ("fc2 wgrad dy^T act", None, None,
-         lambda: K.grouped_wgrad(dy, act, even),
-         lambda: torch.bmm(dyb.transpose(1, 2), actb), None),
-        ("fc1 wgrad dz^T x", None, None,
-         lambda: K.grouped_wgrad(dz, x, even),
-         lambda: torch.bmm(dzb.transpose(1, 2), xb), None),
+        # wgrads: "gmm" is the torch backend of grouped_wgrad (torch._grouped_mm)
+        ("fc2 wgrad dy^T act", None, f,
+         lambda: K.grouped_wgrad(dy, act, even, backend="cute"),
+         lambda: torch.bmm(dyb.transpose(1, 2), actb),
+         lambda: K.grouped_wgrad(dy, act, even, backend="torch")),
+        ("fc2 wgrad uneven", None, f,
+         lambda: K.grouped_wgrad(dy, act, uneven, backend="cute"), None,
+         lambda: K.grouped_wgrad(dy, act, uneven, backend="torch")),
+        ("fc1 wgrad dz^T x", None, h,
+         lambda: K.grouped_wgrad(dz, x, even, backend="cute"),
+         lambda: torch.bmm(dzb.transpose(1, 2), xb),
+         lambda: K.grouped_wgrad(dz, x, even, backend="torch")),
+        ("fc1 wgrad uneven", None, h,
+         lambda: K.grouped_wgrad(dz, x, uneven, backend="cute"), None,
+         lambda: K.grouped_wgrad(dz, x, uneven, backend="torch")),
     ]
 
     rows = []

@@ -32,3 +32,24 @@ def test_unsupported_dtype_is_refused():
     with pytest.raises(TypeError, match="bf16 or fp16"):
         kernels.grouped_gemm(a, b, s)
     assert kernels.compile_times() == {} or all(k[0] != torch.float32 for k in kernels.compile_times())
+
+
+def test_wgrad_refuses_bad_input_on_the_host():
+    dy, x, s = torch.zeros(16, 64), torch.zeros(16, 32), torch.tensor([8, 8])
+    with pytest.raises(ValueError, match="CUDA"):
+        kernels.grouped_wgrad(dy.bfloat16(), x.bfloat16(), s)
+    with pytest.raises(TypeError, match="split_sizes"):
+        kernels.grouped_wgrad(dy, x, [8, 8])
+    with pytest.raises(TypeError, match="torch tensors"):
+        kernels.grouped_wgrad(dy.numpy(), x, s)
+
+
+def test_wgrad_backend_choice(monkeypatch):
+    monkeypatch.delenv(kernels.api.WGRAD_BACKEND_ENV, raising=False)
+    assert kernels.wgrad_backend() == kernels.api.DEFAULT_WGRAD_BACKEND
+    assert kernels.wgrad_backend("torch") == "torch"
+    monkeypatch.setenv(kernels.api.WGRAD_BACKEND_ENV, "torch")
+    assert kernels.wgrad_backend() == "torch"
+    assert kernels.wgrad_backend("cute") == "cute"  # the argument wins
+    with pytest.raises(ValueError, match="wgrad backend"):
+        kernels.wgrad_backend("cublas")

@@ -181,3 +181,53 @@ def test_pick_tile():
     assert pick_tile(1856) == (128, 192)  # 96.7 % of the last blocks used
     assert pick_tile(4096) == (128, 256)
     assert pick_tile(48) == (128, 64)
+
+
+# (dtype, M, N, E, cluster): the two fused-MLP wgrads at the benchmark shape,
+# an odd fp16 shape, and the single-CTA form
+WGRAD_VARIANTS = [
+    (torch.bfloat16, 1856, 2688, 8, None),  # fc1 wgrad dz^T x
+    (torch.bfloat16, 2688, 1856, 8, None),  # fc2 wgrad dy^T act
+    (torch.float16, 136, 200, 5, None),
+    (torch.bfloat16, 1856, 2688, 8, 1),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,m,n,e,cluster_n", WGRAD_VARIANTS,
+    ids=[f"{str(v[0])[6:]}-M{v[1]}-N{v[2]}-E{v[3]}-c{v[4]}" for v in WGRAD_VARIANTS],
+)
+def test_wgrad_form_compiles_for_sm90a(dtype, m, n, e, cluster_n):
+    """Weight-gradient form: both operands MN-major, the tail k-tile zeroed in smem."""
+    from te_offload_ops.kernels import compile_variant, pick_tile
+
+    kern, compiled, secs = compile_variant(
+        dtype, n, 0, e, b_n_major=True, epilogue="plain", options="--keep-ptx", wgrad_m=m,
+        cluster_n=cluster_n,
+    )
+    ptx = str(compiled.artifacts.PTX)
+    bn = pick_tile(n)[1]
+    ab = "bf16" if dtype == torch.bfloat16 else "f16"
+    assert kern.wgrad_m == m and kern.bn == bn
+    assert f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{ab}.{ab}" in ptx
+    # A (M, T) and B (N, T): 2-D descriptors over the token matrices, no per-expert mode
+    assert "cp.async.bulk.tensor.2d" in ptx and "cp.async.bulk.tensor.3d" not in ptx
+    # generic-proxy zeroing of the tail k-tile is fenced before WGMMA reads it
+    assert "fence.proxy.async.shared::cta" in ptx
+    assert "bar.sync" in ptx or "barrier.sync" in ptx
+    assert ("multicast::cluster" in ptx) == (kern.cluster_n == 2)
+    assert "st.global.v4.b32" in ptx
+    print(f"compile wgrad M={m} N={n} E={e}: {secs:.2f} s")
+
+
+def test_wgrad_form_rejects_bad_arguments():
+    import cutlass
+
+    from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
+
+    with pytest.raises(ValueError, match="plain epilogue"):
+        GroupedGemmSm90(cutlass.BFloat16, 128, 0, 2, b_n_major=True, epilogue="srelu", wgrad_m=128)
+    with pytest.raises(ValueError, match="plain epilogue"):
+        GroupedGemmSm90(cutlass.BFloat16, 128, 64, 2, b_n_major=True, wgrad_m=128)  # k != 0
+    with pytest.raises(ValueError, match="multiple of 8"):
+        GroupedGemmSm90(cutlass.BFloat16, 128, 0, 2, b_n_major=True, wgrad_m=100)

@@ -141,19 +141,77 @@ def test_no_host_sync_and_deterministic():
         assert torch.equal(a, b)
 
 
-def test_wgrad_grouped_mm():
+def _ref_wgrad(dy, x, splits):
+    off = _offsets(splits)
+    return torch.stack(
+        [dy[off[e] : off[e + 1]].float().t() @ x[off[e] : off[e + 1]].float() for e in range(len(splits))]
+    )
+
+
+# (split sizes, N = dy columns, K = x columns): a zero-token expert, experts
+# shorter than one k-tile, tails of every length class, the benchmark's fc1/fc2
+WGRAD_SHAPES = [
+    ([64, 0, 200, 136], 128, 192),
+    ([1, 63, 65, 0, 127], 200, 136),
+    ([0, 0, 70, 0], 1856, 2688),
+    ([700, 300, 0, 1100], 2688, 1856),
+]
+
+
+@pytest.mark.parametrize("backend", ["cute", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits,n,k", WGRAD_SHAPES)
+def test_wgrad(backend, dtype, splits, n, k):
     from te_offload_ops.kernels import grouped_wgrad
 
-    splits, n, k = [64, 0, 200, 136], 128, 192
-    x, _, s = _inputs(splits, 1, k, torch.bfloat16, seed=5)
+    x, _, s = _inputs(splits, 1, k, dtype, seed=5)
+    dy = torch.randn(x.shape[0], n, device="cuda").to(dtype)
+    dw = grouped_wgrad(dy, x, s, backend=backend)
+    ref = _ref_wgrad(dy, x, splits)
+    assert dw.shape == (len(splits), n, k) and dw.dtype == dtype
+    # sums over up to 1100 tokens of unit-variance products: scale the tolerance
+    _close(dw, ref, dtype, scale=max(1.0, max(splits) ** 0.5 / 4))
+    for e, cnt in enumerate(splits):
+        if cnt == 0:
+            assert torch.count_nonzero(dw[e]) == 0
+
+
+def test_wgrad_tail_reads_nothing_of_the_next_expert():
+    """The last k-tile of expert e is read past its end (TMA); the kernel zeroes
+    those rows in shared memory, so even non-finite values of expert e+1 stay out."""
+    from te_offload_ops.kernels import grouped_wgrad
+
+    splits, n, k = [100, 30, 77], 256, 192
+    x, _, s = _inputs(splits, 1, k, torch.bfloat16, seed=8)
     dy = torch.randn(x.shape[0], n, device="cuda").to(torch.bfloat16)
-    dw = grouped_wgrad(dy, x, s)
-    off = _offsets(splits)
-    ref = torch.stack(
-        [dy[off[e] : off[e + 1]].float().t() @ x[off[e] : off[e + 1]].float() for e in range(4)]
-    )
-    assert dw.shape == (4, n, k)
-    torch.testing.assert_close(dw.float(), ref, atol=5e-2, rtol=2e-2)
+    x[100:130] = float("inf")
+    dy[100:130] = float("nan")
+    dw = grouped_wgrad(dy, x, s, backend="cute")
+    ref = _ref_wgrad(dy, x, splits)
+    _close(dw[0], ref[0], torch.bfloat16, scale=2.0)
+    _close(dw[2], ref[2], torch.bfloat16, scale=2.0)
+    assert not torch.isfinite(dw[1]).any()
+
+
+def test_wgrad_cute_no_sync_deterministic_and_cluster_free(monkeypatch):
+    from te_offload_ops.kernels import api, grouped_wgrad
+
+    splits, n, k = [300, 0, 517, 131], 1856, 512
+    x, _, s = _inputs(splits, 1, k, torch.bfloat16, seed=9)
+    dy = torch.randn(x.shape[0], n, device="cuda").to(torch.bfloat16)
+    first = grouped_wgrad(dy, x, s, backend="cute")  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = grouped_wgrad(dy, x, s, backend="cute")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(first, again)
+    # the 2-CTA multicast of A changes nothing in the math
+    assert api.pick_cluster(k, api.pick_tile(k)) == 2
+    monkeypatch.setenv(api.CLUSTER_ENV, "1")
+    single = grouped_wgrad(dy, x, s, backend="cute")
+    assert torch.equal(first, single)
 
 
 def test_cluster_pair_matches_single_cta(monkeypatch):

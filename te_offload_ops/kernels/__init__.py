@@ -15,6 +15,7 @@ from .api import (
     grouped_wgrad,
     pick_tile,
     unavailable_reasons,
+    wgrad_backend,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "grouped_wgrad",
     "pick_tile",
     "unavailable_reasons",
+    "wgrad_backend",
 ]

@@ -3,7 +3,7 @@
 All entry points take plain torch tensors, allocate their outputs, never read
 ``split_sizes`` on the host (no device sync) and launch on the current CUDA
 stream.  Compiled kernels are cached per
-``(dtype, tile, cluster, epilogue, N, K, E, B major)``; the first call of a key compiles
+``(dtype, tile, cluster, epilogue, N, K, E, B major, wgrad M)``; the first call of a key compiles
 (see :func:`compile_times`).
 """
 
@@ -78,14 +78,15 @@ def pick_cluster(n: int, tile) -> int:
 
 def _compile(
     dtype: torch.dtype, n: int, k: int, e: int, b_n_major: bool, epilogue: str, tile,
-    options: str | None = None, cluster_n: int = 1,
+    options: str | None = None, cluster_n: int = 1, wgrad_m: int | None = None,
 ):
     cutlass, cute, make_ptr, make_fake_stream = _cutlass()
     from .gemm_sm90 import GroupedGemmSm90
 
     dt = _cutlass_dtype(dtype)
     kern = GroupedGemmSm90(
-        dt, n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile_mn=tile, cluster_n=cluster_n
+        dt, n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile_mn=tile, cluster_n=cluster_n,
+        wgrad_m=wgrad_m,
     )
     gmem = cute.AddressSpace.gmem
     fake = 1 << 20  # any aligned address: only the types matter at compile time
@@ -107,28 +108,31 @@ def _compile(
     return kern, compiled, time.perf_counter() - t0
 
 
-def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=None, cluster_n=None):
+def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=None, cluster_n=None,
+                    wgrad_m=None):
     """Compile one variant without caching; returns (kernel object, compiled, seconds).
 
     Works without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile
-    tests); ``options`` is passed to ``cute.compile`` (e.g. ``"--keep-ptx"``)."""
+    tests); ``options`` is passed to ``cute.compile`` (e.g. ``"--keep-ptx"``).
+    ``wgrad_m`` selects the weight-gradient form (``k`` must then be 0)."""
     tile = tuple(tile) if tile is not None else pick_tile(n)
     cluster_n = cluster_n or pick_cluster(n, tile)
-    return _compile(dtype, n, k, e, bool(b_n_major), epilogue, tile, options, cluster_n)
+    return _compile(dtype, n, k, e, bool(b_n_major), epilogue, tile, options, cluster_n, wgrad_m)
 
 
-def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None):
+def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None):
     """Compiled kernel for one variant (compiles and caches on first use)."""
     tile = tuple(tile) if tile is not None else pick_tile(n)
     cluster_n = pick_cluster(n, tile)
-    key = (dtype, tile, cluster_n, epilogue, n, k, e, bool(b_n_major))
+    key = (dtype, tile, cluster_n, epilogue, n, k, e, bool(b_n_major), wgrad_m)
     hit = _CACHE.get(key)
     if hit is None:
         with _LOCK:
             hit = _CACHE.get(key)
             if hit is None:
                 kern, compiled, secs = _compile(
-                    dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n
+                    dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
+                    wgrad_m=wgrad_m,
                 )
                 _COMPILE_SECONDS[key] = secs
                 _log.info("compiled grouped GEMM %s in %.2f s", key, secs)
@@ -177,7 +181,10 @@ def _launch(kern, compiled, tensors, num_tokens):
             ptrs.append(make_ptr(dt, t.data_ptr(), gmem, assumed_align=16))
     # persistent grid: one CTA per SM at most, and no more CTAs than a bound
     # of the tile count that needs no split sizes on the host
-    tile_bound = (-(-num_tokens // kern.bm) + kern.num_experts) * kern.n_tiles
+    if kern.wgrad_m is not None:  # static tiles: E times the (M, N) blocks
+        tile_bound = kern.num_experts * kern.m_tiles * kern.n_tiles
+    else:
+        tile_bound = (-(-num_tokens // kern.bm) + kern.num_experts) * kern.n_tiles
     cn = kern.cluster_n
     num_ctas = min(_sm_count(tensors[0][0].device.index) // cn * cn, tile_bound)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
@@ -296,9 +303,63 @@ def grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, *, tile=None):
     return dz, dprobs, act
 
 
-def grouped_wgrad(dy, x, split_sizes):
-    """dW[e] = dy_e^T @ x_e  ->  (E, N, K) via torch._grouped_mm (no host sync).
+WGRAD_BACKEND_ENV = "TEO_WGRAD_BACKEND"  # "cute" or "torch": overrides the default below
+WGRAD_BACKENDS = ("cute", "torch")
+# measured on H100 (benchmarks/results/bench_kernels*): see README "Which kernel runs where"
+DEFAULT_WGRAD_BACKEND = "cute"
 
-    dy is (T, N), x is (T, K).  Experts with zero tokens get zeros."""
-    offs = torch.cumsum(_splits_i32(split_sizes, dy.device), 0, dtype=torch.int32)
-    return torch._grouped_mm(dy.t(), x, offs=offs)
+
+def wgrad_backend(backend: str | None = None) -> str:
+    """The wgrad backend a call uses: the argument, else $TEO_WGRAD_BACKEND, else the default."""
+    choice = backend or os.environ.get(WGRAD_BACKEND_ENV) or DEFAULT_WGRAD_BACKEND
+    if choice not in WGRAD_BACKENDS:
+        raise ValueError(f"wgrad backend must be one of {WGRAD_BACKENDS}, got {choice!r}")
+    return choice
+
+
+def _check_wgrad(dy, x, split_sizes):
+    if not isinstance(dy, torch.Tensor) or not isinstance(x, torch.Tensor):
+        raise TypeError("dy and x must be torch tensors")
+    if not isinstance(split_sizes, torch.Tensor) or split_sizes.is_floating_point():
+        raise TypeError("split_sizes must be an integer torch tensor")
+    if not (dy.is_cuda and x.is_cuda) or dy.device != x.device:
+        raise ValueError(f"dy and x must be on one CUDA device, got {dy.device} and {x.device}")
+    if dy.dtype not in _DTYPES or x.dtype != dy.dtype:
+        raise TypeError(f"grouped wgrad takes bf16 or fp16 operands of one dtype, got {dy.dtype} and {x.dtype}")
+    if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0]:
+        raise ValueError(f"dy and x must be (T, N) and (T, K) with one T, got {tuple(dy.shape)} and {tuple(x.shape)}")
+    if split_sizes.dim() != 1 or split_sizes.numel() == 0:
+        raise ValueError("split_sizes must be a 1-D tensor with one entry per expert")
+    if dy.shape[1] % 8 or x.shape[1] % 8:
+        raise ValueError("N and K must be multiples of 8 (16-byte rows)")
+
+
+def grouped_wgrad(dy, x, split_sizes, *, backend: str | None = None, tile=None):
+    """dW[e] = dy_e^T @ x_e  ->  (E, N, K) in dy.dtype, no host sync.
+
+    dy is (T, N), x is (T, K), split_sizes has E entries.  Experts with zero
+    tokens get zeros.  ``backend``: "cute" (the Hopper kernel's weight-gradient
+    form) or "torch" (``torch._grouped_mm``); see :func:`wgrad_backend`."""
+    _check_wgrad(dy, x, split_sizes)
+    choice = wgrad_backend(backend)
+    e = split_sizes.numel()
+    n, k = dy.shape[1], x.shape[1]
+    s = _splits_i32(split_sizes, dy.device)
+    if choice == "torch":
+        offs = torch.cumsum(s, 0, dtype=torch.int32)
+        return torch._grouped_mm(dy.t(), x, offs=offs)
+    t = dy.shape[0]
+    if t == 0:
+        return torch.zeros(e, n, k, dtype=dy.dtype, device=dy.device)
+    # C[e] (M=N_dy, N=K_x) = A_e^T B_e with A = dy, B = x
+    kern, compiled = get_kernel(dy.dtype, k, 0, e, b_n_major=True, epilogue="plain", tile=tile,
+                                wgrad_m=n)
+    dw = torch.empty(e, n, k, dtype=dy.dtype, device=dy.device)
+    dy, x = _aligned(dy), _aligned(x)
+    _launch(
+        kern, compiled,
+        [(dy, "m"), (x, "m"), (dw, "m"), (s, "i32"), (dy, "vec"), (dw, "m"), (dw, "m"),
+         (s, "f32")],
+        t,
+    )
+    return dw

@@ -10,6 +10,15 @@ Layout contract
   and N-major when it comes from a ``(E, K, N)`` tensor (``C_e = A_e @ B_e``).
 * ``C`` is ``(T, N)`` row-major.
 
+Weight-gradient form (``wgrad_m=M``): ``C[e] = A_e^T @ B_e`` with ``A`` the
+``(T, M)`` and ``B`` the ``(T, N)`` token matrices (both row-major, so both
+reach WGMMA MN-major) and ``C`` the ``(E, M, N)`` stack.  Here the experts'
+token ranges are the reduction: the tiles are static (``E`` times the
+``(M, N)`` blocks), each runs ``ceil(split_e / BK)`` k-tiles from row
+``off[e]``, and the last k-tile, which TMA reads past the expert's end, has
+its foreign rows zeroed in shared memory before WGMMA reads it.  An expert
+with no tokens gets a zero block.
+
 Schedule: persistent and warp-specialized
 -----------------------------------------
 One CTA per SM (the host caps the grid at the SM count and at a bound of the
@@ -66,10 +75,11 @@ _BK = 64
 _EPI_COLS = 64  # the epilogue stages the tile 64 columns at a time
 _EPI_ROW = _EPI_COLS + 8  # 16 bytes of padding per staged row: no bank conflicts on writes
 _EPI_BARRIER = 1  # named barrier of the 256 consumer threads (0 is __syncthreads)
+_MASK_BARRIER = 2  # the consumers meet here after zeroing a wgrad tail k-tile
 
 
 class GroupedGemmSm90:
-    """One compiled variant: (dtype, BM, BN, epilogue, N, K, E, B major)."""
+    """One compiled variant: (dtype, BM, BN, epilogue, N, K, E, B major, wgrad M)."""
 
     def __init__(
         self,
@@ -82,6 +92,7 @@ class GroupedGemmSm90:
         epilogue: str = "plain",
         tile_mn: tuple[int, int] = (128, 192),
         cluster_n: int = 1,
+        wgrad_m: int | None = None,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(f"unknown epilogue {epilogue!r}")
@@ -90,8 +101,16 @@ class GroupedGemmSm90:
             raise ValueError("BM must be 128 (two 64-row consumer warpgroups)")
         if bn % 64 != 0 or not 64 <= bn <= 256:
             raise ValueError("BN must be 64, 128, 192 or 256")
+        if wgrad_m is not None:
+            # K is each expert's token count, read on the GPU
+            if epilogue != "plain" or not b_n_major or k != 0:
+                raise ValueError("the weight-gradient form takes a plain epilogue, N-major B and k=0")
+            if wgrad_m <= 0 or wgrad_m % 8:
+                raise ValueError("M must be a positive multiple of 8 (16-byte TMA rows)")
         if n % 8 or k % 8:
             raise ValueError("N and K must be multiples of 8 (16-byte TMA rows)")
+        self.wgrad_m = wgrad_m
+        self.m_tiles = (wgrad_m + bm - 1) // bm if wgrad_m is not None else 0
         self.dtype = dtype
         self.n, self.k, self.num_experts = n, k, num_experts
         self.b_n_major = b_n_major
@@ -132,12 +151,19 @@ class GroupedGemmSm90:
     ):
         n, k, e = self.n, self.k, self.num_experts
         bm, bn, bk = self.bm, self.bn, self.bk
-        m_a = cute.make_tensor(p_a, cute.make_layout((num_tokens, k), stride=(k, 1)))
-        if cutlass.const_expr(self.b_n_major):
-            m_b = cute.make_tensor(p_b, cute.make_layout((n, k, e), stride=(1, n, n * k)))
+        if cutlass.const_expr(self.wgrad_m is not None):
+            m = self.wgrad_m
+            # (M, T) and (N, T) views of the row-major token matrices: MN-major
+            m_a = cute.make_tensor(p_a, cute.make_layout((m, num_tokens), stride=(1, m)))
+            m_b = cute.make_tensor(p_b, cute.make_layout((n, num_tokens), stride=(1, n)))
+            m_c = cute.make_tensor(p_c, cute.make_layout((e * m, n), stride=(n, 1)))
         else:
-            m_b = cute.make_tensor(p_b, cute.make_layout((n, k, e), stride=(k, 1, n * k)))
-        m_c = cute.make_tensor(p_c, cute.make_layout((num_tokens, n), stride=(n, 1)))
+            m_a = cute.make_tensor(p_a, cute.make_layout((num_tokens, k), stride=(k, 1)))
+            if cutlass.const_expr(self.b_n_major):
+                m_b = cute.make_tensor(p_b, cute.make_layout((n, k, e), stride=(1, n, n * k)))
+            else:
+                m_b = cute.make_tensor(p_b, cute.make_layout((n, k, e), stride=(k, 1, n * k)))
+            m_c = cute.make_tensor(p_c, cute.make_layout((num_tokens, n), stride=(n, 1)))
         m_split = cute.make_tensor(p_split, cute.make_layout((e,)))
         m_prob = cute.make_tensor(p_prob, cute.make_layout((num_tokens,)))
         m_z = cute.make_tensor(p_z, cute.make_layout((num_tokens, n), stride=(n, 1)))
@@ -146,7 +172,7 @@ class GroupedGemmSm90:
             p_part, cute.make_layout((num_tokens, self.n_tiles), stride=(1, num_tokens))
         )
 
-        a_major = LayoutEnum.ROW_MAJOR
+        a_major = LayoutEnum.COL_MAJOR if self.wgrad_m is not None else LayoutEnum.ROW_MAJOR
         b_major = LayoutEnum.COL_MAJOR if self.b_n_major else LayoutEnum.ROW_MAJOR
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
@@ -228,6 +254,62 @@ class GroupedGemmSm90:
             rows_before = rows_before + cnt
         return expert, row0, row_end
 
+    @cute.jit
+    def _work(self, m_split, tile, rank, num_tokens):
+        """Everything a CTA needs of tile group ``tile``.
+
+        Returns (expert, n_blk, a_row, a_col, k_tiles, k_rem, c_row, rows_here):
+        the A tile's origin in A's (rows, K) view, the k-tile count, the
+        valid K of the last k-tile, the first output row and the valid rows."""
+        bm, bk = self.bm, self.bk
+        if cutlass.const_expr(self.wgrad_m is None):
+            m_blk, n_blk = self._tile_coords(tile, rank)
+            expert, row0, row_end = self._locate(m_split, m_blk)
+            # split sizes summing past T must not write past T (no host check: it would sync)
+            if row_end > num_tokens:
+                row_end = num_tokens
+            a_row, a_col = row0, cutlass.Int32(0)
+            k_tiles, k_rem = cutlass.Int32(self.k_tiles), cutlass.Int32(bk)
+            c_row, rows_here = row0, row_end - row0
+        else:
+            per_expert = self.m_tiles * (self.n_tiles // self.cluster_n)
+            expert = tile // per_expert
+            m_blk, n_blk = self._tile_coords(tile - expert * per_expert, rank)
+            a_col = cutlass.Int32(0)  # the expert's first token
+            cnt = cutlass.Int32(0)
+            for ei in cutlass.range_constexpr(self.num_experts):
+                if ei < expert:
+                    a_col = a_col + m_split[ei]
+                if ei == expert:
+                    cnt = m_split[ei]
+            a_row = m_blk * bm
+            k_tiles = (cnt + bk - 1) // bk
+            k_rem = cnt - (k_tiles - 1) * bk
+            c_row, rows_here = expert * self.wgrad_m + a_row, self.wgrad_m - a_row
+        return expert, n_blk, a_row, a_col, k_tiles, k_rem, c_row, rows_here
+
+    @cute.jit
+    def _mask_k_tail(self, sa, sb, stage, k_rem, ctid, cwg):
+        """Zero the k columns >= k_rem of this stage's A and B tiles.
+
+        TMA read the last k-tile of an expert past its token range: those
+        rows belong to the next expert.  Each consumer warpgroup clears its
+        own 64 A rows and half of the B rows, then makes the generic-proxy
+        writes visible to WGMMA (async proxy) before either warpgroup reads."""
+        bk = self.bk
+        t = ctid - cwg * _WG
+        half_b = self.bn // 2
+        # consecutive threads walk the contiguous (M / N) mode; the two halves
+        # of the warpgroup take alternate k columns
+        r = t % 64
+        for kk in cutlass.range(k_rem + t // 64, bk, 2, unroll=1):
+            sa[cwg * 64 + r, kk, stage] = self.dtype(0.0)
+            for q in cutlass.range_constexpr((half_b + 63) // 64):
+                if q * 64 + r < half_b:
+                    sb[cwg * half_b + q * 64 + r, kk, stage] = self.dtype(0.0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=_MASK_BARRIER, number_of_threads=2 * _WG)
+
     @cute.kernel
     def kernel(
         self,
@@ -262,11 +344,14 @@ class GroupedGemmSm90:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
 
-        # real work: sum_e ceil(split_e / BM) m-blocks, each with n_tiles n-blocks
-        m_total = cutlass.Int32(0)
-        for ei in cutlass.range_constexpr(self.num_experts):
-            m_total = m_total + (m_split[ei] + bm - 1) // bm
-        n_work = m_total * (self.n_tiles // self.cluster_n)  # tile groups
+        if cutlass.const_expr(self.wgrad_m is not None):
+            n_work = cutlass.Int32(self.num_experts * self.m_tiles * (self.n_tiles // self.cluster_n))
+        else:
+            # real work: sum_e ceil(split_e / BM) m-blocks, each with n_tiles n-blocks
+            m_total = cutlass.Int32(0)
+            for ei in cutlass.range_constexpr(self.num_experts):
+                m_total = m_total + (m_split[ei] + bm - 1) // bm
+            n_work = m_total * (self.n_tiles // self.cluster_n)  # tile groups
         cluster_mn = (1, self.cluster_n)
 
         smem = cutlass.memory.SmemAllocator()
@@ -312,13 +397,16 @@ class GroupedGemmSm90:
         bm, bn, bk = self.bm, self.bn, self.bk
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         mcast = cutlass.Int16((1 << self.cluster_n) - 1)  # A goes to every CTA of the cluster
+        num_tokens = cute.size(g_a, mode=[1] if self.wgrad_m is not None else [0])
         tile = cluster
         while tile < n_work:
-            m_blk, n_blk = self._tile_coords(tile, rank)
-            expert, row0, _ = self._locate(m_split, m_blk)
-            # A rows start at row0 (any row), B at this expert / n-block.
-            g_a_tile = cute.local_tile(cute.domain_offset((row0, 0), g_a), (bm, bk), (0, None))
-            g_b_tile = cute.local_tile(g_b[None, None, expert], (bn, bk), (n_blk, None))
+            expert, n_blk, a_row, a_col, k_tiles, _, _, _ = self._work(m_split, tile, rank, num_tokens)
+            # the A tile starts at any row (forward) or any token (wgrad)
+            g_a_tile = cute.local_tile(cute.domain_offset((a_row, a_col), g_a), (bm, bk), (0, None))
+            if cutlass.const_expr(self.wgrad_m is not None):
+                g_b_tile = cute.local_tile(cute.domain_offset((0, a_col), g_b), (bn, bk), (n_blk, None))
+            else:
+                g_b_tile = cute.local_tile(g_b[None, None, expert], (bn, bk), (n_blk, None))
             t_sa, t_ga = cpasync.tma_partition(
                 tma_a, rank, cute.make_layout(self.cluster_n),
                 cute.group_modes(sa, 0, 2), cute.group_modes(g_a_tile, 0, 2),
@@ -327,7 +415,7 @@ class GroupedGemmSm90:
                 tma_b, 0, cute.make_layout(1),
                 cute.group_modes(sb, 0, 2), cute.group_modes(g_b_tile, 0, 2),
             )
-            for kt in cutlass.range(self.k_tiles, unroll=1):
+            for kt in cutlass.range(k_tiles, unroll=1):
                 pipe.producer_acquire(prod)
                 bar = pipe.producer_get_barrier(prod)
                 if cutlass.const_expr(self.cluster_n > 1):
@@ -374,12 +462,7 @@ class GroupedGemmSm90:
         rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tile = cluster
         while tile < n_work:
-            m_blk, n_blk = self._tile_coords(tile, rank)
-            _, row0, row_end = self._locate(m_split, m_blk)
-            # split sizes summing past T must not write past T (no host check: it would sync)
-            if row_end > num_tokens:
-                row_end = num_tokens
-            rows_here = row_end - row0
+            _, n_blk, _, _, k_tiles, k_rem, row0, rows_here = self._work(m_split, tile, rank, num_tokens)
             cols_here = self.n - n_blk * bn
             if cutlass.const_expr(self.epilogue != "plain"):
                 self._load_epilogue_inputs(
@@ -387,8 +470,12 @@ class GroupedGemmSm90:
                 )
 
             acc.fill(0.0)
-            for kt in cutlass.range(self.k_tiles, unroll=1):
+            for kt in cutlass.range(k_tiles, unroll=1):
                 pipe.consumer_wait(cons)
+                if cutlass.const_expr(self.wgrad_m is not None):
+                    if kt == k_tiles - 1:
+                        if k_rem < self.bk:
+                            self._mask_k_tail(sa, sb, cons.index, k_rem, ctid, cwg)
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(num_kb):
                     cute.gemm(
@@ -405,8 +492,9 @@ class GroupedGemmSm90:
                     rel.advance()
                 cons.advance()
             warpgroup.wait_group(0)
-            pipe.consumer_release(rel)
-            rel.advance()
+            if k_tiles > 0:  # an expert with no tokens consumed no stage
+                pipe.consumer_release(rel)
+                rel.advance()
 
             self._epilogue(ctid, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r, thr_mma,
                            c_id, thr_cp, cp_id, st, m_c, m_act, m_part)
