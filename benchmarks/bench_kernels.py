@@ -8,9 +8,12 @@ Shape: E experts x tokens/expert, H (hidden) and F (ffn):
   wgrads    dY_e^T @ X_e         ours (CuTe, weight-gradient form) vs bmm and
                                  torch._grouped_mm
 
-Each number is the median over `--reps` samples of CUDA-event time per call,
-each sample timing `--inner` back-to-back calls.  Prints a table and writes
-JSON to --out.
+Ours runs under both schedules (cooperative, pingpong; "ours" is the one the
+kernels pick by default for that GEMM kind).  The contenders of a case are
+timed interleaved, one sample each per round, so clock and power drift hits
+them alike; each number is the median over `--reps` rounds of CUDA-event time
+per call, each sample timing `--inner` back-to-back calls.  Prints a table
+and writes JSON to --out.
 """
 
 from __future__ import annotations
@@ -28,21 +31,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _time(fn, reps, inner, warmup=3):
-    for _ in range(warmup):
+def _sample(fn, inner):
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(inner):
         fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / inner
+
+
+def _time_interleaved(fns, reps, inner, warmup=3):
+    """{label: median ms per call}; one sample of every contender per round."""
+    for fn in fns.values():
+        for _ in range(warmup):
             fn()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) / inner)
-    return statistics.median(samples)
+    torch.cuda.synchronize()
+    samples = {label: [] for label in fns}
+    for _ in range(reps):
+        for label, fn in fns.items():
+            samples[label].append(_sample(fn, inner))
+    return {label: statistics.median(v) for label, v in samples.items()}
 
 
 def _uneven_splits(e, per_expert, seed=0):
@@ -51,6 +61,9 @@ def _uneven_splits(e, per_expert, seed=0):
     s = (w / w.sum() * e * per_expert).floor().long()
     s[-1] += e * per_expert - int(s.sum())
     return s
+
+
+SCHEDULES = ("cooperative", "pingpong")
 
 
 def main():
@@ -62,7 +75,6 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--inner", type=int, default=10)
-    ap.add_argument("--tile-n", type=int, default=0, help="force BN (0: pick per N)")
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--watchdog", type=float, default=120.0,
                     help="seconds one case may take before the stacks are dumped and the run exits")
@@ -86,113 +98,108 @@ def main():
     even = torch.full((e,), m, device=dev, dtype=torch.int64)
     uneven = _uneven_splits(e, m).to(dev)
     offs = torch.cumsum(even, 0).to(torch.int32)
-    tile = (128, args.tile_n) if args.tile_n else None
-
-    def tile_for(n):
-        return tile if tile else K.pick_tile(n)
 
     def fmt(v, w=9, p=1):
         return f"{v:{w}.{p}f}" if isinstance(v, float) else f"{'-':>{w}}"
 
-    # first calls compile: time them.  A hung kernel must not eat the whole
-    # run silently: the watchdog dumps the Python stacks and exits.
-    compile_s = {}
-    for name, fn in [
-        ("fc1_plain", lambda: K.grouped_gemm(x, w1, even, tile=tile)),
-        ("fc1_srelu", lambda: K.grouped_gemm_srelu_fwd(x, w1, even, probs, tile=tile)),
-        ("fc2_plain", lambda: K.grouped_gemm(act, w2, even, tile=tile)),
-        ("fc2_dgrad_dsrelu", lambda: K.grouped_gemm_dsrelu_bwd(dy, w2, even, z, probs, tile=tile)),
-        ("fc1_dgrad", lambda: K.grouped_gemm(dz, w1, even, trans_b=True, tile=tile)),
-        ("fc2_wgrad", lambda: K.grouped_wgrad(dy, act, even, backend="cute")),
-        ("fc1_wgrad", lambda: K.grouped_wgrad(dz, x, even, backend="cute")),
-    ]:
-        faulthandler.dump_traceback_later(args.watchdog, exit=True)
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        compile_s[name] = time.perf_counter() - t0
-        faulthandler.cancel_dump_traceback_later()
-        print(f"first call {name}: {compile_s[name]:.2f} s", flush=True)
-    gpu = torch.cuda.get_device_name()
-    print(f"GPU: {gpu}  dtype={args.dtype}  E={e} tokens/expert={m} H={h} F={f}")
-    print(f"{'case':<24}{'ours ms':>9}{'TFLOP/s':>9}{'bmm ms':>9}{'TFLOP/s':>9}"
-          f"{'gmm ms':>9}{'TFLOP/s':>9}{'ours/bmm':>9}", flush=True)
-
     xb, actb, dyb, dzb = (v.view(e, m, -1) for v in (x, act, dy, dz))
     w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)
     cases = [
-        # name, K, N, ours, bmm, grouped_mm
-        ("fc1 fwd (plain)", h, f,
-         lambda: K.grouped_gemm(x, w1, even, tile=tile),
+        # name, GEMM kind, output N, ours(schedule), bmm, grouped_mm
+        ("fc1 fwd (plain)", "plain", f,
+         lambda sc: K.grouped_gemm(x, w1, even, schedule=sc),
          lambda: torch.bmm(xb, w1t),
          lambda: torch._grouped_mm(x, w1t, offs=offs)),
-        ("fc1 fwd +srelu", h, f,
-         lambda: K.grouped_gemm_srelu_fwd(x, w1, even, probs, tile=tile), None, None),
-        ("fc1 fwd +srelu uneven", h, f,
-         lambda: K.grouped_gemm_srelu_fwd(x, w1, uneven, probs, tile=tile), None, None),
-        ("fc2 fwd (plain)", f, h,
-         lambda: K.grouped_gemm(act, w2, even, tile=tile),
+        ("fc1 fwd +srelu", "srelu", f,
+         lambda sc: K.grouped_gemm_srelu_fwd(x, w1, even, probs, schedule=sc), None, None),
+        ("fc1 fwd +srelu uneven", "srelu", f,
+         lambda sc: K.grouped_gemm_srelu_fwd(x, w1, uneven, probs, schedule=sc), None, None),
+        ("fc2 fwd (plain)", "plain", h,
+         lambda sc: K.grouped_gemm(act, w2, even, schedule=sc),
          lambda: torch.bmm(actb, w2t),
          lambda: torch._grouped_mm(act, w2t, offs=offs)),
-        ("fc2 dgrad +dsrelu", h, f,
-         lambda: K.grouped_gemm_dsrelu_bwd(dy, w2, even, z, probs, tile=tile),
+        ("fc2 dgrad +dsrelu", "dsrelu", f,
+         lambda sc: K.grouped_gemm_dsrelu_bwd(dy, w2, even, z, probs, schedule=sc),
          lambda: torch.bmm(dyb, w2),
          lambda: torch._grouped_mm(dy, w2, offs=offs)),
-        ("fc2 dgrad (plain)", h, f,
-         lambda: K.grouped_gemm(dy, w2, even, trans_b=True, tile=tile), None, None),
-        ("fc1 dgrad (plain)", f, h,
-         lambda: K.grouped_gemm(dz, w1, even, trans_b=True, tile=tile),
+        ("fc2 dgrad (plain)", "plain", f,
+         lambda sc: K.grouped_gemm(dy, w2, even, trans_b=True, schedule=sc), None, None),
+        ("fc1 dgrad (plain)", "plain", h,
+         lambda sc: K.grouped_gemm(dz, w1, even, trans_b=True, schedule=sc),
          lambda: torch.bmm(dzb, w1),
          lambda: torch._grouped_mm(dz, w1, offs=offs)),
-        ("fc1 dgrad uneven", f, h,
-         lambda: K.grouped_gemm(dz, w1, uneven, trans_b=True, tile=tile), None, None),
+        ("fc1 dgrad uneven", "plain", h,
+         lambda sc: K.grouped_gemm(dz, w1, uneven, trans_b=True, schedule=sc), None, None),
         # wgrads: "gmm" is the torch backend of grouped_wgrad (torch._grouped_mm)
-        ("fc2 wgrad dy^T act", None, f,
-         lambda: K.grouped_wgrad(dy, act, even, backend="cute"),
+        ("fc2 wgrad dy^T act", "wgrad", f,
+         lambda sc: K.grouped_wgrad(dy, act, even, backend="cute", schedule=sc),
          lambda: torch.bmm(dyb.transpose(1, 2), actb),
          lambda: K.grouped_wgrad(dy, act, even, backend="torch")),
-        ("fc2 wgrad uneven", None, f,
-         lambda: K.grouped_wgrad(dy, act, uneven, backend="cute"), None,
+        ("fc2 wgrad uneven", "wgrad", f,
+         lambda sc: K.grouped_wgrad(dy, act, uneven, backend="cute", schedule=sc), None,
          lambda: K.grouped_wgrad(dy, act, uneven, backend="torch")),
-        ("fc1 wgrad dz^T x", None, h,
-         lambda: K.grouped_wgrad(dz, x, even, backend="cute"),
+        ("fc1 wgrad dz^T x", "wgrad", h,
+         lambda sc: K.grouped_wgrad(dz, x, even, backend="cute", schedule=sc),
          lambda: torch.bmm(dzb.transpose(1, 2), xb),
          lambda: K.grouped_wgrad(dz, x, even, backend="torch")),
-        ("fc1 wgrad uneven", None, h,
-         lambda: K.grouped_wgrad(dz, x, uneven, backend="cute"), None,
+        ("fc1 wgrad uneven", "wgrad", h,
+         lambda sc: K.grouped_wgrad(dz, x, uneven, backend="cute", schedule=sc), None,
          lambda: K.grouped_wgrad(dz, x, uneven, backend="torch")),
     ]
 
-    rows = []
-    for name, kk, nn, ours, bmm, gmm in cases:
-        fl = 2.0 * t * h * f
-        r = {"case": name, "K": kk, "N": nn, "flop": fl,
-             "tile": list(tile_for(nn)) if nn else None}
-        for label, fn in (("ours", ours), ("bmm", bmm), ("grouped_mm", gmm)):
-            if fn is None:
-                r[label + "_ms"] = None
-                r[label + "_tflops"] = None
-                continue
+    # first calls compile: time them.  A hung kernel must not eat the whole
+    # run silently: the watchdog dumps the Python stacks and exits.
+    compile_s = {}
+    for name, _, _, ours, _, _ in cases:
+        if "uneven" in name:
+            continue  # the kernels of the case before
+        for sc in SCHEDULES:
             faulthandler.dump_traceback_later(args.watchdog, exit=True)
-            try:
-                ms = _time(fn, args.reps, args.inner)
-                r[label + "_ms"] = ms
-                r[label + "_tflops"] = fl / ms / 1e9
-            except Exception as exc:  # report, keep going
-                r[label + "_ms"] = None
-                r[label + "_tflops"] = None
-                r[label + "_error"] = repr(exc)[:300]
+            t0 = time.perf_counter()
+            ours(sc)
+            torch.cuda.synchronize()
+            compile_s[f"{name} [{sc}]"] = time.perf_counter() - t0
             faulthandler.cancel_dump_traceback_later()
+            print(f"first call {name} [{sc}]: {compile_s[f'{name} [{sc}]']:.2f} s", flush=True)
+    gpu = torch.cuda.get_device_name()
+    print(f"GPU: {gpu}  dtype={args.dtype}  E={e} tokens/expert={m} H={h} F={f}")
+    print("TFLOP/s, contenders timed interleaved; ours = the default schedule for the GEMM kind")
+    print(f"{'case':<24}{'ours':>6}{'ms':>7}{'TFLOP/s':>9}{'coop':>7}{'pingpong':>9}{'bmm':>7}"
+          f"{'gmm':>7}{'ours/bmm':>9}", flush=True)
+
+    rows = []
+    for name, kind, nn, ours, bmm, gmm in cases:
+        fl = 2.0 * t * h * f
+        wgrad = kind == "wgrad"
+        epilogue = "plain" if wgrad else kind
+        default = K.pick_schedule(epilogue, wgrad)
+        r = {"case": name, "kind": kind, "N": nn, "flop": fl, "schedule": default,
+             "tile": {sc: list(K.pick_tile(nn, sc)) for sc in SCHEDULES}}
+        fns = {sc: (lambda sc=sc: ours(sc)) for sc in SCHEDULES}
+        if bmm is not None:
+            fns["bmm"] = bmm
+        if gmm is not None:
+            fns["grouped_mm"] = gmm
+        faulthandler.dump_traceback_later(args.watchdog * len(fns), exit=True)
+        try:
+            ms = _time_interleaved(fns, args.reps, args.inner)
+        except Exception as exc:  # report, keep going
+            ms = {}
+            r["error"] = repr(exc)[:300]
+        faulthandler.cancel_dump_traceback_later()
+        for label in ("cooperative", "pingpong", "bmm", "grouped_mm"):
+            r[label + "_ms"] = ms.get(label)
+            r[label + "_tflops"] = fl / ms[label] / 1e9 if label in ms else None
+        r["ours_ms"], r["ours_tflops"] = r[default + "_ms"], r[default + "_tflops"]
         if r.get("ours_ms") and r.get("bmm_ms"):
             r["ours_vs_bmm"] = r["bmm_ms"] / r["ours_ms"]
         rows.append(r)
-        print(f"{r['case']:<24}{fmt(r['ours_ms'], p=3)}{fmt(r['ours_tflops'])}"
-              f"{fmt(r['bmm_ms'], p=3)}{fmt(r['bmm_tflops'])}"
-              f"{fmt(r['grouped_mm_ms'], p=3)}{fmt(r['grouped_mm_tflops'])}"
+        print(f"{name:<24}{default[:4]:>6}{fmt(r['ours_ms'], 7, 3)}{fmt(r['ours_tflops'])}"
+              f"{fmt(r['cooperative_tflops'], 7, 0)}{fmt(r['pingpong_tflops'], 9, 0)}"
+              f"{fmt(r['bmm_tflops'], 7, 0)}{fmt(r['grouped_mm_tflops'], 7, 0)}"
               f"{fmt(r.get('ours_vs_bmm'), p=2)}", flush=True)
-        for key in ("ours_error", "bmm_error", "grouped_mm_error"):
-            if key in r:
-                print("   ", key, r[key], flush=True)
+        if "error" in r:
+            print("   ", r["error"], flush=True)
     print("first call (compile + run) seconds:", {k: round(v, 2) for k, v in compile_s.items()})
     out = {
         "gpu": gpu, "dtype": args.dtype, "experts": e, "tokens_per_expert": m,

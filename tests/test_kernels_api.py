@@ -53,3 +53,19 @@ def test_wgrad_backend_choice(monkeypatch):
     assert kernels.wgrad_backend("cute") == "cute"  # the argument wins
     with pytest.raises(ValueError, match="wgrad backend"):
         kernels.wgrad_backend("cublas")
+
+
+def test_schedule_choice(monkeypatch):
+    from te_offload_ops.kernels import api
+
+    monkeypatch.delenv(api.SCHEDULE_ENV, raising=False)
+    for kind in ("plain", "srelu", "dsrelu"):
+        assert api.pick_schedule(kind) in api.SCHEDULES
+    assert api.pick_schedule("plain", wgrad=True) == api.pick_schedule("wgrad")
+    assert api.pick_schedule("srelu", tile=(128, 192)) == "cooperative"  # too wide for pingpong
+    monkeypatch.setenv(api.SCHEDULE_ENV, "cooperative")
+    assert api.pick_schedule("srelu") == "cooperative"
+    assert api.pick_schedule("srelu", schedule="pingpong") == "pingpong"  # the argument wins
+    monkeypatch.setenv(api.SCHEDULE_ENV, "stream-k")
+    with pytest.raises(ValueError, match="schedule"):
+        api.pick_schedule("plain")

@@ -33,11 +33,12 @@ else:
 pytestmark = pytest.mark.skipif(not _HAVE_DSL, reason=_WHY if not _HAVE_DSL else "")
 
 
-def _ptx(dtype, n, k, e, b_n_major, epilogue, tile=None):
+def _ptx(dtype, n, k, e, b_n_major, epilogue, tile=None, schedule=None):
     from te_offload_ops.kernels import compile_variant
 
     kern, compiled, secs = compile_variant(
-        dtype, n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile=tile, options="--keep-ptx"
+        dtype, n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile=tile, options="--keep-ptx",
+        schedule=schedule,
     )
     ptx = str(compiled.artifacts.PTX)
     return kern, ptx, secs
@@ -66,7 +67,7 @@ VARIANTS = [
 def test_variant_compiles_for_sm90a(dtype, n, k, e, b_n_major, epilogue):
     from te_offload_ops.kernels import pick_tile
 
-    kern, ptx, secs = _ptx(dtype, n, k, e, b_n_major, epilogue)
+    kern, ptx, secs = _ptx(dtype, n, k, e, b_n_major, epilogue, schedule="cooperative")
     bn = pick_tile(n)[1]
     assert kern.bn == bn
     ab = "bf16" if dtype == torch.bfloat16 else "f16"
@@ -86,6 +87,57 @@ def test_variant_compiles_for_sm90a(dtype, n, k, e, b_n_major, epilogue):
     print(f"compile {epilogue} N={n} K={k} E={e} BN={bn}: {secs:.2f} s")
 
 
+# the fused MLP's GEMMs (fc1 fwd + SReLU, fc2 fwd, fc2 dgrad + dSReLU, fc1
+# dgrad) and an fp16 odd shape, under the pingpong schedule
+PINGPONG_VARIANTS = [v for v in VARIANTS if v[1] in (1856, 2688)] + [VARIANTS[6]]
+
+
+@pytest.mark.parametrize(
+    "dtype,n,k,e,b_n_major,epilogue",
+    PINGPONG_VARIANTS,
+    ids=[f"{str(v[0])[6:]}-N{v[1]}-K{v[2]}-{'nmaj' if v[4] else 'kmaj'}-{v[5]}" for v in PINGPONG_VARIANTS],
+)
+def test_pingpong_variant_compiles_for_sm90a(dtype, n, k, e, b_n_major, epilogue):
+    """Pingpong: one warpgroup per 128 x 128 tile, turns handed over by named barriers."""
+    kern, ptx, _ = _ptx(dtype, n, k, e, b_n_major, epilogue, schedule="pingpong")
+    ab = "bf16" if dtype == torch.bfloat16 else "f16"
+    assert kern.schedule == "pingpong" and kern.bn == 128 and kern.tile_threads == 128
+    assert f"wgmma.mma_async.sync.aligned.m64n{kern.bn}k16.f32.{ab}.{ab}" in ptx
+    # the turn hand-over: a non-blocking arrive by one warpgroup, a sync by the other
+    assert "bar.arrive" in ptx or "barrier.arrive" in ptx
+    assert "st.global.v4.b32" in ptx
+    assert ("shfl.sync.bfly" in ptx) == (epilogue == "dsrelu")
+
+
+def test_pingpong_wgrad_compiles_for_sm90a():
+    from te_offload_ops.kernels import compile_variant
+
+    kern, compiled, _ = compile_variant(
+        torch.bfloat16, 2688, 0, 8, b_n_major=True, epilogue="plain", options="--keep-ptx",
+        wgrad_m=1856, schedule="pingpong",
+    )
+    ptx = str(compiled.artifacts.PTX)
+    assert kern.schedule == "pingpong" and kern.bn == 128
+    assert "fence.proxy.async.shared::cta" in ptx
+    assert "bar.arrive" in ptx or "barrier.arrive" in ptx
+
+
+def test_pingpong_refuses_wide_tiles_and_unknown_schedules():
+    import cutlass
+
+    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
+
+    with pytest.raises(ValueError, match="BN <= 128"):
+        GroupedGemmSm90(cutlass.BFloat16, 1856, 64, 2, b_n_major=False, tile_mn=(128, 192),
+                        schedule="pingpong")
+    with pytest.raises(ValueError, match="schedule"):
+        GroupedGemmSm90(cutlass.BFloat16, 256, 64, 2, b_n_major=False, schedule="stream-k")
+    with pytest.raises(ValueError, match="schedule"):
+        api.pick_schedule("plain", schedule="stream-k")
+    assert api.pick_tile(1856, "pingpong") == (128, 128)
+
+
 @pytest.mark.parametrize("cluster_n", [1, 2])
 def test_cluster_pair_multicasts_a(cluster_n):
     from te_offload_ops.kernels import compile_variant
@@ -99,16 +151,28 @@ def test_cluster_pair_multicasts_a(cluster_n):
     assert ("multicast::cluster" in ptx) == (cluster_n == 2)
 
 
-def test_cluster_needs_paired_n_blocks():
+def test_cluster_pairs_odd_n_block_counts():
+    """An odd n-block count still clusters: the pair that straddles two m-blocks loads its A
+    tiles whole through a second, plain TMA descriptor, the others multicast."""
     import cutlass
 
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import api, compile_variant
     from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
 
+    assert api.pick_cluster(3 * 192, (128, 192)) == 2
+    assert api.pick_cluster(1856, (128, 128)) == 2  # 15 n-blocks
+    assert api.pick_cluster(192, (128, 192)) == 1  # one n-block: every pair would straddle
     with pytest.raises(ValueError, match="cluster_n"):
-        GroupedGemmSm90(cutlass.BFloat16, 3 * 192, 64, 2, b_n_major=False, cluster_n=2)
-    assert api.pick_cluster(3 * 192, (128, 192)) == 1
-    assert api.pick_cluster(1856, (128, 192)) == 2
+        GroupedGemmSm90(cutlass.BFloat16, 256, 64, 2, b_n_major=False, cluster_n=4)
+    kern, compiled, _ = compile_variant(
+        torch.bfloat16, 3 * 192, 256, 4, b_n_major=False, epilogue="plain", options="--keep-ptx",
+        tile=(128, 192),
+    )
+    ptx = str(compiled.artifacts.PTX)
+    assert kern.cluster_n == 2 and kern.n_tiles == 3
+    loads = [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor.2d" in ln]
+    assert any("multicast::cluster" in ln for ln in loads)  # A, shared by the pair
+    assert any("multicast::cluster" not in ln for ln in loads)  # A, whole, for a straddling pair
 
 
 def test_cache_reuses_compiled_kernel():
@@ -123,10 +187,13 @@ def test_cache_reuses_compiled_kernel():
     assert len(times) == 2 and all(t > 0 for t in times.values())
 
 
-def test_accumulator_layout_matches_row_reduction():
+@pytest.mark.parametrize("atoms,threads,bn", [((2, 1, 1), 256, 192), ((1, 1, 1), 128, 128)],
+                         ids=["cooperative", "pingpong"])
+def test_accumulator_layout_matches_row_reduction(atoms, threads, bn):
     """The dSReLU epilogue sums a row over ((pair, half, group), m, n) value
     modes and then across the 4 lanes of a quad: check that layout assumption
-    on the tiled MMA the kernel builds."""
+    on the tiled MMAs the kernel builds (two warpgroups of 64 rows, or one
+    warpgroup over both 64-row halves)."""
     import cutlass
     import cutlass.cute as cute
     import cutlass.utils.hopper_helpers as sm90_utils
@@ -138,27 +205,28 @@ def test_accumulator_layout_matches_row_reduction():
     def probe():
         tm = sm90_utils.make_trivial_tiled_mma(
             cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.K, OperandMajorMode.K,
-            cutlass.Float32, (2, 1, 1), tiler_mn=(64, 192),
+            cutlass.Float32, atoms, tiler_mn=(64, bn),
         )
-        ident = cute.make_identity_tensor((128, 192))
-        for t in cutlass.range_constexpr(256):  # static: coordinates are ints
+        ident = cute.make_identity_tensor((128, bn))
+        for t in cutlass.range_constexpr(threads):  # static: coordinates are ints
             pc = tm.get_slice(t).partition_C(ident)
             seen[t] = (
-                tuple(cute.size(pc.shape[0][i]) for i in range(3)),
-                [tuple(pc[(p, h, g), 0, 0]) for h in range(2) for g in range(24) for p in range(2)],
+                tuple(cute.size(pc.shape[0][i]) for i in range(3)) + (cute.size(pc.shape[1]),),
+                [[tuple(pc[(p, h, g), mm, 0]) for g in range(bn // 8) for p in range(2)]
+                 for mm in range(cute.size(pc.shape[1])) for h in range(2)],
             )
 
     probe()
     cover = set()
-    for t, (modes, crds) in seen.items():
-        assert modes == (2, 2, 24)
-        rows = {crds[i][0] for i in range(0, 48)}, {crds[i][0] for i in range(48, 96)}
-        assert all(len(r) == 1 for r in rows)  # fixed (half) -> one row per thread
-        quad = [seen[(t // 4) * 4 + q][1] for q in range(4)]
-        for q in quad:  # the 4 lanes of the quad hold the same two rows
-            assert {q[0][0], q[48][0]} == {crds[0][0], crds[48][0]}
-        cover.update(crds)
-    assert len(cover) == 128 * 192  # every element owned by exactly one thread
+    for t, (modes, rows_of) in seen.items():
+        assert modes == (2, 2, bn // 8, 256 // threads)
+        for crds in rows_of:  # fixed (m, half) -> one row per thread
+            assert len({c[0] for c in crds}) == 1
+            cover.update(crds)
+        mine = {crds[0][0] for crds in rows_of}
+        for q in range((t // 4) * 4, (t // 4) * 4 + 4):  # the quad's 4 lanes hold the same rows
+            assert {crds[0][0] for crds in seen[q][1]} == mine
+    assert len(cover) == 128 * bn  # every element owned by exactly one thread
 
 
 def test_rejects_bad_shapes():
@@ -206,7 +274,7 @@ def test_wgrad_form_compiles_for_sm90a(dtype, m, n, e, cluster_n):
         cluster_n=cluster_n,
     )
     ptx = str(compiled.artifacts.PTX)
-    bn = pick_tile(n)[1]
+    bn = pick_tile(n, kern.schedule)[1]
     ab = "bf16" if dtype == torch.bfloat16 else "f16"
     assert kern.wgrad_m == m and kern.bn == bn
     assert f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{ab}.{ab}" in ptx

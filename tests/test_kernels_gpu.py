@@ -17,6 +17,7 @@ if importlib.util.find_spec("pytest_timeout") is not None:
     pytestmark.append(pytest.mark.timeout(240, method="thread"))
 
 DTYPES = [torch.bfloat16, torch.float16]
+SCHEDULES = ["cooperative", "pingpong"]
 
 # (split sizes, N, K): uneven splits, a zero-token expert, a lone partial tile,
 # small and large N/K (N not a multiple of the tile, K not a multiple of 64).
@@ -63,25 +64,27 @@ def _close(got, ref, dtype, scale=1.0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits,n,k", SHAPES)
 @pytest.mark.parametrize("trans_b", [False, True])
-def test_grouped_gemm(dtype, splits, n, k, trans_b):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_grouped_gemm(dtype, splits, n, k, trans_b, schedule):
     from te_offload_ops.kernels import grouped_gemm
 
     x, w, s = _inputs(splits, n, k, dtype)
     if trans_b:
         w = w.transpose(1, 2).contiguous()  # (E, K, N)
-    c = grouped_gemm(x, w, s, trans_b=trans_b)
+    c = grouped_gemm(x, w, s, trans_b=trans_b, schedule=schedule)
     assert c.shape == (sum(splits), n) and c.dtype == dtype
     _close(c, _ref_mm(x, w, splits, trans_b), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits,n,k", SHAPES)
-def test_srelu_fwd(dtype, splits, n, k):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_srelu_fwd(dtype, splits, n, k, schedule):
     from te_offload_ops.kernels import grouped_gemm_srelu_fwd
 
     x, w, s = _inputs(splits, n, k, dtype, seed=1)
     probs = torch.rand(x.shape[0], device="cuda").to(dtype)
-    act, z = grouped_gemm_srelu_fwd(x, w, s, probs)
+    act, z = grouped_gemm_srelu_fwd(x, w, s, probs, schedule=schedule)
     z_ref = _ref_mm(x, w, splits, False)
     act_ref = torch.relu(z_ref) ** 2 * probs.float()[:, None]
     _close(z, z_ref, dtype)
@@ -90,7 +93,8 @@ def test_srelu_fwd(dtype, splits, n, k):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits,n,k", SHAPES)
-def test_dsrelu_bwd(dtype, splits, n, k):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_dsrelu_bwd(dtype, splits, n, k, schedule):
     from te_offload_ops.kernels import grouped_gemm_dsrelu_bwd
 
     # fc2 backward: dy (T, H=K), w2 (E, H=K, F=N), z (T, F=N)
@@ -100,7 +104,7 @@ def test_dsrelu_bwd(dtype, splits, n, k):
     g = torch.Generator(device="cuda").manual_seed(3)
     z = torch.randn(t, n, device="cuda", generator=g).to(dtype)
     probs = torch.rand(t, device="cuda", generator=g).to(dtype)
-    dz, dprobs, act = grouped_gemm_dsrelu_bwd(dy, w2, s, z, probs)
+    dz, dprobs, act = grouped_gemm_dsrelu_bwd(dy, w2, s, z, probs, schedule=schedule)
 
     dact = _ref_mm(dy, w2, splits, True)
     r = torch.relu(z.float())
@@ -158,15 +162,17 @@ WGRAD_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["cute", "torch"])
+@pytest.mark.parametrize(
+    "backend,schedule", [("cute", "cooperative"), ("cute", "pingpong"), ("torch", None)]
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits,n,k", WGRAD_SHAPES)
-def test_wgrad(backend, dtype, splits, n, k):
+def test_wgrad(backend, schedule, dtype, splits, n, k):
     from te_offload_ops.kernels import grouped_wgrad
 
     x, _, s = _inputs(splits, 1, k, dtype, seed=5)
     dy = torch.randn(x.shape[0], n, device="cuda").to(dtype)
-    dw = grouped_wgrad(dy, x, s, backend=backend)
+    dw = grouped_wgrad(dy, x, s, backend=backend, schedule=schedule)
     ref = _ref_wgrad(dy, x, splits)
     assert dw.shape == (len(splits), n, k) and dw.dtype == dtype
     # sums over up to 1100 tokens of unit-variance products: scale the tolerance
@@ -176,7 +182,8 @@ def test_wgrad(backend, dtype, splits, n, k):
             assert torch.count_nonzero(dw[e]) == 0
 
 
-def test_wgrad_tail_reads_nothing_of_the_next_expert():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_wgrad_tail_reads_nothing_of_the_next_expert(schedule):
     """The last k-tile of expert e is read past its end (TMA); the kernel zeroes
     those rows in shared memory, so even non-finite values of expert e+1 stay out."""
     from te_offload_ops.kernels import grouped_wgrad
@@ -186,7 +193,7 @@ def test_wgrad_tail_reads_nothing_of_the_next_expert():
     dy = torch.randn(x.shape[0], n, device="cuda").to(torch.bfloat16)
     x[100:130] = float("inf")
     dy[100:130] = float("nan")
-    dw = grouped_wgrad(dy, x, s, backend="cute")
+    dw = grouped_wgrad(dy, x, s, backend="cute", schedule=schedule)
     ref = _ref_wgrad(dy, x, splits)
     _close(dw[0], ref[0], torch.bfloat16, scale=2.0)
     _close(dw[2], ref[2], torch.bfloat16, scale=2.0)
@@ -247,3 +254,90 @@ def test_split_sizes_not_summing_to_tokens_never_write_out_of_bounds(excess):
     covered = min(t, sum(splits) + excess)
     ref = _ref_mm(x, w, splits, False)
     _close(c[:covered], ref[:covered], torch.bfloat16)
+
+
+@pytest.mark.parametrize("epilogue", ["plain", "srelu", "dsrelu", "wgrad"])
+def test_pingpong_many_turns_with_empty_tiles(epilogue):
+    """Pingpong alternates a CTA's tiles between its two consumer warpgroups, each skipping
+    the other's pipeline stages: many tiles per CTA, 0-token experts (empty wgrad tiles)
+    and partial tiles must all land right."""
+    from te_offload_ops.kernels import (
+        grouped_gemm, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd, grouped_wgrad,
+    )
+
+    splits = [0, 1500, 3, 0, 2100, 64, 0, 900]
+    n, k = 1024, 320
+    x, w, s = _inputs(splits, n, k, torch.bfloat16, seed=10)
+    probs = torch.rand(x.shape[0], device="cuda").to(torch.bfloat16)
+    ref = _ref_mm(x, w, splits, False)
+    if epilogue == "plain":
+        _close(grouped_gemm(x, w, s, schedule="pingpong"), ref, torch.bfloat16)
+    elif epilogue == "srelu":
+        act, z = grouped_gemm_srelu_fwd(x, w, s, probs, schedule="pingpong")
+        _close(z, ref, torch.bfloat16)
+        _close(act, torch.relu(ref) ** 2 * probs.float()[:, None], torch.bfloat16, scale=2.0)
+    elif epilogue == "dsrelu":
+        z = torch.randn(x.shape[0], k, device="cuda").to(torch.bfloat16)
+        dy = torch.randn(x.shape[0], n, device="cuda").to(torch.bfloat16)
+        dz, dprobs, act = grouped_gemm_dsrelu_bwd(dy, w, s, z, probs, schedule="pingpong")
+        dz_c, dprobs_c, act_c = grouped_gemm_dsrelu_bwd(dy, w, s, z, probs, schedule="cooperative")
+        dact = _ref_mm(dy, w, splits, True)
+        r = torch.relu(z.float())
+        _close(dz, dact * probs.float()[:, None] * 2 * r, torch.bfloat16, scale=2.0)
+        assert torch.equal(act, act_c)  # act depends on z and probs only
+        torch.testing.assert_close(dprobs.float(), dprobs_c.float(), atol=5e-2, rtol=2e-2)
+    else:
+        dy = torch.randn(x.shape[0], n, device="cuda").to(torch.bfloat16)
+        dw = grouped_wgrad(dy, x, s, backend="cute", schedule="pingpong")
+        _close(dw, _ref_wgrad(dy, x, splits), torch.bfloat16, scale=max(splits) ** 0.5 / 4)
+        for e, cnt in enumerate(splits):
+            if cnt == 0:
+                assert torch.count_nonzero(dw[e]) == 0
+
+
+@pytest.mark.parametrize(
+    "kind,schedule,n,k",
+    [("srelu", "pingpong", 1856, 384), ("plain", "cooperative", 3 * 192, 384),
+     ("dsrelu", "pingpong", 2688, 384), ("wgrad", "pingpong", 1856, 384),
+     ("wgrad", "cooperative", 3 * 192, 3 * 192)],
+)
+def test_cluster_pairs_with_odd_n_blocks_match_single_cta(monkeypatch, kind, schedule, n, k):
+    """Odd n-block counts: pairs that straddle two m-blocks (or, in the wgrad form, two
+    m-blocks of one expert) load A whole, the last tile may have a phantom partner; the
+    results equal the single-CTA kernel's bit for bit."""
+    from te_offload_ops.kernels import (
+        api, grouped_gemm, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd, grouped_wgrad,
+    )
+
+    splits = [300, 0, 517, 131]
+    x, w, s = _inputs(splits, n, k, torch.bfloat16, seed=11)
+    probs = torch.rand(x.shape[0], device="cuda").to(torch.bfloat16)
+    z = torch.randn(x.shape[0], k, device="cuda").to(torch.bfloat16)
+    dy = torch.randn(x.shape[0], n, device="cuda").to(torch.bfloat16)
+
+    def run():
+        if kind == "plain":
+            return (grouped_gemm(x, w, s, schedule=schedule),)
+        if kind == "srelu":
+            return grouped_gemm_srelu_fwd(x, w, s, probs, schedule=schedule)
+        if kind == "dsrelu":  # w as (E, K=n, N=k)
+            return grouped_gemm_dsrelu_bwd(dy, w, s, z, probs, schedule=schedule)
+        return (grouped_wgrad(dy, x, s, backend="cute", schedule=schedule),)  # (E, n, k)
+
+    tile_n = k if kind in ("dsrelu", "wgrad") else n
+    tile = api.pick_tile(tile_n, schedule)
+    n_tiles = -(-tile_n // tile[1])
+    if kind == "wgrad":  # tiles per expert: (n / 128 m-blocks) x n_tiles, odd
+        assert (-(-n // 128) * n_tiles) % 2 == 1
+    else:
+        assert n_tiles % 2 == 1
+    assert api.pick_cluster(tile_n, tile) == 2
+    pair = run()
+    monkeypatch.setenv(api.CLUSTER_ENV, "1")
+    single = run()
+    for a, b in zip(pair, single):
+        assert torch.equal(a, b)
+    if kind == "plain":
+        _close(pair[0], _ref_mm(x, w, splits, False), torch.bfloat16)
+    if kind == "wgrad":
+        _close(pair[0], _ref_wgrad(dy, x, splits), torch.bfloat16, scale=max(splits) ** 0.5 / 4)

@@ -3,7 +3,7 @@
 All entry points take plain torch tensors, allocate their outputs, never read
 ``split_sizes`` on the host (no device sync) and launch on the current CUDA
 stream.  Compiled kernels are cached per
-``(dtype, tile, cluster, epilogue, N, K, E, B major, wgrad M)``; the first call of a key compiles
+``(dtype, tile, cluster, epilogue, N, K, E, B major, wgrad M, schedule)``; the first call of a key compiles
 (see :func:`compile_times`).
 """
 
@@ -57,11 +57,36 @@ def _cutlass_dtype(dtype: torch.dtype):
     raise TypeError(f"grouped GEMM supports bf16 and fp16, got {dtype}")
 
 
-def pick_tile(n: int) -> tuple[int, int]:
+SCHEDULE_ENV = "TEO_GEMM_SCHEDULE"  # "cooperative" or "pingpong": overrides pick_schedule
+SCHEDULES = ("cooperative", "pingpong")
+# per GEMM kind, the faster schedule on H100 (benchmarks/results/bench_kernels*, both
+# schedules timed interleaved): pingpong hides the epilogue behind the other warpgroup's
+# MMAs; the wgrads have no epilogue work to hide and keep the wider cooperative tile
+_DEFAULT_SCHEDULE = {"plain": "pingpong", "srelu": "pingpong", "dsrelu": "pingpong",
+                     "wgrad": "cooperative"}
+
+
+def pick_schedule(epilogue: str, wgrad: bool = False, schedule: str | None = None, tile=None) -> str:
+    """The argument, else $TEO_GEMM_SCHEDULE, else the measured default for this GEMM kind
+    (cooperative when a given tile is wider than pingpong's 128 columns)."""
+    choice = schedule or os.environ.get(SCHEDULE_ENV)
+    if not choice:
+        choice = _DEFAULT_SCHEDULE["wgrad" if wgrad else epilogue]
+        if tile is not None and tile[1] > 128:
+            choice = "cooperative"
+    if choice not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {choice!r}")
+    return choice
+
+
+def pick_tile(n: int, schedule: str = "cooperative") -> tuple[int, int]:
     """(BM, BN): the BN among 256/192/128 with the least padding of the last
-    n-block (ties go to the larger BN); 64 only when N <= 64."""
+    n-block (ties go to the larger BN); 64 only when N <= 64.  Pingpong keeps
+    a whole 128 x BN accumulator per warpgroup: BN 128."""
     if n <= 64:
         return (128, 64)
+    if schedule == "pingpong":
+        return (128, 128)
     best = max((n / (-(-n // bn) * bn), bn) for bn in (256, 192, 128))
     return (128, best[1])
 
@@ -70,15 +95,18 @@ CLUSTER_ENV = "TEO_GEMM_CLUSTER_N"  # "1" turns off the 2-CTA A multicast (for c
 
 
 def pick_cluster(n: int, tile) -> int:
-    """2 (A multicast over a CTA pair) when the n-blocks pair up, else 1; TEO_GEMM_CLUSTER_N=1 forces 1."""
+    """2 (A multicast over a CTA pair) when there are at least two n-blocks, else 1 (a pair
+    would always straddle two m-blocks and share nothing); TEO_GEMM_CLUSTER_N=1 forces 1.
+    With an odd n-block count one pair in n_tiles straddles and loads A unshared."""
     if os.environ.get(CLUSTER_ENV, "") == "1":
         return 1
-    return 2 if (-(-n // tile[1])) % 2 == 0 else 1
+    return 2 if -(-n // tile[1]) >= 2 else 1
 
 
 def _compile(
     dtype: torch.dtype, n: int, k: int, e: int, b_n_major: bool, epilogue: str, tile,
     options: str | None = None, cluster_n: int = 1, wgrad_m: int | None = None,
+    schedule: str = "cooperative",
 ):
     cutlass, cute, make_ptr, make_fake_stream = _cutlass()
     from .gemm_sm90 import GroupedGemmSm90
@@ -86,7 +114,7 @@ def _compile(
     dt = _cutlass_dtype(dtype)
     kern = GroupedGemmSm90(
         dt, n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile_mn=tile, cluster_n=cluster_n,
-        wgrad_m=wgrad_m,
+        wgrad_m=wgrad_m, schedule=schedule,
     )
     gmem = cute.AddressSpace.gmem
     fake = 1 << 20  # any aligned address: only the types matter at compile time
@@ -109,22 +137,25 @@ def _compile(
 
 
 def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=None, cluster_n=None,
-                    wgrad_m=None):
+                    wgrad_m=None, schedule=None):
     """Compile one variant without caching; returns (kernel object, compiled, seconds).
 
     Works without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile
     tests); ``options`` is passed to ``cute.compile`` (e.g. ``"--keep-ptx"``).
     ``wgrad_m`` selects the weight-gradient form (``k`` must then be 0)."""
-    tile = tuple(tile) if tile is not None else pick_tile(n)
+    schedule = pick_schedule(epilogue, wgrad_m is not None, schedule, tile)
+    tile = tuple(tile) if tile is not None else pick_tile(n, schedule)
     cluster_n = cluster_n or pick_cluster(n, tile)
-    return _compile(dtype, n, k, e, bool(b_n_major), epilogue, tile, options, cluster_n, wgrad_m)
+    return _compile(dtype, n, k, e, bool(b_n_major), epilogue, tile, options, cluster_n, wgrad_m,
+                    schedule)
 
 
-def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None):
+def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, schedule=None):
     """Compiled kernel for one variant (compiles and caches on first use)."""
-    tile = tuple(tile) if tile is not None else pick_tile(n)
+    schedule = pick_schedule(epilogue, wgrad_m is not None, schedule, tile)
+    tile = tuple(tile) if tile is not None else pick_tile(n, schedule)
     cluster_n = pick_cluster(n, tile)
-    key = (dtype, tile, cluster_n, epilogue, n, k, e, bool(b_n_major), wgrad_m)
+    key = (dtype, tile, cluster_n, epilogue, n, k, e, bool(b_n_major), wgrad_m, schedule)
     hit = _CACHE.get(key)
     if hit is None:
         with _LOCK:
@@ -132,7 +163,7 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None):
             if hit is None:
                 kern, compiled, secs = _compile(
                     dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
-                    wgrad_m=wgrad_m,
+                    wgrad_m=wgrad_m, schedule=schedule,
                 )
                 _COMPILE_SECONDS[key] = secs
                 _log.info("compiled grouped GEMM %s in %.2f s", key, secs)
@@ -182,11 +213,11 @@ def _launch(kern, compiled, tensors, num_tokens):
     # persistent grid: one CTA per SM at most, and no more CTAs than a bound
     # of the tile count that needs no split sizes on the host
     if kern.wgrad_m is not None:  # static tiles: E times the (M, N) blocks
-        tile_bound = kern.num_experts * kern.m_tiles * kern.n_tiles
+        tile_bound = kern.num_experts * kern.wgrad_tiles
     else:
         tile_bound = (-(-num_tokens // kern.bm) + kern.num_experts) * kern.n_tiles
     cn = kern.cluster_n
-    num_ctas = min(_sm_count(tensors[0][0].device.index) // cn * cn, tile_bound)
+    num_ctas = min(_sm_count(tensors[0][0].device.index) // cn * cn, -(-tile_bound // cn) * cn)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     compiled(*ptrs, cutlass.Int32(num_tokens), cutlass.Int32(num_ctas), stream)
 
@@ -227,7 +258,7 @@ def _splits_i32(split_sizes: torch.Tensor, device) -> torch.Tensor:
     return s.contiguous()
 
 
-def grouped_gemm(a, b, split_sizes, *, trans_b=False, tile=None):
+def grouped_gemm(a, b, split_sizes, *, trans_b=False, tile=None, schedule=None):
     """c[rows of e] = a[rows of e] @ b[e].T  (b: (E, N, K)); with ``trans_b``
     b is (E, K, N) and c = a_e @ b[e].  Returns c (T, N) in a.dtype."""
     e, n, k = _check(a, b, split_sizes, trans_b)
@@ -235,7 +266,8 @@ def grouped_gemm(a, b, split_sizes, *, trans_b=False, tile=None):
     c = torch.empty(t, n, dtype=a.dtype, device=a.device)
     if t == 0:
         return c
-    kern, compiled = get_kernel(a.dtype, n, k, e, b_n_major=trans_b, epilogue="plain", tile=tile)
+    kern, compiled = get_kernel(a.dtype, n, k, e, b_n_major=trans_b, epilogue="plain", tile=tile,
+                                schedule=schedule)
     a, b = _aligned(a), _aligned(b)
     s = _splits_i32(split_sizes, a.device)
     _launch(
@@ -247,7 +279,7 @@ def grouped_gemm(a, b, split_sizes, *, trans_b=False, tile=None):
     return c
 
 
-def grouped_gemm_srelu_fwd(x, w1, split_sizes, probs, *, tile=None):
+def grouped_gemm_srelu_fwd(x, w1, split_sizes, probs, *, tile=None, schedule=None):
     """z = x_e @ w1[e].T (w1: (E, N, K)), act = relu(z)^2 * probs[:, None].
 
     Returns (act, z), both (T, N) in x.dtype.  act is computed from the fp32
@@ -260,7 +292,8 @@ def grouped_gemm_srelu_fwd(x, w1, split_sizes, probs, *, tile=None):
         return act, z
     if probs.shape != (t,):
         raise ValueError("probs must be (T,)")
-    kern, compiled = get_kernel(x.dtype, n, k, e, b_n_major=False, epilogue="srelu", tile=tile)
+    kern, compiled = get_kernel(x.dtype, n, k, e, b_n_major=False, epilogue="srelu", tile=tile,
+                                schedule=schedule)
     x, w1 = _aligned(x), _aligned(w1)
     p = probs.to(x.dtype).contiguous()
     s = _splits_i32(split_sizes, x.device)
@@ -273,7 +306,7 @@ def grouped_gemm_srelu_fwd(x, w1, split_sizes, probs, *, tile=None):
     return act, z
 
 
-def grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, *, tile=None):
+def grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, *, tile=None, schedule=None):
     """dact = dy_e @ w2[e] (w2: (E, H, F), i.e. (E, K, N)); then
     dz = dact * probs * 2 relu(z), dprobs[t] = sum_f dact[t, f] relu(z[t, f])^2,
     act = relu(z)^2 * probs.  Returns (dz, dprobs, act); dprobs has probs.dtype.
@@ -288,7 +321,8 @@ def grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, *, tile=None):
         return dz, torch.zeros(0, dtype=probs.dtype, device=dy.device), act
     if z.shape != (t, n) or probs.shape != (t,):
         raise ValueError("z must be (T, N) and probs (T,)")
-    kern, compiled = get_kernel(dy.dtype, n, k, e, b_n_major=True, epilogue="dsrelu", tile=tile)
+    kern, compiled = get_kernel(dy.dtype, n, k, e, b_n_major=True, epilogue="dsrelu", tile=tile,
+                                schedule=schedule)
     dy, w2, zc = _aligned(dy), _aligned(w2), _aligned(z.to(dy.dtype))
     p = probs.to(dy.dtype).contiguous()
     s = _splits_i32(split_sizes, dy.device)
@@ -334,7 +368,7 @@ def _check_wgrad(dy, x, split_sizes):
         raise ValueError("N and K must be multiples of 8 (16-byte rows)")
 
 
-def grouped_wgrad(dy, x, split_sizes, *, backend: str | None = None, tile=None):
+def grouped_wgrad(dy, x, split_sizes, *, backend: str | None = None, tile=None, schedule=None):
     """dW[e] = dy_e^T @ x_e  ->  (E, N, K) in dy.dtype, no host sync.
 
     dy is (T, N), x is (T, K), split_sizes has E entries.  Experts with zero
@@ -353,7 +387,7 @@ def grouped_wgrad(dy, x, split_sizes, *, backend: str | None = None, tile=None):
         return torch.zeros(e, n, k, dtype=dy.dtype, device=dy.device)
     # C[e] (M=N_dy, N=K_x) = A_e^T B_e with A = dy, B = x
     kern, compiled = get_kernel(dy.dtype, k, 0, e, b_n_major=True, epilogue="plain", tile=tile,
-                                wgrad_m=n)
+                                wgrad_m=n, schedule=schedule)
     dw = torch.empty(e, n, k, dtype=dy.dtype, device=dy.device)
     dy, x = _aligned(dy), _aligned(x)
     _launch(

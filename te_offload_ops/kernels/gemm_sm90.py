@@ -35,8 +35,25 @@ fastest, so the CTAs in flight share A rows and one expert's weights in L2.
   runs WGMMA over the pipeline and then the epilogue, which stages the tile
   through shared memory 64 columns at a time and stores 16-byte vectors.
 
-With ``cluster_n == 2`` two CTAs form a cluster on adjacent n-blocks of one
-m-block: each loads half of the shared A tile and multicasts it to both.
+``schedule="pingpong"`` gives each consumer warpgroup tiles of its own
+instead (the CTA's tiles alternate between them) with a whole 128 x BN
+accumulator (BN <= 128), so one warpgroup's epilogue runs while the other
+one's WGMMAs keep the tensor cores busy.  The warpgroups take turns on the
+mainloop through two named barriers; besides ordering the MMAs, the turns
+keep the mbarrier phase waits sound: a warpgroup that skips the other's tile
+advances its pipeline state past stages it never waits on, and may only
+wait on the next round of a stage once that stage's previous round landed.
+
+With ``cluster_n == 2`` two CTAs form a cluster on consecutive tiles of the
+n-fastest order.  Where both tiles sit in one m-block (all but one pair in
+``n_tiles`` when ``n_tiles`` is odd) each CTA loads half of the shared A tile
+and multicasts it to both; a pair that straddles two m-blocks loads each A
+whole, through a second, plain TMA descriptor.  Either way every CTA receives
+a full A and B tile per stage, so the pipeline's byte counts do not change.
+An odd tile count leaves a phantom partner for the last tile: it runs the
+stages (the pair's barriers count on it) but stores nothing.  In the
+weight-gradient form each expert's tile count is padded to even, so that a
+pair never spans two experts (their token counts, i.e. k-tiles, differ).
 
 A tile may start in the middle of the token matrix (rows are not aligned to
 BM), so the A tile is read through a shifted TMA coordinate space; rows past
@@ -66,6 +83,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 EPILOGUES = ("plain", "srelu", "dsrelu")
+SCHEDULES = ("cooperative", "pingpong")
 
 _WG = 128  # threads per warpgroup
 _THREADS = 3 * _WG  # producer warpgroup + two consumer warpgroups
@@ -74,12 +92,14 @@ _CONSUMER_REGS = 232  # ... so the accumulators get more (40*128 + 232*256 <= 64
 _BK = 64
 _EPI_COLS = 64  # the epilogue stages the tile 64 columns at a time
 _EPI_ROW = _EPI_COLS + 8  # 16 bytes of padding per staged row: no bank conflicts on writes
-_EPI_BARRIER = 1  # named barrier of the 256 consumer threads (0 is __syncthreads)
-_MASK_BARRIER = 2  # the consumers meet here after zeroing a wgrad tail k-tile
+# named barriers (0 is __syncthreads); pingpong uses id + warpgroup, one per warpgroup
+_EPI_BARRIER = 1  # the threads sharing an epilogue staging buffer
+_MASK_BARRIER = 3  # the threads of a tile meet here after zeroing a wgrad tail k-tile
+_ORDER_BARRIER = 5  # pingpong: "your turn on the mainloop", id + the warpgroup waiting
 
 
 class GroupedGemmSm90:
-    """One compiled variant: (dtype, BM, BN, epilogue, N, K, E, B major, wgrad M)."""
+    """One compiled variant: (dtype, BM, BN, epilogue, N, K, E, B major, wgrad M, schedule)."""
 
     def __init__(
         self,
@@ -93,6 +113,7 @@ class GroupedGemmSm90:
         tile_mn: tuple[int, int] = (128, 192),
         cluster_n: int = 1,
         wgrad_m: int | None = None,
+        schedule: str = "cooperative",
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(f"unknown epilogue {epilogue!r}")
@@ -101,6 +122,15 @@ class GroupedGemmSm90:
             raise ValueError("BM must be 128 (two 64-row consumer warpgroups)")
         if bn % 64 != 0 or not 64 <= bn <= 256:
             raise ValueError("BN must be 64, 128, 192 or 256")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.pingpong = schedule == "pingpong"
+        if self.pingpong and bn > 128:
+            # a warpgroup then holds the whole 128 x BN fp32 accumulator: BN registers a thread
+            raise ValueError("the pingpong schedule takes BN <= 128")
+        self.schedule = schedule
+        # threads that share one tile (and its epilogue staging buffer)
+        self.tile_threads = _WG if self.pingpong else 2 * _WG
         if wgrad_m is not None:
             # K is each expert's token count, read on the GPU
             if epilogue != "plain" or not b_n_major or k != 0:
@@ -118,19 +148,24 @@ class GroupedGemmSm90:
         self.bm, self.bn, self.bk = bm, bn, _BK
         self.k_tiles = (k + _BK - 1) // _BK
         self.n_tiles = (n + bn - 1) // bn
-        # cluster_n == 2: two CTAs on adjacent n-blocks of one m-block share the
-        # A tile, each loading half of it and multicasting to both (half the A
-        # traffic out of L2)
-        if cluster_n not in (1, 2) or self.n_tiles % cluster_n:
-            raise ValueError(f"cluster_n must be 1, or 2 when the n-blocks ({self.n_tiles}) pair up")
+        # cluster_n == 2: two CTAs on consecutive tiles share the A tile where
+        # they sit in one m-block, each loading half of it and multicasting to
+        # both (half the A traffic out of L2)
+        if cluster_n not in (1, 2):
+            raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
         self.cluster_n = cluster_n
+        # weight-gradient form: tiles per expert, padded so pairs never span two experts
+        per_expert = self.m_tiles * self.n_tiles
+        self.wgrad_tiles = -(-per_expert // cluster_n) * cluster_n
         elem = dtype.width // 8
         stage_bytes = (bm + bn) * _BK * elem
-        # epilogue staging: one (BM, 64 + pad) chunk per output tensor
+        # epilogue staging: one (BM, 64 + pad) chunk per output tensor, per
+        # warpgroup under pingpong (their epilogues may overlap)
         self.n_out = 1 if epilogue == "plain" else 2
         self.epi_elems = bm * _EPI_ROW
+        self.epi_bufs = 2 if self.pingpong else 1
         budget = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 2048
-        budget -= self.n_out * self.epi_elems * elem
+        budget -= self.epi_bufs * self.n_out * self.epi_elems * elem
         self.stages = max(2, min(8, budget // stage_bytes))
 
     # ------------------------------------------------------------------ host
@@ -180,7 +215,7 @@ class GroupedGemmSm90:
             a_major.sm90_mma_major_mode(),
             b_major.sm90_mma_major_mode(),
             cutlass.Float32,
-            (2, 1, 1),
+            (1, 1, 1) if self.pingpong else (2, 1, 1),
             tiler_mn=(64, bn),
         )
         tile_mnk = (bm, bn, bk)
@@ -193,6 +228,10 @@ class GroupedGemmSm90:
             cute.slice_(sa_layout, (None, None, 0)),
             (bm, bk),
             num_multicast=self.cluster_n,
+        )
+        # for a cluster pair that straddles two m-blocks: each CTA loads its whole A
+        tma_a1, g_a1 = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_a, cute.slice_(sa_layout, (None, None, 0)), (bm, bk),
         )
         tma_b, g_b = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(),
@@ -211,12 +250,12 @@ class GroupedGemmSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(sb_layout)], 1024
             ]
             epi: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, self.n_out * self.epi_elems], 128
+                cute.struct.MemRange[self.dtype, self.epi_bufs * self.n_out * self.epi_elems], 128
             ]
 
         self.smem_struct = Smem
         self.kernel(
-            tma_a, g_a, tma_b, g_b, m_c, m_split, m_prob, m_z, m_act, m_part,
+            tma_a, g_a, tma_a1, g_a1, tma_b, g_b, m_c, m_split, m_prob, m_z, m_act, m_part,
             tiled_mma, sa_layout, sb_layout,
         ).launch(
             grid=[num_ctas, 1, 1], block=[_THREADS, 1, 1], cluster=[self.cluster_n, 1, 1],
@@ -226,11 +265,15 @@ class GroupedGemmSm90:
     # ---------------------------------------------------------------- device
     @cute.jit
     def _tile_coords(self, group, rank):
-        """(m-block, n-block) of this CTA in tile group ``group``; n runs fastest."""
-        groups_per_m = self.n_tiles // self.cluster_n
-        m_blk = group // groups_per_m
-        n_blk = (group - m_blk * groups_per_m) * self.cluster_n + rank
-        return m_blk, n_blk
+        """(m-block, n-block, shares A) of this CTA in tile group ``group``.
+
+        Tiles run n-fastest; group g holds tiles g * cluster_n + rank.  The
+        pair shares its A tile when both tiles sit in one m-block."""
+        first = group * self.cluster_n
+        lin = first + rank
+        m_blk = lin // self.n_tiles
+        shares_a = first // self.n_tiles == (first + self.cluster_n - 1) // self.n_tiles
+        return m_blk, lin - m_blk * self.n_tiles, shares_a
 
     @cute.jit
     def _locate(self, m_split, m_blk):
@@ -258,12 +301,13 @@ class GroupedGemmSm90:
     def _work(self, m_split, tile, rank, num_tokens):
         """Everything a CTA needs of tile group ``tile``.
 
-        Returns (expert, n_blk, a_row, a_col, k_tiles, k_rem, c_row, rows_here):
-        the A tile's origin in A's (rows, K) view, the k-tile count, the
-        valid K of the last k-tile, the first output row and the valid rows."""
+        Returns (expert, n_blk, a_row, a_col, k_tiles, k_rem, c_row, rows_here,
+        shares_a): the A tile's origin in A's (rows, K) view, the k-tile count,
+        the valid K of the last k-tile, the first output row, the valid rows
+        (<= 0 for a phantom tile) and whether the cluster pair shares A."""
         bm, bk = self.bm, self.bk
         if cutlass.const_expr(self.wgrad_m is None):
-            m_blk, n_blk = self._tile_coords(tile, rank)
+            m_blk, n_blk, shares_a = self._tile_coords(tile, rank)
             expert, row0, row_end = self._locate(m_split, m_blk)
             # split sizes summing past T must not write past T (no host check: it would sync)
             if row_end > num_tokens:
@@ -272,9 +316,9 @@ class GroupedGemmSm90:
             k_tiles, k_rem = cutlass.Int32(self.k_tiles), cutlass.Int32(bk)
             c_row, rows_here = row0, row_end - row0
         else:
-            per_expert = self.m_tiles * (self.n_tiles // self.cluster_n)
+            per_expert = self.wgrad_tiles // self.cluster_n  # tile groups
             expert = tile // per_expert
-            m_blk, n_blk = self._tile_coords(tile - expert * per_expert, rank)
+            m_blk, n_blk, shares_a = self._tile_coords(tile - expert * per_expert, rank)
             a_col = cutlass.Int32(0)  # the expert's first token
             cnt = cutlass.Int32(0)
             for ei in cutlass.range_constexpr(self.num_experts):
@@ -286,35 +330,47 @@ class GroupedGemmSm90:
             k_tiles = (cnt + bk - 1) // bk
             k_rem = cnt - (k_tiles - 1) * bk
             c_row, rows_here = expert * self.wgrad_m + a_row, self.wgrad_m - a_row
-        return expert, n_blk, a_row, a_col, k_tiles, k_rem, c_row, rows_here
+        return expert, n_blk, a_row, a_col, k_tiles, k_rem, c_row, rows_here, shares_a
+
+    def _bar(self, base, cwg):
+        """(named barrier id, thread count) of the threads sharing this warpgroup's tile."""
+        return (base + cwg if self.pingpong else base), self.tile_threads
 
     @cute.jit
-    def _mask_k_tail(self, sa, sb, stage, k_rem, ctid, cwg):
+    def _mask_k_tail(self, sa, sb, stage, k_rem, etid, cwg):
         """Zero the k columns >= k_rem of this stage's A and B tiles.
 
         TMA read the last k-tile of an expert past its token range: those
-        rows belong to the next expert.  Each consumer warpgroup clears its
-        own 64 A rows and half of the B rows, then makes the generic-proxy
-        writes visible to WGMMA (async proxy) before either warpgroup reads."""
+        rows belong to the next expert.  The threads of the tile split the
+        A and B rows among warpgroups (cooperative: each clears its own 64 A
+        rows and half of B; pingpong: the one warpgroup clears all), then
+        make the generic-proxy writes visible to WGMMA (async proxy) before
+        anyone reads."""
         bk = self.bk
-        t = ctid - cwg * _WG
-        half_b = self.bn // 2
+        share = self.tile_threads // _WG
+        part = 0 if self.pingpong else cwg
+        a_rows, b_rows = self.bm // share, self.bn // share
+        t = etid - part * _WG  # thread within its warpgroup
         # consecutive threads walk the contiguous (M / N) mode; the two halves
         # of the warpgroup take alternate k columns
         r = t % 64
         for kk in cutlass.range(k_rem + t // 64, bk, 2, unroll=1):
-            sa[cwg * 64 + r, kk, stage] = self.dtype(0.0)
-            for q in cutlass.range_constexpr((half_b + 63) // 64):
-                if q * 64 + r < half_b:
-                    sb[cwg * half_b + q * 64 + r, kk, stage] = self.dtype(0.0)
+            for q in cutlass.range_constexpr(a_rows // 64):
+                sa[part * a_rows + q * 64 + r, kk, stage] = self.dtype(0.0)
+            for q in cutlass.range_constexpr((b_rows + 63) // 64):
+                if q * 64 + r < b_rows:
+                    sb[part * b_rows + q * 64 + r, kk, stage] = self.dtype(0.0)
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=_MASK_BARRIER, number_of_threads=2 * _WG)
+        bar_id, n_threads = self._bar(_MASK_BARRIER, cwg)
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
 
     @cute.kernel
     def kernel(
         self,
         tma_a: cute.CopyAtom,
         g_a: cute.Tensor,
+        tma_a1: cute.CopyAtom,
+        g_a1: cute.Tensor,
         tma_b: cute.CopyAtom,
         g_b: cute.Tensor,
         m_c: cute.Tensor,
@@ -342,16 +398,19 @@ class GroupedGemmSm90:
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
+            if cutlass.const_expr(self.cluster_n > 1):
+                cpasync.prefetch_descriptor(tma_a1)
             cpasync.prefetch_descriptor(tma_b)
 
         if cutlass.const_expr(self.wgrad_m is not None):
-            n_work = cutlass.Int32(self.num_experts * self.m_tiles * (self.n_tiles // self.cluster_n))
+            n_work = cutlass.Int32(self.num_experts * (self.wgrad_tiles // self.cluster_n))
         else:
             # real work: sum_e ceil(split_e / BM) m-blocks, each with n_tiles n-blocks
             m_total = cutlass.Int32(0)
             for ei in cutlass.range_constexpr(self.num_experts):
                 m_total = m_total + (m_split[ei] + bm - 1) // bm
-            n_work = m_total * (self.n_tiles // self.cluster_n)  # tile groups
+            # tile groups; an odd tile count leaves the last group a phantom partner
+            n_work = (m_total * self.n_tiles + self.cluster_n - 1) // self.cluster_n
         cluster_mn = (1, self.cluster_n)
 
         smem = cutlass.memory.SmemAllocator()
@@ -365,9 +424,9 @@ class GroupedGemmSm90:
             barrier_storage=st.bars.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # one arrive per consumer warp of every CTA that writes into this one
+            # one arrive per consuming warp of every CTA that writes into this one
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.cluster_n * 2 * _WG // 32
+                pipeline.Agent.Thread, self.cluster_n * self.tile_threads // 32
             ),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)),
@@ -382,7 +441,8 @@ class GroupedGemmSm90:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp == 0:
                 self._produce(
-                    rank, cluster, num_clusters, n_work, m_split, pipe, tma_a, g_a, tma_b, g_b, sa, sb
+                    rank, cluster, num_clusters, n_work, m_split, pipe, tma_a, g_a, tma_a1, g_a1,
+                    tma_b, g_b, sa, sb,
                 )
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
@@ -392,15 +452,17 @@ class GroupedGemmSm90:
             )
 
     @cute.jit
-    def _produce(self, rank, cluster, num_clusters, n_work, m_split, pipe, tma_a, g_a, tma_b, g_b,
-                 sa, sb):
+    def _produce(self, rank, cluster, num_clusters, n_work, m_split, pipe, tma_a, g_a, tma_a1, g_a1,
+                 tma_b, g_b, sa, sb):
         bm, bn, bk = self.bm, self.bn, self.bk
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         mcast = cutlass.Int16((1 << self.cluster_n) - 1)  # A goes to every CTA of the cluster
         num_tokens = cute.size(g_a, mode=[1] if self.wgrad_m is not None else [0])
         tile = cluster
         while tile < n_work:
-            expert, n_blk, a_row, a_col, k_tiles, _, _, _ = self._work(m_split, tile, rank, num_tokens)
+            expert, n_blk, a_row, a_col, k_tiles, _, _, _, shares_a = self._work(
+                m_split, tile, rank, num_tokens
+            )
             # the A tile starts at any row (forward) or any token (wgrad)
             g_a_tile = cute.local_tile(cute.domain_offset((a_row, a_col), g_a), (bm, bk), (0, None))
             if cutlass.const_expr(self.wgrad_m is not None):
@@ -415,12 +477,21 @@ class GroupedGemmSm90:
                 tma_b, 0, cute.make_layout(1),
                 cute.group_modes(sb, 0, 2), cute.group_modes(g_b_tile, 0, 2),
             )
+            if cutlass.const_expr(self.cluster_n > 1):  # the whole A tile, this CTA only
+                g_a1_tile = cute.local_tile(cute.domain_offset((a_row, a_col), g_a1), (bm, bk), (0, None))
+                t_sa1, t_ga1 = cpasync.tma_partition(
+                    tma_a1, 0, cute.make_layout(1),
+                    cute.group_modes(sa, 0, 2), cute.group_modes(g_a1_tile, 0, 2),
+                )
             for kt in cutlass.range(k_tiles, unroll=1):
                 pipe.producer_acquire(prod)
                 bar = pipe.producer_get_barrier(prod)
                 if cutlass.const_expr(self.cluster_n > 1):
-                    cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar,
-                              mcast_mask=mcast)
+                    if shares_a:
+                        cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar,
+                                  mcast_mask=mcast)
+                    else:
+                        cute.copy(tma_a1, t_ga1[None, kt], t_sa1[None, prod.index], tma_bar_ptr=bar)
                 else:
                     cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar)
                 cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar)
@@ -437,68 +508,99 @@ class GroupedGemmSm90:
     ):
         bm, bn = self.bm, self.bn
         dtype = self.dtype
+        # etid: this thread among those sharing its tile (both consumer
+        # warpgroups, or under pingpong its own warpgroup)
+        etid = ctid - cwg * _WG if self.pingpong else ctid
         # A/B operands are smem descriptors shared by a whole warpgroup: slice
         # by warpgroup.  Accumulator elements differ per thread: the epilogue
         # partitions C with the slice of this very thread.
-        wg_mma = tiled_mma.get_slice(cute.make_layout(2, stride=_WG)(cwg))
+        if cutlass.const_expr(self.pingpong):
+            wg_mma = tiled_mma.get_slice(0)
+        else:
+            wg_mma = tiled_mma.get_slice(cute.make_layout(2, stride=_WG)(cwg))
         frag_a = tiled_mma.make_fragment_A(wg_mma.partition_A(sa))
         frag_b = tiled_mma.make_fragment_B(wg_mma.partition_B(sb))
-        thr_mma = tiled_mma.get_slice(ctid)
+        thr_mma = tiled_mma.get_slice(etid)
         c_id = thr_mma.partition_C(cute.make_identity_tensor((bm, bn)))
         acc = cute.make_rmem_tensor(c_id.shape, cutlass.Float32)
         num_kb = cute.size(frag_a, mode=[2])
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        thr_cp = self._staging_copy().get_slice(ctid)
+        thr_cp = self._staging_copy().get_slice(etid)
         cp_id = thr_cp.partition_S(cute.make_identity_tensor((bm, _EPI_COLS)))
         # epilogue inputs (prob per row; z as coalesced 16-byte vectors, one
         # register tensor per 64-column chunk), loaded before the mainloop so
-        # their latency hides under it
+        # their latency hides under it.  Pingpong has no registers to spare
+        # for z: it loads one chunk at a time in the epilogue, which the other
+        # warpgroup's mainloop hides.
         n_rows = cute.size(acc.shape[0][1]) * cute.size(acc.shape[1])
         prob_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        z_r = [cute.make_rmem_tensor(cp_id.shape, dtype) for _ in range(bn // _EPI_COLS)]
+        z_chunks = 1 if self.pingpong else bn // _EPI_COLS
+        z_r = [cute.make_rmem_tensor(cp_id.shape, dtype) for _ in range(z_chunks)]
 
         num_tokens = cute.size(m_c, mode=[0])
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tile = cluster
+        turn = cutlass.Int32(0)  # the cluster's tile count so far (pingpong: whose turn)
         while tile < n_work:
-            _, n_blk, _, _, k_tiles, k_rem, row0, rows_here = self._work(m_split, tile, rank, num_tokens)
-            cols_here = self.n - n_blk * bn
-            if cutlass.const_expr(self.epilogue != "plain"):
-                self._load_epilogue_inputs(
-                    c_id, row0, rows_here, cols_here, n_blk, prob_r, z_r, m_prob, m_z, thr_cp, cp_id
-                )
-
-            acc.fill(0.0)
-            for kt in cutlass.range(k_tiles, unroll=1):
-                pipe.consumer_wait(cons)
-                if cutlass.const_expr(self.wgrad_m is not None):
-                    if kt == k_tiles - 1:
-                        if k_rem < self.bk:
-                            self._mask_k_tail(sa, sb, cons.index, k_rem, ctid, cwg)
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(num_kb):
-                    cute.gemm(
-                        tiled_mma, acc,
-                        frag_a[None, None, kb, cons.index],
-                        frag_b[None, None, kb, cons.index],
-                        acc,
+            _, n_blk, _, _, k_tiles, k_rem, row0, rows_here, _ = self._work(
+                m_split, tile, rank, num_tokens
+            )
+            mine = True
+            if cutlass.const_expr(self.pingpong):
+                mine = turn % 2 == cwg
+            if mine:
+                cols_here = self.n - n_blk * bn
+                if cutlass.const_expr(self.epilogue != "plain"):
+                    self._load_epilogue_inputs(
+                        c_id, row0, rows_here, cols_here, n_blk, prob_r, z_r, m_prob, m_z, thr_cp,
+                        cp_id,
                     )
-                warpgroup.commit_group()
-                # keep one wgmma batch in flight; the stage before it is read
-                warpgroup.wait_group(1)
-                if kt > 0:
+                if cutlass.const_expr(self.pingpong):
+                    if turn > 0:  # wait until the other warpgroup's mainloop has passed
+                        cute.arch.barrier(barrier_id=_ORDER_BARRIER + cwg, number_of_threads=2 * _WG)
+
+                acc.fill(0.0)
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    pipe.consumer_wait(cons)
+                    if cutlass.const_expr(self.wgrad_m is not None):
+                        if kt == k_tiles - 1:
+                            if k_rem < self.bk:
+                                self._mask_k_tail(sa, sb, cons.index, k_rem, etid, cwg)
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(num_kb):
+                        cute.gemm(
+                            tiled_mma, acc,
+                            frag_a[None, None, kb, cons.index],
+                            frag_b[None, None, kb, cons.index],
+                            acc,
+                        )
+                    warpgroup.commit_group()
+                    # keep one wgmma batch in flight; the stage before it is read
+                    warpgroup.wait_group(1)
+                    if kt > 0:
+                        pipe.consumer_release(rel)
+                        rel.advance()
+                    cons.advance()
+                if cutlass.const_expr(self.pingpong):
+                    if tile + num_clusters < n_work:  # hand the mainloop over
+                        cute.arch.barrier_arrive(
+                            barrier_id=_ORDER_BARRIER + 1 - cwg, number_of_threads=2 * _WG
+                        )
+                warpgroup.wait_group(0)
+                if k_tiles > 0:  # an expert with no tokens consumed no stage
                     pipe.consumer_release(rel)
                     rel.advance()
-                cons.advance()
-            warpgroup.wait_group(0)
-            if k_tiles > 0:  # an expert with no tokens consumed no stage
-                pipe.consumer_release(rel)
-                rel.advance()
 
-            self._epilogue(ctid, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r, thr_mma,
-                           c_id, thr_cp, cp_id, st, m_c, m_act, m_part)
+                self._epilogue(etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r,
+                               thr_mma, c_id, thr_cp, cp_id, st, m_c, m_z, m_act, m_part)
+            else:
+                # the other warpgroup's tile: skip its stages
+                if k_tiles > 0:
+                    cons.advance(k_tiles)
+                    rel.advance(k_tiles)
             tile = tile + num_clusters
+            turn = turn + 1
 
     def _staging_copy(self):
         """Tiled copy of a (BM, 64) chunk as 16-byte vectors: 8 threads per 128-byte row segment."""
@@ -507,7 +609,7 @@ class GroupedGemmSm90:
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         return cute.make_tiled_copy_tv(
             atom,
-            cute.make_layout((2 * _WG // per_row, per_row), stride=(per_row, 1)),
+            cute.make_layout((self.tile_threads // per_row, per_row), stride=(per_row, 1)),
             cute.make_layout((1, vec)),
         )
 
@@ -522,20 +624,25 @@ class GroupedGemmSm90:
                 prob_r[mm * n_half + h] = cutlass.Float32(0.0)
                 if row < rows_here:
                     prob_r[mm * n_half + h] = m_prob[row0 + row].to(cutlass.Float32)
-        if cutlass.const_expr(self.epilogue == "dsrelu"):
+        if cutlass.const_expr(self.epilogue == "dsrelu" and not self.pingpong):
             for ch in cutlass.range_constexpr(len(z_r)):
-                g_z = thr_cp.partition_S(self._chunk(m_z, row0, n_blk * self.bn + ch * _EPI_COLS))
-                z_r[ch].fill(0.0)
-                for i in cutlass.range_constexpr(cute.size(cp_id, mode=[1])):
-                    for j in cutlass.range_constexpr(cute.size(cp_id, mode=[2])):
-                        crd = cp_id[0, i, j]
-                        if crd[0] < rows_here:
-                            if crd[1] + ch * _EPI_COLS < cols_here:
-                                cute.autovec_copy(g_z[None, i, j], z_r[ch][None, i, j])
+                self._load_z_chunk(ch, z_r[ch], row0, rows_here, cols_here, n_blk, m_z, thr_cp, cp_id)
 
     @cute.jit
-    def _epilogue(self, ctid, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r, thr_mma,
-                  c_id, thr_cp, cp_id, st, m_c, m_act, m_part):
+    def _load_z_chunk(self, ch, z_reg, row0, rows_here, cols_here, n_blk, m_z, thr_cp, cp_id):
+        """z of 64-column chunk ``ch`` of the tile -> registers (zeros outside the valid rows/cols)."""
+        g_z = thr_cp.partition_S(self._chunk(m_z, row0, n_blk * self.bn + ch * _EPI_COLS))
+        z_reg.fill(0.0)
+        for i in cutlass.range_constexpr(cute.size(cp_id, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(cp_id, mode=[2])):
+                crd = cp_id[0, i, j]
+                if crd[0] < rows_here:
+                    if crd[1] + ch * _EPI_COLS < cols_here:
+                        cute.autovec_copy(g_z[None, i, j], z_reg[None, i, j])
+
+    @cute.jit
+    def _epilogue(self, etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r, thr_mma,
+                  c_id, thr_cp, cp_id, st, m_c, m_z, m_act, m_part):
         """Accumulators -> shared memory -> global memory, 64 columns at a time.
 
         Hopper 64xN warpgroup accumulators hold, per thread, elements
@@ -553,6 +660,9 @@ class GroupedGemmSm90:
         stage_layout = cute.make_layout((bm, (_EPI_COLS, n_chunks)), stride=(_EPI_ROW, (1, 0)))
         chunk_layout = cute.make_layout((bm, _EPI_COLS), stride=(_EPI_ROW, 1))
         base = st.epi.data_ptr()
+        if cutlass.const_expr(self.pingpong):  # each warpgroup stages in its own buffer
+            base = base + cwg * (self.n_out * self.epi_elems)
+        bar_id, n_threads = self._bar(_EPI_BARRIER, cwg)
         s_out0 = cute.make_tensor(base, stage_layout)
         c_s0 = thr_mma.partition_C(s_out0)
         s_chunk0 = cute.make_tensor(base, chunk_layout)
@@ -577,10 +687,13 @@ class GroupedGemmSm90:
             if cutlass.const_expr(self.epilogue == "dsrelu"):
                 # z of this chunk -> the ACT staging buffer, read back below in
                 # the accumulator layout and overwritten in place with ACT
+                z_ch = z_r[0 if self.pingpong else ch]
+                if cutlass.const_expr(self.pingpong):
+                    self._load_z_chunk(ch, z_ch, row0, rows_here, cols_here, n_blk, m_z, thr_cp, cp_id)
                 for i in cutlass.range_constexpr(n_i):
                     for j in cutlass.range_constexpr(n_j):
-                        cute.autovec_copy(z_r[ch][None, i, j], cp_s1[None, i, j])
-                cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=2 * _WG)
+                        cute.autovec_copy(z_ch[None, i, j], cp_s1[None, i, j])
+                cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
             # 1) this chunk's accumulator elements -> shared memory
             for mm in cutlass.range_constexpr(cute.size(shp[1])):
                 for h in cutlass.range_constexpr(n_half):
@@ -604,7 +717,7 @@ class GroupedGemmSm90:
                                     c_s1[crd] = (rr * p).to(dtype)
                                     s = s + d * rr
                     row_sum[mm * n_half + h] = s
-            cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=2 * _WG)
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
             # 2) shared memory -> global memory, coalesced, predicated
             col0 = n_blk * bn + ch * _EPI_COLS
             cp_g0 = thr_cp.partition_D(self._chunk(m_c, row0, col0))
@@ -618,7 +731,7 @@ class GroupedGemmSm90:
                             cute.autovec_copy(cp_s0[None, i, j], cp_g0[None, i, j])
                             if cutlass.const_expr(self.n_out == 2):
                                 cute.autovec_copy(cp_s1[None, i, j], cp_g1[None, i, j])
-            cute.arch.barrier(barrier_id=_EPI_BARRIER, number_of_threads=2 * _WG)
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
 
         if cutlass.const_expr(self.epilogue == "dsrelu"):
             for mm in cutlass.range_constexpr(cute.size(shp[1])):
@@ -628,7 +741,7 @@ class GroupedGemmSm90:
                     s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
                     s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
                     row = c_id[(0, h, 0), mm, 0][0]
-                    if ctid % 4 == 0:
+                    if etid % 4 == 0:
                         if row < rows_here:
                             m_part[row0 + row, n_blk] = s
 
