@@ -59,11 +59,11 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "dtype,n,k,e,b_n_major,epilogue",
-    VARIANTS,
-    ids=[f"{str(v[0])[6:]}-N{v[1]}-K{v[2]}-E{v[3]}-{'nmaj' if v[4] else 'kmaj'}-{v[5]}" for v in VARIANTS],
-)
+def _variant_id(v):
+    return f"{str(v[0])[6:]}-N{v[1]}-K{v[2]}-E{v[3]}-{'nmaj' if v[4] else 'kmaj'}-{v[5]}"
+
+
+@pytest.mark.parametrize("dtype,n,k,e,b_n_major,epilogue", VARIANTS, ids=map(_variant_id, VARIANTS))
 def test_variant_compiles_for_sm90a(dtype, n, k, e, b_n_major, epilogue):
     from te_offload_ops.kernels import pick_tile
 
@@ -93,9 +93,7 @@ PINGPONG_VARIANTS = [v for v in VARIANTS if v[1] in (1856, 2688)] + [VARIANTS[6]
 
 
 @pytest.mark.parametrize(
-    "dtype,n,k,e,b_n_major,epilogue",
-    PINGPONG_VARIANTS,
-    ids=[f"{str(v[0])[6:]}-N{v[1]}-K{v[2]}-{'nmaj' if v[4] else 'kmaj'}-{v[5]}" for v in PINGPONG_VARIANTS],
+    "dtype,n,k,e,b_n_major,epilogue", PINGPONG_VARIANTS, ids=map(_variant_id, PINGPONG_VARIANTS)
 )
 def test_pingpong_variant_compiles_for_sm90a(dtype, n, k, e, b_n_major, epilogue):
     """Pingpong: one warpgroup per 128 x 128 tile, turns handed over by named barriers."""
