@@ -63,6 +63,8 @@ def test_schedule_choice(monkeypatch):
         assert api.pick_schedule(kind) in api.SCHEDULES
     assert api.pick_schedule("plain", wgrad=True) == api.pick_schedule("wgrad")
     assert api.pick_schedule("srelu", tile=(128, 192)) == "cooperative"  # too wide for pingpong
+    monkeypatch.setenv(api.SCHEDULE_ENV, "pingpong")
+    assert api.pick_schedule("plain", tile=(128, 192)) == "cooperative"
     monkeypatch.setenv(api.SCHEDULE_ENV, "cooperative")
     assert api.pick_schedule("srelu") == "cooperative"
     assert api.pick_schedule("srelu", schedule="pingpong") == "pingpong"  # the argument wins

@@ -67,12 +67,12 @@ _DEFAULT_SCHEDULE = {"plain": "pingpong", "srelu": "pingpong", "dsrelu": "pingpo
 
 
 def pick_schedule(epilogue: str, wgrad: bool = False, schedule: str | None = None, tile=None) -> str:
-    """The argument, else $TEO_GEMM_SCHEDULE, else the measured default for this GEMM kind
-    (cooperative when a given tile is wider than pingpong's 128 columns)."""
-    choice = schedule or os.environ.get(SCHEDULE_ENV)
-    if not choice:
-        choice = _DEFAULT_SCHEDULE["wgrad" if wgrad else epilogue]
-        if tile is not None and tile[1] > 128:
+    """The argument, else $TEO_GEMM_SCHEDULE, else the measured default for this GEMM kind;
+    the latter two give way to cooperative for a given tile wider than pingpong's 128 columns."""
+    choice = schedule
+    if not choice:  # a preference (env or default) yields to a tile too wide for pingpong
+        choice = os.environ.get(SCHEDULE_ENV) or _DEFAULT_SCHEDULE["wgrad" if wgrad else epilogue]
+        if choice == "pingpong" and tile is not None and tile[1] > 128:
             choice = "cooperative"
     if choice not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {choice!r}")

@@ -24,7 +24,8 @@ Schedule: persistent and warp-specialized
 One CTA per SM (the host caps the grid at the SM count and at a bound of the
 tile count that needs no split sizes).  Each CTA reads the ``E`` split sizes
 on the GPU, counts the real tiles (``sum_e ceil(split_e / BM)`` m-blocks times
-the n-blocks) and walks tiles ``cta, cta + grid, ...``; the n-block index runs
+the n-blocks) and walks them in groups of ``cluster_n`` consecutive tiles:
+cluster ``c`` takes groups ``c, c + clusters, ...``; the n-block index runs
 fastest, so the CTAs in flight share A rows and one expert's weights in L2.
 
 * warpgroup 0 is the producer: it gives up registers and its warp 0 issues
@@ -99,7 +100,7 @@ _ORDER_BARRIER = 5  # pingpong: "your turn on the mainloop", id + the warpgroup 
 
 
 class GroupedGemmSm90:
-    """One compiled variant: (dtype, BM, BN, epilogue, N, K, E, B major, wgrad M, schedule)."""
+    """One compiled variant: (dtype, BM, BN, cluster, epilogue, N, K, E, B major, wgrad M, schedule)."""
 
     def __init__(
         self,
@@ -561,21 +562,24 @@ class GroupedGemmSm90:
                         cute.arch.barrier(barrier_id=_ORDER_BARRIER + cwg, number_of_threads=2 * _WG)
 
                 acc.fill(0.0)
+                # a phantom tile (the odd partner of a cluster pair) only passes its stages
+                live = rows_here > 0
                 for kt in cutlass.range(k_tiles, unroll=1):
                     pipe.consumer_wait(cons)
-                    if cutlass.const_expr(self.wgrad_m is not None):
-                        if kt == k_tiles - 1:
-                            if k_rem < self.bk:
-                                self._mask_k_tail(sa, sb, cons.index, k_rem, etid, cwg)
-                    warpgroup.fence()
-                    for kb in cutlass.range_constexpr(num_kb):
-                        cute.gemm(
-                            tiled_mma, acc,
-                            frag_a[None, None, kb, cons.index],
-                            frag_b[None, None, kb, cons.index],
-                            acc,
-                        )
-                    warpgroup.commit_group()
+                    if live:
+                        if cutlass.const_expr(self.wgrad_m is not None):
+                            if kt == k_tiles - 1:
+                                if k_rem < self.bk:
+                                    self._mask_k_tail(sa, sb, cons.index, k_rem, etid, cwg)
+                        warpgroup.fence()
+                        for kb in cutlass.range_constexpr(num_kb):
+                            cute.gemm(
+                                tiled_mma, acc,
+                                frag_a[None, None, kb, cons.index],
+                                frag_b[None, None, kb, cons.index],
+                                acc,
+                            )
+                        warpgroup.commit_group()
                     # keep one wgmma batch in flight; the stage before it is read
                     warpgroup.wait_group(1)
                     if kt > 0:
