@@ -98,10 +98,11 @@ def profile_kernels(fn, steps: int = 5, top: int = 12) -> list[dict]:
     return rows[:top] if top else rows
 
 
-def host_ahead_ms(fn, calls: int = 10):
+def host_ahead_ms(fn, calls: int = 10, lead: int = 3):
     """GPU time per call of fn when the host never makes the GPU wait, as in a deep model where
-    the host queues layer after layer: a sleep kernel holds the GPU while the host queues `calls`
-    calls, then CUDA events time them back to back. The sleep doubles until the host finishes
+    the host queues layer after layer: a sleep kernel holds the GPU while the host queues `lead`
+    untimed calls (they bring the clocks from the post-idle boost to sustained load) and then
+    `calls` calls, which CUDA events time back to back. The sleep doubles until the host finishes
     queuing before it ends. None when it never does: fn waits for the GPU (TE's unfused grouped
     linear reads the split sizes on the host), so its wall time is already its best."""
     import torch
@@ -112,6 +113,8 @@ def host_ahead_ms(fn, calls: int = 10):
     for _ in range(4):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(cycles)
+        for _ in range(lead):
+            fn()
         start.record()
         for _ in range(calls):
             fn()

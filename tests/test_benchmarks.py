@@ -30,7 +30,8 @@ def test_r_compares_each_row_with_the_no_offload_run_of_its_own_ops():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-@pytest.mark.parametrize("script", ["offload_policies.py", "bench_fused_mlp.py"])
+@pytest.mark.parametrize("script", ["offload_policies.py", "bench_fused_mlp.py", "bench_kernels.py",
+                                    "ablate_epilogue.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
     proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2

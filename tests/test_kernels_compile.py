@@ -305,3 +305,31 @@ def test_wgrad_form_rejects_bad_arguments():
         GroupedGemmSm90(cutlass.BFloat16, 128, 64, 2, b_n_major=True, wgrad_m=128)  # k != 0
     with pytest.raises(ValueError, match="multiple of 8"):
         GroupedGemmSm90(cutlass.BFloat16, 128, 0, 2, b_n_major=True, wgrad_m=100)
+
+
+def test_two_output_epilogues_stage_narrower_chunks_for_one_more_stage():
+    """srelu/dsrelu stage 32 columns at a time, plain 64: at the pingpong tile the narrower
+    staging leaves shared memory for 5 mainloop stages where 64 columns allow 4.  Both widths
+    compile to 16-byte stores; other widths are refused."""
+    import cutlass
+
+    from te_offload_ops.kernels import compile_variant
+    from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
+
+    def make(epilogue, **kw):
+        return GroupedGemmSm90(cutlass.BFloat16, 1856, 2688, 8, b_n_major=epilogue == "dsrelu",
+                               epilogue=epilogue, tile_mn=(128, 128), schedule="pingpong", **kw)
+
+    for epilogue in ("srelu", "dsrelu"):
+        assert (make(epilogue).epi_cols, make(epilogue).stages) == (32, 5)
+        assert (make(epilogue, epi_cols=64).epi_cols, make(epilogue, epi_cols=64).stages) == (64, 4)
+    assert (make("plain").epi_cols, make("plain").stages) == (64, 5)
+    with pytest.raises(ValueError, match="columns"):
+        make("srelu", epi_cols=48)
+    for cols in (32, 64):
+        kern, compiled, _ = compile_variant(
+            torch.bfloat16, 384, 1856, 4, b_n_major=True, epilogue="dsrelu", options="--keep-ptx",
+            schedule="pingpong", epi_cols=cols,
+        )
+        assert kern.epi_cols == cols
+        assert "st.global.v4.b32" in str(compiled.artifacts.PTX)

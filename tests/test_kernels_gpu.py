@@ -346,3 +346,33 @@ def test_cluster_pairs_with_odd_n_blocks_match_single_cta(monkeypatch, kind, sch
         _close(pair[0], _ref_mm(x, w, splits, False), torch.bfloat16)
     if kind == "wgrad":
         _close(pair[0], _ref_wgrad(dy, x, splits), torch.bfloat16, scale=max(splits) ** 0.5 / 4)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_fused_epilogue_chunk_widths_give_the_same_bits(monkeypatch, schedule):
+    """The two-output epilogues stage 32 columns at a time by default; 64-column chunks only
+    change the staging, so every output (z, act, dz, dprobs, act) must be bit-identical."""
+    from te_offload_ops.kernels import api, gemm_sm90, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd
+
+    splits = [300, 0, 517, 131]
+    n, k = 1856, 384
+    x, w, s = _inputs(splits, n, k, torch.bfloat16, seed=5)
+    probs = torch.rand(x.shape[0], device="cuda").to(torch.bfloat16)
+    z = torch.randn(x.shape[0], k, device="cuda").to(torch.bfloat16)
+    dy = torch.randn(x.shape[0], n, device="cuda").to(torch.bfloat16)
+
+    def run(cols):
+        api.clear_cache()
+        out = (*grouped_gemm_srelu_fwd(x, w, s, probs, schedule=schedule),
+               *grouped_gemm_dsrelu_bwd(dy, w, s, z, probs, schedule=schedule))  # w as (E, K, N)
+        assert {kern.epi_cols for kern, _ in api._CACHE.values()} == {cols}
+        return out
+
+    try:
+        narrow = run(32)
+        monkeypatch.setattr(gemm_sm90, "_EPI_COLS_TWO_OUTPUTS", 64)
+        wide = run(64)
+    finally:
+        api.clear_cache()  # no 64-column kernels left behind for later tests
+    for a, b in zip(narrow, wide):
+        assert torch.equal(a, b)

@@ -106,15 +106,15 @@ def pick_cluster(n: int, tile) -> int:
 def _compile(
     dtype: torch.dtype, n: int, k: int, e: int, b_n_major: bool, epilogue: str, tile,
     options: str | None = None, cluster_n: int = 1, wgrad_m: int | None = None,
-    schedule: str = "cooperative",
+    schedule: str = "cooperative", epi_cols: int | None = None, kernel_class=None,
 ):
     cutlass, cute, make_ptr, make_fake_stream = _cutlass()
     from .gemm_sm90 import GroupedGemmSm90
 
     dt = _cutlass_dtype(dtype)
-    kern = GroupedGemmSm90(
+    kern = (kernel_class or GroupedGemmSm90)(
         dt, n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile_mn=tile, cluster_n=cluster_n,
-        wgrad_m=wgrad_m, schedule=schedule,
+        wgrad_m=wgrad_m, schedule=schedule, epi_cols=epi_cols,
     )
     gmem = cute.AddressSpace.gmem
     fake = 1 << 20  # any aligned address: only the types matter at compile time
@@ -137,17 +137,20 @@ def _compile(
 
 
 def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=None, cluster_n=None,
-                    wgrad_m=None, schedule=None):
+                    wgrad_m=None, schedule=None, epi_cols=None, kernel_class=None):
     """Compile one variant without caching; returns (kernel object, compiled, seconds).
 
     Works without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile
     tests); ``options`` is passed to ``cute.compile`` (e.g. ``"--keep-ptx"``).
-    ``wgrad_m`` selects the weight-gradient form (``k`` must then be 0)."""
+    ``wgrad_m`` selects the weight-gradient form (``k`` must then be 0);
+    ``epi_cols`` the epilogue chunk width (32 or 64; default: the kernel's
+    choice for the epilogue) and ``kernel_class`` a subclass of the kernel,
+    both for comparisons (``benchmarks/ablate_epilogue.py``)."""
     schedule = pick_schedule(epilogue, wgrad_m is not None, schedule, tile)
     tile = tuple(tile) if tile is not None else pick_tile(n, schedule)
     cluster_n = cluster_n or pick_cluster(n, tile)
     return _compile(dtype, n, k, e, bool(b_n_major), epilogue, tile, options, cluster_n, wgrad_m,
-                    schedule)
+                    schedule, epi_cols, kernel_class)
 
 
 def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, schedule=None):

@@ -34,7 +34,8 @@ fastest, so the CTAs in flight share A rows and one expert's weights in L2.
   the consumers are still in the previous tile's epilogue.
 * warpgroups 1 and 2 are the consumers: each owns 64 rows of the 128-row tile,
   runs WGMMA over the pipeline and then the epilogue, which stages the tile
-  through shared memory 64 columns at a time and stores 16-byte vectors.
+  through shared memory 64 columns at a time (32 for the two-output
+  epilogues) and stores 16-byte vectors.
 
 ``schedule="pingpong"`` gives each consumer warpgroup tiles of its own
 instead (the CTA's tiles alternate between them) with a whole 128 x BN
@@ -91,8 +92,13 @@ _THREADS = 3 * _WG  # producer warpgroup + two consumer warpgroups
 _PRODUCER_REGS = 40  # the TMA warp needs few registers ...
 _CONSUMER_REGS = 232  # ... so the accumulators get more (40*128 + 232*256 <= 64 Ki)
 _BK = 64
-_EPI_COLS = 64  # the epilogue stages the tile 64 columns at a time
-_EPI_ROW = _EPI_COLS + 8  # 16 bytes of padding per staged row: no bank conflicts on writes
+# The epilogue stages the tile 64 columns at a time, 32 for the two-output epilogues: their
+# staging then leaves room for one more mainloop stage (SReLU +7%, dSReLU +4%, same bits;
+# benchmarks/ablate_epilogue.py).  The plain epilogue measured 2-4% slower at 32.
+# Staged rows carry 16 bytes of padding: no bank conflicts on the accumulator-layout writes.
+_EPI_COLS = 64
+_EPI_COLS_TWO_OUTPUTS = 32
+_EPI_PAD = 8
 # named barriers (0 is __syncthreads); pingpong uses id + warpgroup, one per warpgroup
 _EPI_BARRIER = 1  # the threads sharing an epilogue staging buffer
 _MASK_BARRIER = 3  # the threads of a tile meet here after zeroing a wgrad tail k-tile
@@ -115,6 +121,7 @@ class GroupedGemmSm90:
         cluster_n: int = 1,
         wgrad_m: int | None = None,
         schedule: str = "cooperative",
+        epi_cols: int | None = None,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(f"unknown epilogue {epilogue!r}")
@@ -160,10 +167,16 @@ class GroupedGemmSm90:
         self.wgrad_tiles = -(-per_expert // cluster_n) * cluster_n
         elem = dtype.width // 8
         stage_bytes = (bm + bn) * _BK * elem
-        # epilogue staging: one (BM, 64 + pad) chunk per output tensor, per
+        # epilogue staging: one (BM, epi_cols + pad) chunk per output tensor, per
         # warpgroup under pingpong (their epilogues may overlap)
         self.n_out = 1 if epilogue == "plain" else 2
-        self.epi_elems = bm * _EPI_ROW
+        if epi_cols is None:
+            epi_cols = _EPI_COLS if self.n_out == 1 else _EPI_COLS_TWO_OUTPUTS
+        if epi_cols not in (32, 64) or bn % epi_cols:
+            raise ValueError(f"epilogue chunks of {epi_cols} columns do not tile BN={bn}")
+        self.epi_cols = epi_cols
+        self.epi_row = epi_cols + _EPI_PAD
+        self.epi_elems = bm * self.epi_row
         self.epi_bufs = 2 if self.pingpong else 1
         budget = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 2048
         budget -= self.epi_bufs * self.n_out * self.epi_elems * elem
@@ -527,15 +540,15 @@ class GroupedGemmSm90:
         num_kb = cute.size(frag_a, mode=[2])
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         thr_cp = self._staging_copy().get_slice(etid)
-        cp_id = thr_cp.partition_S(cute.make_identity_tensor((bm, _EPI_COLS)))
+        cp_id = thr_cp.partition_S(cute.make_identity_tensor((bm, self.epi_cols)))
         # epilogue inputs (prob per row; z as coalesced 16-byte vectors, one
-        # register tensor per 64-column chunk), loaded before the mainloop so
+        # register tensor per epilogue chunk), loaded before the mainloop so
         # their latency hides under it.  Pingpong has no registers to spare
         # for z: it loads one chunk at a time in the epilogue, which the other
         # warpgroup's mainloop hides.
         n_rows = cute.size(acc.shape[0][1]) * cute.size(acc.shape[1])
         prob_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        z_chunks = 1 if self.pingpong else bn // _EPI_COLS
+        z_chunks = 1 if self.pingpong else bn // self.epi_cols
         z_r = [cute.make_rmem_tensor(cp_id.shape, dtype) for _ in range(z_chunks)]
 
         num_tokens = cute.size(m_c, mode=[0])
@@ -607,9 +620,9 @@ class GroupedGemmSm90:
             turn = turn + 1
 
     def _staging_copy(self):
-        """Tiled copy of a (BM, 64) chunk as 16-byte vectors: 8 threads per 128-byte row segment."""
+        """Tiled copy of a (BM, epi_cols) chunk as 16-byte vectors, one thread per 16 bytes of a row."""
         vec = 128 // self.dtype.width
-        per_row = _EPI_COLS // vec
+        per_row = self.epi_cols // vec
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         return cute.make_tiled_copy_tv(
             atom,
@@ -634,35 +647,35 @@ class GroupedGemmSm90:
 
     @cute.jit
     def _load_z_chunk(self, ch, z_reg, row0, rows_here, cols_here, n_blk, m_z, thr_cp, cp_id):
-        """z of 64-column chunk ``ch`` of the tile -> registers (zeros outside the valid rows/cols)."""
-        g_z = thr_cp.partition_S(self._chunk(m_z, row0, n_blk * self.bn + ch * _EPI_COLS))
+        """z of epilogue chunk ``ch`` of the tile -> registers (zeros outside the valid rows/cols)."""
+        g_z = thr_cp.partition_S(self._chunk(m_z, row0, n_blk * self.bn + ch * self.epi_cols))
         z_reg.fill(0.0)
         for i in cutlass.range_constexpr(cute.size(cp_id, mode=[1])):
             for j in cutlass.range_constexpr(cute.size(cp_id, mode=[2])):
                 crd = cp_id[0, i, j]
                 if crd[0] < rows_here:
-                    if crd[1] + ch * _EPI_COLS < cols_here:
+                    if crd[1] + ch * self.epi_cols < cols_here:
                         cute.autovec_copy(g_z[None, i, j], z_reg[None, i, j])
 
     @cute.jit
     def _epilogue(self, etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r, thr_mma,
                   c_id, thr_cp, cp_id, st, m_c, m_z, m_act, m_part):
-        """Accumulators -> shared memory -> global memory, 64 columns at a time.
+        """Accumulators -> shared memory -> global memory, ``epi_cols`` columns at a time.
 
         Hopper 64xN warpgroup accumulators hold, per thread, elements
         ((column pair, row half, column group of 8), m, n); the four lanes of
         a quad share their rows, so a per-thread sum over the column modes plus
         a 4-lane butterfly gives a row total (the dprobs partials).  The staged
-        chunk leaves shared memory as 16-byte vectors, 8 threads per 128-byte
-        row segment, each predicated on ``row < rows_here`` and ``col < N``.
+        chunk leaves shared memory as 16-byte vectors, one thread per 16 bytes
+        of a row segment, each predicated on ``row < rows_here`` and ``col < N``.
         """
         bm, bn = self.bm, self.bn
         dtype = self.dtype
-        n_chunks = bn // _EPI_COLS
-        # (BM, (64, chunks)) views with stride 0 over the chunk index: column c
-        # of the tile lands in staged column c % 64
-        stage_layout = cute.make_layout((bm, (_EPI_COLS, n_chunks)), stride=(_EPI_ROW, (1, 0)))
-        chunk_layout = cute.make_layout((bm, _EPI_COLS), stride=(_EPI_ROW, 1))
+        n_chunks = bn // self.epi_cols
+        # (BM, (epi_cols, chunks)) views with stride 0 over the chunk index:
+        # column c of the tile lands in staged column c % epi_cols
+        stage_layout = cute.make_layout((bm, (self.epi_cols, n_chunks)), stride=(self.epi_row, (1, 0)))
+        chunk_layout = cute.make_layout((bm, self.epi_cols), stride=(self.epi_row, 1))
         base = st.epi.data_ptr()
         if cutlass.const_expr(self.pingpong):  # each warpgroup stages in its own buffer
             base = base + cwg * (self.n_out * self.epi_elems)
@@ -684,7 +697,7 @@ class GroupedGemmSm90:
         shp = acc.shape
         n_pair = cute.size(shp[0][0])
         n_half = cute.size(shp[0][1])
-        grp_per_chunk = _EPI_COLS // 8
+        grp_per_chunk = self.epi_cols // 8
         row_sum = cute.make_rmem_tensor(cute.make_layout(cute.size(prob_r)), cutlass.Float32)
         row_sum.fill(0.0)
         for ch in cutlass.range_constexpr(n_chunks):
@@ -723,7 +736,7 @@ class GroupedGemmSm90:
                     row_sum[mm * n_half + h] = s
             cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
             # 2) shared memory -> global memory, coalesced, predicated
-            col0 = n_blk * bn + ch * _EPI_COLS
+            col0 = n_blk * bn + ch * self.epi_cols
             cp_g0 = thr_cp.partition_D(self._chunk(m_c, row0, col0))
             if cutlass.const_expr(self.n_out == 2):
                 cp_g1 = thr_cp.partition_D(self._chunk(m_act, row0, col0))
@@ -731,7 +744,7 @@ class GroupedGemmSm90:
                 for j in cutlass.range_constexpr(n_j):
                     crd = cp_id[0, i, j]
                     if crd[0] < rows_here:
-                        if crd[1] + ch * _EPI_COLS < cols_here:
+                        if crd[1] + ch * self.epi_cols < cols_here:
                             cute.autovec_copy(cp_s0[None, i, j], cp_g0[None, i, j])
                             if cutlass.const_expr(self.n_out == 2):
                                 cute.autovec_copy(cp_s1[None, i, j], cp_g1[None, i, j])
@@ -751,12 +764,12 @@ class GroupedGemmSm90:
 
     @cute.jit
     def _chunk(self, t, row0, col0):
-        """(BM, 64) global tile at (row0, col0), its pointer marked 16-byte aligned.
+        """(BM, epi_cols) global tile at (row0, col0), its pointer marked 16-byte aligned.
 
-        It is: rows are N elements apart with N % 8 == 0, and col0 % 64 == 0.
+        It is: rows are N elements apart with N % 8 == 0, and col0 is a multiple of epi_cols (>= 32).
         Without the mark the copies fall back to 2-byte stores."""
         ptr = (t.iterator + (row0 * self.n + col0)).align(16)
-        return cute.make_tensor(ptr, cute.make_layout((self.bm, _EPI_COLS), stride=(self.n, 1)))
+        return cute.make_tensor(ptr, cute.make_layout((self.bm, self.epi_cols), stride=(self.n, 1)))
 
 
 __all__ = ["GroupedGemmSm90", "EPILOGUES"]
