@@ -71,3 +71,21 @@ def test_schedule_choice(monkeypatch):
     monkeypatch.setenv(api.SCHEDULE_ENV, "stream-k")
     with pytest.raises(ValueError, match="schedule"):
         api.pick_schedule("plain")
+
+
+def test_call_convention_choice(monkeypatch):
+    from te_offload_ops.kernels import api
+
+    monkeypatch.delenv(api.CALL_ENV, raising=False)
+    assert kernels.kernel_call_convention() == ("tvm-ffi" if api._has_tvm_ffi() else "python")
+    monkeypatch.setenv(api.CALL_ENV, "python")
+    assert kernels.kernel_call_convention() == "python"
+    monkeypatch.setenv(api.CALL_ENV, "ctypes")
+    with pytest.raises(ValueError, match=api.CALL_ENV):
+        kernels.kernel_call_convention()
+    monkeypatch.setattr(api, "_has_tvm_ffi", lambda: False)
+    monkeypatch.setenv(api.CALL_ENV, "tvm-ffi")
+    with pytest.raises(RuntimeError, match="apache-tvm-ffi"):
+        kernels.kernel_call_convention()
+    monkeypatch.delenv(api.CALL_ENV)
+    assert kernels.kernel_call_convention() == "python"

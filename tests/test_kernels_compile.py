@@ -333,3 +333,19 @@ def test_two_output_epilogues_stage_narrower_chunks_for_one_more_stage():
         )
         assert kern.epi_cols == cols
         assert "st.global.v4.b32" in str(compiled.artifacts.PTX)
+
+
+@pytest.mark.parametrize("call", ["tvm-ffi", "python"])
+def test_both_call_conventions_compile(call):
+    """The TVM-FFI convention (the default where apache-tvm-ffi is installed) and the Python
+    executor compile the same kernel; the kernel object records which one _launch must use."""
+    from te_offload_ops.kernels import api, compile_variant
+
+    if call == "tvm-ffi" and not api._has_tvm_ffi():
+        pytest.skip("apache-tvm-ffi is not installed")
+    kern, compiled, _ = compile_variant(
+        torch.bfloat16, 384, 256, 4, b_n_major=False, epilogue="srelu", options="--keep-ptx", call=call,
+    )
+    assert kern.call == call
+    assert ("TVMFFI" in type(compiled).__name__) == (call == "tvm-ffi")
+    assert "wgmma.mma_async" in str(compiled.artifacts.PTX)

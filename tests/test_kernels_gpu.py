@@ -376,3 +376,78 @@ def test_fused_epilogue_chunk_widths_give_the_same_bits(monkeypatch, schedule):
         api.clear_cache()  # no 64-column kernels left behind for later tests
     for a, b in zip(narrow, wide):
         assert torch.equal(a, b)
+
+
+def test_call_conventions_give_the_same_bits(monkeypatch):
+    """The TVM-FFI call path passes raw addresses, ints and the stream handle; it must launch
+    exactly what the Python executor launches."""
+    from te_offload_ops.kernels import api, grouped_gemm, grouped_gemm_srelu_fwd, grouped_wgrad
+
+    if not api._has_tvm_ffi():
+        pytest.skip("apache-tvm-ffi is not installed")
+    splits = [300, 0, 517, 131]
+    x, w, s = _inputs(splits, 384, 256, torch.bfloat16, seed=7)
+    probs = torch.rand(x.shape[0], device="cuda").to(torch.bfloat16)
+    dy = torch.randn(x.shape[0], 384, device="cuda").to(torch.bfloat16)
+
+    def run(call):
+        monkeypatch.setenv(api.CALL_ENV, call)
+        api.clear_cache()
+        out = (grouped_gemm(x, w, s), *grouped_gemm_srelu_fwd(x, w, s, probs),
+               grouped_wgrad(dy, x, s, backend="cute"))
+        assert {kern.call for kern, _ in api._CACHE.values()} == {call}
+        return out
+
+    try:
+        python, ffi = run("python"), run("tvm-ffi")
+    finally:
+        api.clear_cache()
+    for a, b in zip(python, ffi):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("call", ["tvm-ffi", "python"])
+def test_kernels_launch_on_the_current_stream(monkeypatch, call):
+    """A kernel queued behind a long sleep on one stream has not written its output while the
+    sleep runs; the same launch on an idle stream has (the control: the read sees writes)."""
+    from te_offload_ops.kernels import api
+
+    if call == "tvm-ffi" and not api._has_tvm_ffi():
+        pytest.skip("apache-tvm-ffi is not installed")
+    monkeypatch.setenv(api.CALL_ENV, call)
+    splits = [200, 56]
+    x, w, s = _inputs(splits, 128, 64, torch.bfloat16, seed=3)
+    s32 = s.to(torch.int32)
+    behind, idle = (torch.full((x.shape[0], 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2))
+
+    def launch(c):
+        api._launch(kern, compiled, [(x, "m"), (w, "m"), (c, "m"), (s32, "i32"), (x, "vec"), (c, "m"),
+                                     (c, "m"), (s32, "f32")], x.shape[0])
+
+    try:
+        kern, compiled = api.get_kernel(torch.bfloat16, 128, 64, 2, b_n_major=False, epilogue="plain")
+        # pinned, non-blocking copies on a third stream wait for nothing else
+        snaps = [torch.empty(c.shape, dtype=c.dtype, pin_memory=True) for c in (behind, idle)]
+        sleeping, free, reader = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+        launch(behind)  # the first launch loads the module, which waits for the whole device
+        behind.fill_(float("nan"))
+        torch.cuda.synchronize()
+        with torch.cuda.stream(sleeping):
+            for _ in range(3):
+                torch.cuda._sleep(2_000_000_000)  # about a second each
+            launch(behind)
+        with torch.cuda.stream(free):
+            launch(idle)
+        free.synchronize()
+        with torch.cuda.stream(reader):
+            for snap, c in zip(snaps, (behind, idle)):
+                snap.copy_(c, non_blocking=True)
+        reader.synchronize()
+        assert not sleeping.query(), "the sleep ended before the read: the check proves nothing"
+        assert torch.isnan(snaps[0].float()).all()
+        assert not torch.isnan(snaps[1].float()).any()
+        sleeping.synchronize()
+        _close(behind, _ref_mm(x, w, splits, False), torch.bfloat16)
+    finally:
+        api.clear_cache()

@@ -3,7 +3,7 @@
 All entry points take plain torch tensors, allocate their outputs, never read
 ``split_sizes`` on the host (no device sync) and launch on the current CUDA
 stream.  Compiled kernels are cached per
-``(dtype, tile, cluster, epilogue, N, K, E, B major, wgrad M, schedule)``; the first call of a key compiles
+``(dtype, tile, cluster, epilogue, N, K, E, B major, wgrad M, schedule, call convention)``; the first call of a key compiles
 (see :func:`compile_times`).
 """
 
@@ -46,6 +46,31 @@ def unavailable_reasons() -> list[str]:
     except Exception as exc:
         reasons.append(f"cuda-python driver bindings do not import: {exc}")
     return reasons
+
+
+CALL_ENV = "TEO_KERNEL_CALL"  # "tvm-ffi" or "python": how compiled kernels are called
+CALLS = ("tvm-ffi", "python")
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tvm_ffi() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tvm_ffi") is not None
+
+
+def kernel_call_convention() -> str:
+    """How compiled kernels are called: "tvm-ffi" (the CuTe DSL's TVM-FFI convention: raw
+    pointers and ints cross one C call) where apache-tvm-ffi is installed, else "python" (the
+    DSL's Python executor, which costs far more host time a call); $TEO_KERNEL_CALL picks."""
+    choice = os.environ.get(CALL_ENV)
+    if not choice:
+        return "tvm-ffi" if _has_tvm_ffi() else "python"
+    if choice not in CALLS:
+        raise ValueError(f"{CALL_ENV} must be one of {CALLS}, got {choice!r}")
+    if choice == "tvm-ffi" and not _has_tvm_ffi():
+        raise RuntimeError(f"{CALL_ENV}=tvm-ffi, but apache-tvm-ffi is not installed")
+    return choice
 
 
 def _cutlass_dtype(dtype: torch.dtype):
@@ -107,6 +132,7 @@ def _compile(
     dtype: torch.dtype, n: int, k: int, e: int, b_n_major: bool, epilogue: str, tile,
     options: str | None = None, cluster_n: int = 1, wgrad_m: int | None = None,
     schedule: str = "cooperative", epi_cols: int | None = None, kernel_class=None,
+    call: str = "python",
 ):
     cutlass, cute, make_ptr, make_fake_stream = _cutlass()
     from .gemm_sm90 import GroupedGemmSm90
@@ -128,6 +154,9 @@ def _compile(
         make_ptr(dt, fake, gmem, assumed_align=16),  # act
         make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # dprobs partials
     ]
+    if call == "tvm-ffi":
+        options = f"{options} --enable-tvm-ffi" if options else "--enable-tvm-ffi"
+    kern.call = call  # how _launch passes the arguments
     t0 = time.perf_counter()
     extra = {"options": options} if options else {}
     compiled = cute.compile(
@@ -137,7 +166,7 @@ def _compile(
 
 
 def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=None, cluster_n=None,
-                    wgrad_m=None, schedule=None, epi_cols=None, kernel_class=None):
+                    wgrad_m=None, schedule=None, epi_cols=None, kernel_class=None, call=None):
     """Compile one variant without caching; returns (kernel object, compiled, seconds).
 
     Works without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile
@@ -145,12 +174,16 @@ def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=N
     ``wgrad_m`` selects the weight-gradient form (``k`` must then be 0);
     ``epi_cols`` the epilogue chunk width (32 or 64; default: the kernel's
     choice for the epilogue) and ``kernel_class`` a subclass of the kernel,
-    both for comparisons (``benchmarks/ablate_epilogue.py``)."""
+    both for comparisons (``benchmarks/ablate_epilogue.py``); ``call`` the call
+    convention (default: :func:`kernel_call_convention`)."""
     schedule = pick_schedule(epilogue, wgrad_m is not None, schedule, tile)
     tile = tuple(tile) if tile is not None else pick_tile(n, schedule)
     cluster_n = cluster_n or pick_cluster(n, tile)
+    call = call or kernel_call_convention()
+    if call not in CALLS:
+        raise ValueError(f"call must be one of {CALLS}, got {call!r}")
     return _compile(dtype, n, k, e, bool(b_n_major), epilogue, tile, options, cluster_n, wgrad_m,
-                    schedule, epi_cols, kernel_class)
+                    schedule, epi_cols, kernel_class, call)
 
 
 def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, schedule=None):
@@ -158,7 +191,8 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
     schedule = pick_schedule(epilogue, wgrad_m is not None, schedule, tile)
     tile = tuple(tile) if tile is not None else pick_tile(n, schedule)
     cluster_n = pick_cluster(n, tile)
-    key = (dtype, tile, cluster_n, epilogue, n, k, e, bool(b_n_major), wgrad_m, schedule)
+    call = kernel_call_convention()
+    key = (dtype, tile, cluster_n, epilogue, n, k, e, bool(b_n_major), wgrad_m, schedule, call)
     hit = _CACHE.get(key)
     if hit is None:
         with _LOCK:
@@ -166,7 +200,7 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
             if hit is None:
                 kern, compiled, secs = _compile(
                     dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
-                    wgrad_m=wgrad_m, schedule=schedule,
+                    wgrad_m=wgrad_m, schedule=schedule, call=call,
                 )
                 _COMPILE_SECONDS[key] = secs
                 _log.info("compiled grouped GEMM %s in %.2f s", key, secs)
@@ -198,6 +232,18 @@ def _sm_count(device_index: int) -> int:
 
 
 def _launch(kern, compiled, tensors, num_tokens):
+    # persistent grid: one CTA per SM at most, and no more CTAs than a bound
+    # of the tile count that needs no split sizes on the host
+    if kern.wgrad_m is not None:  # static tiles: E times the (M, N) blocks
+        tile_bound = kern.num_experts * kern.wgrad_tiles
+    else:
+        tile_bound = (-(-num_tokens // kern.bm) + kern.num_experts) * kern.n_tiles
+    cn = kern.cluster_n
+    num_ctas = min(_sm_count(tensors[0][0].device.index) // cn * cn, -(-tile_bound // cn) * cn)
+    stream = torch.cuda.current_stream().cuda_stream
+    if kern.call == "tvm-ffi":  # addresses, ints and the stream handle, as they are
+        compiled(*(t.data_ptr() for t, _ in tensors), num_tokens, num_ctas, stream)
+        return
     dt = kern.dtype
     cutlass, cute, make_ptr, _ = _cutlass()
     import cuda.bindings.driver as cuda
@@ -213,16 +259,7 @@ def _launch(kern, compiled, tensors, num_tokens):
             ptrs.append(make_ptr(dt, t.data_ptr(), gmem, assumed_align=2))
         else:
             ptrs.append(make_ptr(dt, t.data_ptr(), gmem, assumed_align=16))
-    # persistent grid: one CTA per SM at most, and no more CTAs than a bound
-    # of the tile count that needs no split sizes on the host
-    if kern.wgrad_m is not None:  # static tiles: E times the (M, N) blocks
-        tile_bound = kern.num_experts * kern.wgrad_tiles
-    else:
-        tile_bound = (-(-num_tokens // kern.bm) + kern.num_experts) * kern.n_tiles
-    cn = kern.cluster_n
-    num_ctas = min(_sm_count(tensors[0][0].device.index) // cn * cn, -(-tile_bound // cn) * cn)
-    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    compiled(*ptrs, cutlass.Int32(num_tokens), cutlass.Int32(num_ctas), stream)
+    compiled(*ptrs, cutlass.Int32(num_tokens), cutlass.Int32(num_ctas), cuda.CUstream(stream))
 
 
 _DTYPES = (torch.bfloat16, torch.float16)
