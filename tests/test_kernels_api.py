@@ -1,5 +1,7 @@
 """CPU: the kernel entry points reject bad input on the host, before compiling or launching."""
 
+import types
+
 import pytest
 import torch
 
@@ -89,3 +91,35 @@ def test_call_convention_choice(monkeypatch):
         kernels.kernel_call_convention()
     monkeypatch.delenv(api.CALL_ENV)
     assert kernels.kernel_call_convention() == "python"
+
+
+def test_tvm_ffi_compile_failure_falls_back_to_the_python_executor(monkeypatch):
+    """Picked by default, a TVM-FFI path that does not compile gives way to the Python executor
+    for the rest of the process; named in $TEO_KERNEL_CALL, its failure is raised."""
+    from te_offload_ops.kernels import api
+
+    calls = []
+
+    def fake_compile(*args, call="python", **kw):
+        calls.append(call)
+        if call == "tvm-ffi":
+            raise RuntimeError("tvm-ffi ABI mismatch")
+        return types.SimpleNamespace(call=call), object(), 0.1
+
+    monkeypatch.setattr(api, "_compile", fake_compile)
+    monkeypatch.setattr(api, "_has_tvm_ffi", lambda: True)
+    monkeypatch.setattr(api, "_TVM_FFI_FAILED", [])
+    monkeypatch.setenv(api.CALL_ENV, "tvm-ffi")
+    api.clear_cache()
+    try:
+        with pytest.raises(RuntimeError, match="ABI mismatch"):
+            api.get_kernel(torch.bfloat16, 256, 128, 2, b_n_major=False, epilogue="plain")
+        assert api._CACHE == {}
+        monkeypatch.delenv(api.CALL_ENV)
+        kern, _ = api.get_kernel(torch.bfloat16, 256, 128, 2, b_n_major=False, epilogue="plain")
+        assert kern.call == "python" and calls == ["tvm-ffi", "tvm-ffi", "python"]
+        assert kernels.kernel_call_convention() == "python" and "ABI mismatch" in api._TVM_FFI_FAILED[0]
+        api.get_kernel(torch.bfloat16, 256, 128, 2, b_n_major=False, epilogue="plain")
+        assert len(calls) == 3  # cached under the Python executor's key
+    finally:
+        api.clear_cache()

@@ -381,7 +381,9 @@ def test_fused_epilogue_chunk_widths_give_the_same_bits(monkeypatch, schedule):
 def test_call_conventions_give_the_same_bits(monkeypatch):
     """The TVM-FFI call path passes raw addresses, ints and the stream handle; it must launch
     exactly what the Python executor launches."""
-    from te_offload_ops.kernels import api, grouped_gemm, grouped_gemm_srelu_fwd, grouped_wgrad
+    from te_offload_ops.kernels import (
+        api, grouped_gemm, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd, grouped_wgrad,
+    )
 
     if not api._has_tvm_ffi():
         pytest.skip("apache-tvm-ffi is not installed")
@@ -389,11 +391,13 @@ def test_call_conventions_give_the_same_bits(monkeypatch):
     x, w, s = _inputs(splits, 384, 256, torch.bfloat16, seed=7)
     probs = torch.rand(x.shape[0], device="cuda").to(torch.bfloat16)
     dy = torch.randn(x.shape[0], 384, device="cuda").to(torch.bfloat16)
+    z = torch.randn(x.shape[0], 256, device="cuda").to(torch.bfloat16)
 
     def run(call):
         monkeypatch.setenv(api.CALL_ENV, call)
         api.clear_cache()
         out = (grouped_gemm(x, w, s), *grouped_gemm_srelu_fwd(x, w, s, probs),
+               *grouped_gemm_dsrelu_bwd(dy, w, s, z, probs),  # w as (E, K=384, N=256)
                grouped_wgrad(dy, x, s, backend="cute"))
         assert {kern.call for kern, _ in api._CACHE.values()} == {call}
         return out

@@ -59,13 +59,18 @@ def _has_tvm_ffi() -> bool:
     return importlib.util.find_spec("tvm_ffi") is not None
 
 
+# why the TVM-FFI convention, picked by default, failed to compile (then "python" is used)
+_TVM_FFI_FAILED: list[str] = []
+
+
 def kernel_call_convention() -> str:
     """How compiled kernels are called: "tvm-ffi" (the CuTe DSL's TVM-FFI convention: raw
-    pointers and ints cross one C call) where apache-tvm-ffi is installed, else "python" (the
-    DSL's Python executor, which costs far more host time a call); $TEO_KERNEL_CALL picks."""
+    pointers and ints cross one C call) where apache-tvm-ffi is installed and compiles, else
+    "python" (the DSL's Python executor, which costs more host time a call);
+    $TEO_KERNEL_CALL picks, and then a failure is not papered over."""
     choice = os.environ.get(CALL_ENV)
     if not choice:
-        return "tvm-ffi" if _has_tvm_ffi() else "python"
+        return "tvm-ffi" if _has_tvm_ffi() and not _TVM_FFI_FAILED else "python"
     if choice not in CALLS:
         raise ValueError(f"{CALL_ENV} must be one of {CALLS}, got {choice!r}")
     if choice == "tvm-ffi" and not _has_tvm_ffi():
@@ -198,10 +203,24 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
         with _LOCK:
             hit = _CACHE.get(key)
             if hit is None:
-                kern, compiled, secs = _compile(
-                    dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
-                    wgrad_m=wgrad_m, schedule=schedule, call=call,
-                )
+                try:
+                    kern, compiled, secs = _compile(
+                        dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
+                        wgrad_m=wgrad_m, schedule=schedule, call=call,
+                    )
+                except Exception as exc:
+                    if call != "tvm-ffi" or os.environ.get(CALL_ENV):
+                        raise
+                    # an apache-tvm-ffi the DSL cannot use?  If the Python executor compiles
+                    # the same kernel, use it from now on (a broken kernel raises here again)
+                    kern, compiled, secs = _compile(
+                        dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
+                        wgrad_m=wgrad_m, schedule=schedule, call="python",
+                    )
+                    _TVM_FFI_FAILED.append(repr(exc)[:300])
+                    _log.warning("the TVM-FFI kernel call path failed to compile (%s); using the "
+                                 "CuTe DSL's Python executor", _TVM_FFI_FAILED[-1])
+                    key = key[:-1] + ("python",)
                 _COMPILE_SECONDS[key] = secs
                 _log.info("compiled grouped GEMM %s in %.2f s", key, secs)
                 hit = _CACHE[key] = (kern, compiled)
@@ -241,7 +260,7 @@ def _launch(kern, compiled, tensors, num_tokens):
     cn = kern.cluster_n
     num_ctas = min(_sm_count(tensors[0][0].device.index) // cn * cn, -(-tile_bound // cn) * cn)
     stream = torch.cuda.current_stream().cuda_stream
-    if kern.call == "tvm-ffi":  # addresses, ints and the stream handle, as they are
+    if getattr(kern, "call", "python") == "tvm-ffi":  # addresses, ints and the stream handle
         compiled(*(t.data_ptr() for t, _ in tensors), num_tokens, num_ctas, stream)
         return
     dt = kern.dtype

@@ -173,7 +173,7 @@ class GroupedGemmSm90:
         if epi_cols is None:
             epi_cols = _EPI_COLS if self.n_out == 1 else _EPI_COLS_TWO_OUTPUTS
         if epi_cols not in (32, 64) or bn % epi_cols:
-            raise ValueError(f"epilogue chunks of {epi_cols} columns do not tile BN={bn}")
+            raise ValueError(f"epilogue chunks must be 32 or 64 columns and tile BN={bn}, got {epi_cols}")
         self.epi_cols = epi_cols
         self.epi_row = epi_cols + _EPI_PAD
         self.epi_elems = bm * self.epi_row
