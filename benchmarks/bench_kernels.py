@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # time than cuBLAS's; it is measured on its own and reported beside it).  A sleep kernel would
 # do the first part too, but after it the GPU runs a short burst at boost clocks (seen here:
 # cuBLAS bmm at 745 TFLOP/s against 625-660 under sustained load, and the schedules' order
-# reversed), which a training step does not see.
+# reversed: results/bench_kernels_sleep_timing_rejected.log), which a training step does not see.
 _LEAD = 10
 
 
