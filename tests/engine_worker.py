@@ -5,19 +5,24 @@ TE reads NVTE_CPU_OFFLOAD_V1 when it is imported, so the V1 engine needs its own
 """
 
 import dataclasses
+import os
 import sys
 
 import torch
 
-from engines import Config, forward_plan, make_inputs, make_stack, run_step
+from engines import Config, attach_main_grads, forward_plan, make_inputs, make_stack, run_step
 
 
 def main(out_path: str, engine: str, *flags: str) -> None:
-    cfg = Config(offload=tuple(f == "1" for f in flags))
+    # TEO_TEST_MEGATRON: comma-separated keys of engines.MEGATRON_KWARGS (e.g. "main_grad,delay")
+    megatron = tuple(filter(None, os.environ.get("TEO_TEST_MEGATRON", "").split(",")))
+    cfg = Config(offload=tuple(f == "1" for f in flags), megatron=megatron)
     stack = make_stack(cfg)
+    if "main_grad" in megatron:
+        attach_main_grads(stack)
     inputs = make_inputs(cfg)
     runs = {name: run_step(stack, inputs, name) for name in ("none", engine)}
-    results = {name: {"out": r["out"].cpu(), "grads": {k: v.cpu() for k, v in r["grads"].items()},
+    results = {name: {"out": r["out"].cpu(), "grads": {k: None if v is None else v.cpu() for k, v in r["grads"].items()},
                        "moved": {"|".join(k): n for k, n in r["moved"].items()},
                        "entries": [dataclasses.astuple(e) for e in r["recorder"].entries]}
                for name, r in runs.items()}

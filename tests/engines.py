@@ -20,6 +20,13 @@ from offload_spy import SaveRecorder, SpyEngine
 
 OP_NAMES = ("fc1", "act", "fc2")
 
+# Megatron-Core's settings for TE's grouped-MLP ops, by short name
+MEGATRON_KWARGS = {
+    "main_grad": {"accumulate_into_main_grad": True},
+    "delay": {"delay_wgrad_compute": True},
+    "single": {"single_grouped_weight": True},  # needs NVTE_GROUPED_LINEAR_SINGLE_PARAM=1
+}
+
 
 @dataclass
 class Config:
@@ -32,6 +39,11 @@ class Config:
     offload: tuple[bool, bool, bool] = (True, True, True)  # fc1, act, fc2
     stock_te: bool = False  # build TE's own ops instead of ours
     seed: int = 1234
+    megatron: tuple[str, ...] = ()  # keys of MEGATRON_KWARGS for both GroupedLinears
+
+    @property
+    def linear_kwargs(self) -> dict:
+        return {k: v for name in self.megatron for k, v in MEGATRON_KWARGS[name].items()}
 
     @property
     def tokens(self) -> int:
@@ -52,15 +64,48 @@ def forward_plan(mlp: te.ops.Sequential) -> list[str]:
 
 def make_mlp(cfg: Config) -> te.ops.Sequential:
     E, H, F, dt = cfg.experts, cfg.hidden, cfg.ffn, cfg.dtype
+    kw = dict(bias=False, device="cuda", dtype=dt, **cfg.linear_kwargs)
     if cfg.stock_te:
-        ops = (te.ops.GroupedLinear(E, H, F, bias=False, device="cuda", dtype=dt), te.ops.ScaledSReLU(),
-               te.ops.GroupedLinear(E, F, H, bias=False, device="cuda", dtype=dt))
+        ops = (te.ops.GroupedLinear(E, H, F, **kw), te.ops.ScaledSReLU(), te.ops.GroupedLinear(E, F, H, **kw))
     else:
         fc1, act, fc2 = cfg.offload
-        ops = (teo.GroupedLinear(E, H, F, bias=False, device="cuda", dtype=dt, offload=fc1),
-               teo.ScaledSReLU(offload=act),
-               teo.GroupedLinear(E, F, H, bias=False, device="cuda", dtype=dt, offload=fc2))
+        ops = (teo.GroupedLinear(E, H, F, offload=fc1, **kw), teo.ScaledSReLU(offload=act),
+               teo.GroupedLinear(E, F, H, offload=fc2, **kw))
     return te.ops.Sequential(*ops)
+
+
+def linears(stack) -> list:
+    return [op for mlp in stack for op in mlp if isinstance(op, te.ops.GroupedLinear)]
+
+
+def expert_weights_of(op) -> list[torch.Tensor]:
+    """Per-expert weight values of a GroupedLinear, however TE stores them."""
+    from te_offload_ops.fused.expert_weights import stacked_weight
+
+    return list(stacked_weight(op).unbind(0))
+
+
+def copy_weights(src_stack, dst_stack) -> None:
+    """Same weight values in two stacks whose ops may store them differently (single grouped or not)."""
+    with torch.no_grad():
+        for a, b in zip(linears(src_stack), linears(dst_stack)):
+            for wa, wb in zip(expert_weights_of(a), expert_weights_of(b)):
+                wb.copy_(wa)
+
+
+def attach_main_grads(stack, seed: int = 7) -> None:
+    """fp32 main_grad buffers as Megatron's DDP gives them, filled with known values.
+
+    Allocated one by one in reverse order (so the experts' buffers are not one tensor), with
+    grad_added_to_main_grad as Megatron sets it. Values depend only on (layer, op, shape)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for op in reversed(linears(stack)):
+        for p in reversed(list(op.parameters())):
+            p.main_grad = 0.01 * torch.randn(p.shape, device="cuda", dtype=torch.float32, generator=g)
+            p.grad_added_to_main_grad = False
+    for op in linears(stack):
+        for p in op.parameters():
+            p.teo_main_grad_init = p.main_grad.clone()
 
 
 def make_stack(cfg: Config) -> list[te.ops.Sequential]:
@@ -87,6 +132,9 @@ def run_step(stack, inputs, engine: str, offload_layers: int | None = None) -> d
     x, probs, dy, splits = inputs
     for p in [x, *probs, *(q for mlp in stack for q in mlp.parameters())]:
         p.grad = None
+        if hasattr(p, "teo_main_grad_init"):
+            p.main_grad.copy_(p.teo_main_grad_init)
+            p.grad_added_to_main_grad = False
     recorder = SaveRecorder()
     layers = len(stack)
     offload_layers = layers - 1 if offload_layers is None else offload_layers
@@ -108,14 +156,34 @@ def run_step(stack, inputs, engine: str, offload_layers: int | None = None) -> d
         fwd_peak = torch.cuda.max_memory_allocated() - base_mem
         out = h.detach().clone()
         h.backward(dy)
+        delayed = [op for op in linears(stack) if op.need_backward_dw()]
+        grads_before_dw = {id(p): p.grad for op in delayed for p in op.parameters()}
+        for op in delayed:  # as Megatron does after the backward (or overlapped with comms)
+            op.backward_dw()
         torch.cuda.synchronize()
     moved = spy.bytes_moved if spy else counter.bytes
     grads = {"x": x.grad, **{f"probs{i}": p.grad for i, p in enumerate(probs)}}
     for i, mlp in enumerate(stack):
-        for name, p in mlp.named_parameters():
-            grads[f"L{i}.{name}"] = p.grad
+        for j, op in enumerate(mlp):
+            if not isinstance(op, te.ops.GroupedLinear):
+                continue
+            for e, w in enumerate(_expert_grads(op)):
+                grads[f"L{i}.{j}.weight{e}"] = w
     return {"out": out, "grads": grads, "moved": dict(moved), "fwd_mem": fwd_mem, "fwd_peak": fwd_peak,
-            "recorder": recorder}
+            "recorder": recorder, "grads_before_dw": grads_before_dw}
+
+
+def _expert_grads(op) -> list:
+    """Per-expert weight gradients: what main_grad gained when Megatron's wgrad fusion is on,
+    else ``.grad`` (one (E, out, in) grad for a single grouped weight)."""
+    params = list(op.parameters())
+    if getattr(op, "_accumulate_into_main_grad", False):
+        deltas = [p.main_grad - p.teo_main_grad_init for p in params]
+    else:
+        deltas = [p.grad for p in params]
+    if len(params) == 1 and op.num_groups > 1:
+        return [None] * op.num_groups if deltas[0] is None else list(deltas[0].reshape(op.num_groups, op.out_features, op.in_features).unbind(0))
+    return deltas
 
 
 def offloadable_activation_bytes(recorder, layer: int, min_numel: int = 256 * 1024) -> int:

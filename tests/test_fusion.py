@@ -9,6 +9,7 @@ from transformer_engine.pytorch.ops.fuser import OperationFuser
 import te_offload_ops as teo
 from te_offload_ops import fused
 from te_offload_ops.fused import FusedScaledSReLUMLP, explain_fusion, runtime_blockers, static_blockers
+from te_offload_ops.fused.expert_weights import weight_dtype
 
 
 def mlp_ops(E=4, H=64, F=32, dtype=torch.bfloat16, **fc_kwargs):
@@ -34,7 +35,7 @@ def test_missing_kernels_block_fusion_with_the_reason(hopper, monkeypatch):
 def fused_plan(ops, recipe=None):
     """What TE's own fuser runs forward, with our fusion registered."""
     fuser = OperationFuser(ops)
-    x = torch.randn(8, ops[0].in_features, dtype=ops[0].weight0.dtype, requires_grad=True)
+    x = torch.randn(8, ops[0].in_features, dtype=weight_dtype(ops[0]), requires_grad=True)
     splits = torch.tensor([2] * ops[0].num_groups)
     fuser.maybe_fuse_ops(True, recipe, x, [[splits], [torch.rand(8)], [splits]])
     return [type(op) for op, _ in fuser._forward_ops], [type(op) for op, _ in fuser._backward_ops]
@@ -79,15 +80,44 @@ def test_fp8_recipes_fall_back(recipe):
     assert any("quantization recipe" in r and type(recipe).__name__ in r for r in reasons)
 
 
-@pytest.mark.parametrize("kwargs, expected", [
-    (dict(bias=True), "has a bias"),
-    (dict(accumulate_into_main_grad=True), "main_grad"),
-    (dict(delay_wgrad_compute=True), "delays its weight gradient"),
-])
-def test_unsupported_linear_settings_fall_back(kwargs, expected, hopper):
+def test_bias_falls_back(hopper):
     ops = mlp_ops()
-    ops[2] = teo.GroupedLinear(4, 32, 64, device="cpu", dtype=torch.bfloat16, **{"bias": False, **kwargs})
-    assert any(expected in r for r in static_blockers(*ops, capability=(9, 0)))
+    ops[2] = teo.GroupedLinear(4, 32, 64, bias=True, device="cpu", dtype=torch.bfloat16)
+    assert any("has a bias" in r for r in static_blockers(*ops, capability=(9, 0)))
+
+
+# What Megatron-Core passes to TE's grouped-MLP ops: each fuses (fused/weight_grads.py).
+MEGATRON_SETTINGS = [dict(accumulate_into_main_grad=True), dict(delay_wgrad_compute=True),
+                     dict(single_grouped_weight=True),
+                     dict(accumulate_into_main_grad=True, delay_wgrad_compute=True, single_grouped_weight=True)]
+
+
+@pytest.fixture
+def single_param(monkeypatch):
+    """TE builds single grouped weights only with this switch on (Megatron sets it)."""
+    monkeypatch.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1")
+
+
+@pytest.mark.filterwarnings("ignore:GroupedLinear is using single_grouped_weight")
+@pytest.mark.parametrize("kwargs", MEGATRON_SETTINGS, ids=lambda kw: "+".join(kw))
+def test_megatron_settings_fuse(kwargs, hopper, single_param):
+    assert mlp_ops(**kwargs)[0].single_grouped_weight == kwargs.get("single_grouped_weight", False)
+    assert static_blockers(*mlp_ops(**kwargs), capability=(9, 0)) == []
+    assert fused_plan(mlp_ops(**kwargs)) == ([FusedScaledSReLUMLP], [FusedScaledSReLUMLP])
+
+
+@pytest.mark.filterwarnings("ignore:GroupedLinear is using single_grouped_weight")
+def test_single_grouped_weight_is_seen_as_one_stacked_tensor(single_param):
+    from te_offload_ops.fused.expert_weights import stacked_weight, weight_dtype, weight_params
+
+    grouped, per_expert = mlp_ops(single_grouped_weight=True)[0], mlp_ops()[0]
+    assert len(weight_params(grouped)) == 1 and len(weight_params(per_expert)) == 4
+    assert weight_dtype(grouped) == torch.bfloat16
+    w = stacked_weight(grouped)
+    assert w.shape == (4, 32, 64) and w.data_ptr() == weight_params(grouped)[0].rowwise_data.data_ptr()
+    # per-expert weights that tile one buffer are viewed, not copied
+    assert stacked_weight(per_expert).data_ptr() == per_expert.weight0.data_ptr()
+    assert torch.equal(stacked_weight(per_expert)[3], per_expert.weight3)
 
 
 def test_misaligned_and_mismatched_dims_fall_back(hopper):
@@ -127,10 +157,7 @@ def test_switch_turns_fusion_off(hopper, monkeypatch):
 
 def test_runtime_blockers_name_each_problem():
     splits, probs = torch.tensor([4, 4]), torch.rand(8, dtype=torch.bfloat16)
-    reasons = runtime_blockers(torch.randn(8, 64, dtype=torch.float32), splits, probs,
-                               weight_dtype=torch.bfloat16, hidden=64)
+    reasons = runtime_blockers(torch.randn(8, 64, dtype=torch.float32), splits, probs, weight_dtype=torch.bfloat16)
     text = " | ".join(reasons)
-    assert "input is torch.float32" in text and "not on a CUDA device" in text and "split_sizes must be a CUDA" in text
-    bad_shape = runtime_blockers(torch.randn(8, 32, dtype=torch.bfloat16), splits, torch.rand(7),
-                                 weight_dtype=torch.bfloat16, hidden=64)
-    assert any("(tokens, 64)" in r for r in bad_shape) and any("probs must have shape" in r for r in bad_shape)
+    assert "input is torch.float32" in text and "not on a CUDA device" in text
+    assert "not a plain tensor" in runtime_blockers([1, 2], splits, probs, weight_dtype=torch.bfloat16)[0]

@@ -299,10 +299,12 @@ def test_wgrad_form_rejects_bad_arguments():
 
     from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
 
-    with pytest.raises(ValueError, match="plain epilogue"):
+    with pytest.raises(ValueError, match="plain or main-grad epilogue"):
         GroupedGemmSm90(cutlass.BFloat16, 128, 0, 2, b_n_major=True, epilogue="srelu", wgrad_m=128)
-    with pytest.raises(ValueError, match="plain epilogue"):
+    with pytest.raises(ValueError, match="plain or main-grad epilogue"):
         GroupedGemmSm90(cutlass.BFloat16, 128, 64, 2, b_n_major=True, wgrad_m=128)  # k != 0
+    with pytest.raises(ValueError, match="belongs to the weight-gradient form"):
+        GroupedGemmSm90(cutlass.BFloat16, 128, 64, 2, b_n_major=True, epilogue="acc_f32")
     with pytest.raises(ValueError, match="multiple of 8"):
         GroupedGemmSm90(cutlass.BFloat16, 128, 0, 2, b_n_major=True, wgrad_m=100)
 
@@ -349,3 +351,32 @@ def test_both_call_conventions_compile(call):
     assert kern.call == call
     assert ("TVMFFI" in type(compiled).__name__) == (call == "tvm-ffi")
     assert "wgmma.mma_async" in str(compiled.artifacts.PTX)
+
+
+@pytest.mark.parametrize("epilogue", ["acc_f32", "store_f32"])
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+def test_main_grad_wgrad_compiles_and_writes_fp32_in_place(epilogue, schedule):
+    """Megatron's wgrad fusion: the weight-gradient form with an fp32 epilogue into main_grad.
+
+    acc_f32 reads each accumulator element's main_grad value and stores the sum (as many fp32
+    loads as stores beyond the split sizes and the offset table); store_f32 only stores. The
+    expert's buffer is found through a 64-bit offset load; nothing is staged through shared
+    memory and nothing spills."""
+    from te_offload_ops.kernels import compile_variant
+
+    kern, compiled, _ = compile_variant(torch.bfloat16, 2688, 0, 8, b_n_major=True, epilogue=epilogue,
+                                        wgrad_m=1856, schedule=schedule, options="--keep-ptx", call="python")
+    ptx = str(compiled.artifacts.PTX)
+    acc_elems = kern.bm * kern.bn // kern.tile_threads
+    stores = len(re.findall(r"st\.global\.b32", ptx))
+    loads = len(re.findall(r"ld\.global\.b32", ptx))
+    assert stores == acc_elems
+    if epilogue == "acc_f32":
+        assert loads >= acc_elems
+    else:
+        assert loads < acc_elems
+    assert "ld.global.b64" in ptx  # the expert's offset into the main_grad allocation
+    assert "st.shared" not in ptx.split("wgmma.mma_async")[-1]  # no staging after the last MMA
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+

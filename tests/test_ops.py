@@ -119,7 +119,9 @@ def _run_fuser_forward(op, saved, monkeypatch, input_=None):
 
     monkeypatch.setattr(te.ops.GroupedLinear, "fuser_forward", te_fuser_forward)
     ctx = OperationContext()
-    op.fuser_forward([ctx], torch.empty(0) if input_ is None else input_, basic_op_extra_inputs=[()],
+    x = torch.empty(0, op.in_features) if input_ is None else input_
+    splits = torch.zeros(op.num_groups, dtype=torch.int64)  # the op's input checks see one per group
+    op.fuser_forward([ctx], x, basic_op_extra_inputs=[(splits,)],
                      prev_op_grad_output_quantizer=None, next_op_input_quantizer=None, basic_op_kwargs=[{}])
     return ctx
 
@@ -187,3 +189,26 @@ def test_unknown_saved_layout_is_an_error_not_a_silent_offload():
 def test_activation_ops_save_no_weights():
     x, probs = torch.randn(4, 8), torch.rand(4)
     assert teo.ScaledSReLU().saved_weights((x, probs)) == ()
+
+
+def test_grouped_linear_rejects_bad_inputs_before_te_runs(monkeypatch):
+    """Checked ahead of TE's forward, with the values named (TE would fail deeper or not at all)."""
+    op = teo.GroupedLinear(3, 16, 8, bias=False, device="cpu")
+    ran = []
+    monkeypatch.setattr(te.ops.GroupedLinear, "fuser_forward", lambda *a, **k: ran.append(1))
+    ctx = OperationContext()
+    kw = dict(prev_op_grad_output_quantizer=None, next_op_input_quantizer=None, basic_op_kwargs=[{}])
+    with pytest.raises(ValueError, match=r"shape \(4, 12\).*in_features=16"):
+        op.fuser_forward([ctx], torch.randn(4, 12), basic_op_extra_inputs=[(torch.tensor([1, 2, 1]),)], **kw)
+    with pytest.raises(ValueError, match=r"one size per group \(3\)"):
+        op.fuser_forward([ctx], torch.randn(4, 16), basic_op_extra_inputs=[(torch.tensor([2, 2]),)], **kw)
+    with pytest.raises(TypeError, match="integer dtype"):
+        op.fuser_forward([ctx], torch.randn(4, 16), basic_op_extra_inputs=[(torch.tensor([1.0, 2, 1]),)], **kw)
+    assert ran == []
+
+
+def test_scaled_activation_rejects_probs_of_the_wrong_count(monkeypatch):
+    op = teo.ScaledSReLU()
+    kw = dict(prev_op_grad_output_quantizer=None, next_op_input_quantizer=None, basic_op_kwargs=[{}])
+    with pytest.raises(ValueError, match="probs have 3 values .* for 4 tokens"):
+        op.fuser_forward([OperationContext()], torch.randn(4, 8), basic_op_extra_inputs=[(torch.rand(3),)], **kw)

@@ -4,7 +4,8 @@ Two stages, because TE's fuser decides a fusion once per recipe and caches it:
 
 * :func:`static_blockers` at fusion time: the GPU, the recipe, the ops and their settings, and
   the switch ``TEO_FUSED_SRELU_MLP=0``, and whether the CuTe DSL kernels import.
-* :func:`runtime_blockers` at each forward: the input's dtype, device and shape. The fused op then runs the three ops unfused and records why.
+* :func:`runtime_blockers` at each forward: inputs TE accepts that the kernels do not take (another
+  dtype, a quantized input). The fused op then runs the three ops unfused and records why.
 
 Each returns the list of reasons that stop fusion (empty: fuse).
 """
@@ -16,6 +17,8 @@ import os
 from typing import Any, Optional
 
 import torch
+
+from .expert_weights import weight_dtype
 
 DISABLE_ENV = "TEO_FUSED_SRELU_MLP"  # "0" turns the fusion off (read when TE's fuser fuses)
 
@@ -48,21 +51,19 @@ def _recipe_blocker(recipe: Any) -> Optional[str]:
 
 
 def _linear_blockers(name: str, op: Any) -> list[str]:
+    # accumulate_into_main_grad, delay_wgrad_compute and single_grouped_weight fuse
+    # (fused/weight_grads.py does what TE's GroupedLinear does with them)
     reasons = []
     if op.use_bias:
         reasons.append(f"{name} has a bias")
-    if op.single_grouped_weight:
-        reasons.append(f"{name} stores a single grouped weight")
-    if op.wgrad_store.delay_wgrad_compute():
-        reasons.append(f"{name} delays its weight gradient")
-    if op._accumulate_into_main_grad:
-        reasons.append(f"{name} accumulates into main_grad")
     if op._with_quantized_weight:
         reasons.append(f"{name} has quantized weights")
+    if op._is_distributed_weight():
+        reasons.append(f"{name} has distributed (sharded) weights, which TE gathers per call")
     for dim_name in ("in_features", "out_features"):
         if getattr(op, dim_name) % ROW_ALIGNMENT:
             reasons.append(f"{name}.{dim_name}={getattr(op, dim_name)} is not a multiple of {ROW_ALIGNMENT}")
-    dtype = op.weight0.dtype
+    dtype = weight_dtype(op)
     if dtype not in SUPPORTED_DTYPES:
         reasons.append(f"{name} weights are {dtype}; the kernels take bf16 or fp16")
     return reasons
@@ -99,13 +100,16 @@ def static_blockers(fc1: Any, act: Any, fc2: Any, *, recipe: Any = None,
         reasons.append(f"fc1 has {fc1.num_groups} groups and fc2 {fc2.num_groups}")
     if fc1.out_features != fc2.in_features:
         reasons.append(f"fc1.out_features={fc1.out_features} != fc2.in_features={fc2.in_features}")
-    if fc1.weight0.dtype != fc2.weight0.dtype:
-        reasons.append(f"fc1 weights are {fc1.weight0.dtype} and fc2 weights {fc2.weight0.dtype}")
+    if weight_dtype(fc1) != weight_dtype(fc2):
+        reasons.append(f"fc1 weights are {weight_dtype(fc1)} and fc2 weights {weight_dtype(fc2)}")
     return reasons
 
 
-def runtime_blockers(x: Any, split_sizes: Any, probs: Any, *, weight_dtype: torch.dtype, hidden: int) -> list[str]:
-    """Why this call's inputs cannot take the fused path; [] if they can."""
+def runtime_blockers(x: Any, split_sizes: Any, probs: Any, *, weight_dtype: torch.dtype) -> list[str]:
+    """Why this call's inputs, which TE's ops accept, cannot take the fused path; [] if they can.
+
+    Inputs TE rejects never get here: the fused op raises for them first (ops/input_checks.py)."""
+    del split_sizes, probs  # any integer dtype, CPU or GPU, and any probs dtype are taken
     reasons = []
     if type(x) is not torch.Tensor:
         reasons.append(f"input is a {type(x).__name__}, not a plain tensor")
@@ -116,12 +120,4 @@ def runtime_blockers(x: Any, split_sizes: Any, probs: Any, *, weight_dtype: torc
         reasons.append(f"input is {x.dtype}, weights are {weight_dtype}")
     if not x.is_cuda:
         reasons.append("input is not on a CUDA device")
-    if x.dim() != 2 or x.shape[-1] != hidden:
-        reasons.append(f"input has shape {tuple(x.shape)}; the fused op takes (tokens, {hidden})")
-    if not (isinstance(probs, torch.Tensor) and probs.dim() == 1 and probs.shape[0] == (x.shape[0] if x.dim() else -1)):
-        reasons.append(f"probs must have shape (tokens,), got {tuple(getattr(probs, 'shape', ()))}")
-    elif probs.dtype != x.dtype:
-        reasons.append(f"probs are {probs.dtype}, input is {x.dtype}")
-    if not (isinstance(split_sizes, torch.Tensor) and split_sizes.is_cuda):
-        reasons.append("split_sizes must be a CUDA tensor (the fused path never reads them on the host)")
     return reasons

@@ -19,26 +19,15 @@ import torch
 from transformer_engine.pytorch.ops.op import FusedOperation
 
 from .. import policy
+from ..ops.input_checks import check_input, check_scales, check_split_sizes
+from .expert_weights import stacked_weight, weight_dtype, weight_params
 from .selection import runtime_blockers
+from .split_check import check_now, start_check
+from .weight_grads import check_main_grad, weight_grads
 
 log = logging.getLogger(__name__)
 
-
-def expert_weights(op) -> tuple[torch.Tensor, ...]:
-    return tuple(getattr(op, f"weight{i}") for i in range(op.num_groups))
-
-
-def stacked_weight(op) -> torch.Tensor:
-    """The (E, out, in) weight tensor: a view when the per-expert weights tile one buffer."""
-    ws = expert_weights(op)
-    w0 = ws[0]
-    n, k = w0.shape
-    step = n * k * w0.element_size()
-    tiled = all(w.is_contiguous() and w.dtype == w0.dtype and w.data_ptr() == w0.data_ptr() + i * step
-                for i, w in enumerate(ws))
-    if tiled:
-        return w0.detach().as_strided((len(ws), n, k), (n * k, k, 1))
-    return torch.stack([w.detach() for w in ws])
+_MAX_PENDING_CHECKS = 64  # split-size checks of no-grad calls kept before the oldest is awaited
 
 
 class FusedScaledSReLUMLP(FusedOperation):
@@ -47,6 +36,7 @@ class FusedScaledSReLUMLP(FusedOperation):
     def __init__(self, *, fc1, activation, fc2) -> None:
         super().__init__((fc1, activation, fc2))
         self.last_fallback_reasons: list[str] = []
+        self._pending_checks: list = []  # split-size checks of calls without grad
 
     @property
     def fc1(self):
@@ -65,8 +55,9 @@ class FusedScaledSReLUMLP(FusedOperation):
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, prev_op_grad_output_quantizer,
                       next_op_input_quantizer, basic_op_kwargs):
         split_sizes, probs = basic_op_extra_inputs[0][0], basic_op_extra_inputs[1][0]
-        reasons = runtime_blockers(input_, split_sizes, probs, weight_dtype=self.fc1.weight0.dtype,
-                                   hidden=self.fc1.in_features)
+        self._check_inputs(input_, split_sizes, probs, basic_op_extra_inputs[2][0])
+        self._resolve_landed_checks()
+        reasons = runtime_blockers(input_, split_sizes, probs, weight_dtype=weight_dtype(self.fc1))
         if any(basic_op_kwargs):
             reasons.append("output or grad-input buffers were passed through op kwargs")
         if reasons:
@@ -76,6 +67,23 @@ class FusedScaledSReLUMLP(FusedOperation):
                                          next_op_input_quantizer, basic_op_kwargs)
         self.last_fallback_reasons = []
         return self._forward_fused(basic_op_ctxs, input_, split_sizes, probs)
+
+    def _check_inputs(self, x, split_sizes, probs, fc2_split_sizes) -> None:
+        """What TE's ops would reject, rejected here before any kernel, with the values named."""
+        fc1, _, fc2 = self.basic_ops
+        device = weight_params(fc1)[0].device
+        check_input("fused SReLU MLP (fc1)", x, fc1.in_features, device)
+        check_split_sizes("fused SReLU MLP (fc1)", split_sizes, fc1.num_groups, device)
+        check_split_sizes("fused SReLU MLP (fc2)", fc2_split_sizes, fc2.num_groups, device)
+        check_scales("fused SReLU MLP (ScaledSReLU)", probs, x)
+        check_main_grad(fc1, "fused SReLU MLP fc1")
+        check_main_grad(fc2, "fused SReLU MLP fc2")
+
+    def _resolve_landed_checks(self) -> None:
+        """Split-size checks of earlier no-grad calls: raise for those that landed bad."""
+        pending = self._pending_checks
+        while pending and (pending[0].landed or len(pending) > _MAX_PENDING_CHECKS):
+            pending.pop(0).resolve()
 
     def _note_fallback(self, reasons: list[str]) -> None:
         if reasons != self.last_fallback_reasons:
@@ -97,19 +105,35 @@ class FusedScaledSReLUMLP(FusedOperation):
         from .. import kernels
 
         fc1, act_op, fc2 = self.basic_ops
-        x = x.contiguous()
-        act, z = kernels.grouped_gemm_srelu_fwd(x, stacked_weight(fc1), split_sizes, probs)
+        out_shape = (*x.shape[:-1], fc2.out_features)
+        x2d = x.reshape(-1, fc1.in_features).contiguous()
+        tokens = x2d.shape[0]
+        where = f"{type(self).__name__} ({fc1.num_groups} experts)"
+        check = None
+        if split_sizes.device.type == "cpu":  # readable now: check at once, then hand them over
+            check_now(split_sizes, tokens, where)
+            split_sizes = split_sizes.to(x2d.device, non_blocking=True)
+        else:
+            check = start_check(split_sizes, tokens, where)
+        probs_flat = probs.reshape(-1)
+        act, z = kernels.grouped_gemm_srelu_fwd(x2d, stacked_weight(fc1), split_sizes, probs_flat)
         y = kernels.grouped_gemm(act, stacked_weight(fc2), split_sizes)
-        if any(ctx.requires_grad for ctx in ctxs):
-            ctx1, ctx_act, ctx2 = ctxs
-            ctx1.teo_fused = True
-            ctx1.input_requires_grad = x.requires_grad
-            ctx_act.probs_require_grad = probs.requires_grad
-            w1, w2 = expert_weights(fc1), expert_weights(fc2)
-            policy.save_for_backward(ctx1, x, split_sizes, *w1, offload=fc1.offload, weights=w1, owner=fc1)
-            policy.save_for_backward(ctx_act, z, probs, offload=act_op.offload, owner=act_op)
-            policy.save_for_backward(ctx2, *w2, offload=fc2.offload, weights=w2, owner=fc2)
-        return y, [(), (), ()]
+        if not any(ctx.requires_grad for ctx in ctxs):
+            if check is not None:
+                self._pending_checks.append(check)
+            return y.view(out_shape), [(), (), ()]
+        ctx1, ctx_act, ctx2 = ctxs
+        ctx1.teo_fused = True
+        ctx1.teo_split_check = check
+        ctx1.input_requires_grad = x.requires_grad
+        ctx1.input_shape = x.shape
+        ctx_act.probs_require_grad = probs.requires_grad
+        ctx_act.probs_shape = probs.shape
+        w1, w2 = weight_params(fc1), weight_params(fc2)
+        policy.save_for_backward(ctx1, x2d, split_sizes, *w1, offload=fc1.offload, weights=w1, owner=fc1)
+        policy.save_for_backward(ctx_act, z, probs_flat, offload=act_op.offload, owner=act_op)
+        policy.save_for_backward(ctx2, *w2, offload=fc2.offload, weights=w2, owner=fc2)
+        return y.view(out_shape), [(), (), ()]
 
     # -- backward --------------------------------------------------------------------------
 
@@ -131,14 +155,20 @@ class FusedScaledSReLUMLP(FusedOperation):
 
         fc1, _, fc2 = self.basic_ops
         ctx1, ctx_act, ctx2 = ctxs
-        E = fc1.num_groups
+        check, ctx1.teo_split_check = ctx1.teo_split_check, None
+        if check is not None:  # bad split sizes raise here, before any backward kernel
+            check.resolve()
         x, split_sizes, *_ = ctx1.saved_tensors
         z, probs = ctx_act.saved_tensors
-        dy = dy.contiguous()
+        dy = dy.reshape(-1, fc2.out_features).contiguous()
 
         dz, dprobs, act = kernels.grouped_gemm_dsrelu_bwd(dy, stacked_weight(fc2), split_sizes, z, probs)
-        dw2 = list(kernels.grouped_wgrad(dy, act, split_sizes).unbind(0)) if fc2.weight0.requires_grad else [None] * E
+        dw2 = weight_grads(fc2, dy, act, split_sizes, temporaries=[act])
         del act
-        dx = kernels.grouped_gemm(dz, stacked_weight(fc1), split_sizes, trans_b=True) if ctx1.input_requires_grad else None
-        dw1 = list(kernels.grouped_wgrad(dz, x, split_sizes).unbind(0)) if fc1.weight0.requires_grad else [None] * E
-        return dx, [dw1, (), dw2], [(None,), (dprobs if ctx_act.probs_require_grad else None,), (None,)]
+        dx = None
+        if ctx1.input_requires_grad:
+            dx = kernels.grouped_gemm(dz, stacked_weight(fc1), split_sizes, trans_b=True).view(
+                *ctx1.input_shape[:-1], fc1.in_features)
+        dw1 = weight_grads(fc1, dz, x, split_sizes, temporaries=[dz])
+        dprobs = dprobs.view(ctx_act.probs_shape) if ctx_act.probs_require_grad else None
+        return dx, [dw1, (), dw2], [(None,), (dprobs,), (None,)]

@@ -93,7 +93,10 @@ SCHEDULES = ("cooperative", "pingpong")
 # schedules timed interleaved): pingpong hides the epilogue behind the other warpgroup's
 # MMAs; the wgrads have no epilogue work to hide and keep the wider cooperative tile
 _DEFAULT_SCHEDULE = {"plain": "pingpong", "srelu": "pingpong", "dsrelu": "pingpong",
-                     "wgrad": "cooperative"}
+                     "wgrad": "cooperative",
+                     # the fp32 main_grad read-modify-write is epilogue work worth hiding
+                     "wgrad_main_grad": "pingpong"}
+_MAIN_GRAD_EPILOGUES = ("acc_f32", "store_f32")  # gemm_sm90.MAIN_GRAD_EPILOGUES, without the DSL import
 
 
 def pick_schedule(epilogue: str, wgrad: bool = False, schedule: str | None = None, tile=None) -> str:
@@ -101,7 +104,8 @@ def pick_schedule(epilogue: str, wgrad: bool = False, schedule: str | None = Non
     the latter two give way to cooperative for a given tile wider than pingpong's 128 columns."""
     choice = schedule
     if not choice:  # a preference (env or default) yields to a tile too wide for pingpong
-        choice = os.environ.get(SCHEDULE_ENV) or _DEFAULT_SCHEDULE["wgrad" if wgrad else epilogue]
+        kind = "wgrad_main_grad" if epilogue in _MAIN_GRAD_EPILOGUES else "wgrad" if wgrad else epilogue
+        choice = os.environ.get(SCHEDULE_ENV) or _DEFAULT_SCHEDULE[kind]
         if choice == "pingpong" and tile is not None and tile[1] > 128:
             choice = "cooperative"
     if choice not in SCHEDULES:
@@ -140,7 +144,7 @@ def _compile(
     call: str = "python",
 ):
     cutlass, cute, make_ptr, make_fake_stream = _cutlass()
-    from .gemm_sm90 import GroupedGemmSm90
+    from .gemm_sm90 import MAIN_GRAD_EPILOGUES, GroupedGemmSm90
 
     dt = _cutlass_dtype(dtype)
     kern = (kernel_class or GroupedGemmSm90)(
@@ -149,15 +153,18 @@ def _compile(
     )
     gmem = cute.AddressSpace.gmem
     fake = 1 << 20  # any aligned address: only the types matter at compile time
+    main_grad = epilogue in MAIN_GRAD_EPILOGUES
     args = [
         make_ptr(dt, fake, gmem, assumed_align=16),  # A
         make_ptr(dt, fake, gmem, assumed_align=16),  # B
-        make_ptr(dt, fake, gmem, assumed_align=16),  # C / Z / dZ
+        # C / Z / dZ, or the fp32 main_grad base
+        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4) if main_grad else make_ptr(dt, fake, gmem, assumed_align=16),
         make_ptr(cutlass.Int32, fake, gmem, assumed_align=4),  # split sizes
         make_ptr(dt, fake, gmem, assumed_align=2),  # probs
         make_ptr(dt, fake, gmem, assumed_align=16),  # z (dsrelu input)
         make_ptr(dt, fake, gmem, assumed_align=16),  # act
-        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # dprobs partials
+        # dprobs partials, or each expert's main_grad offset from the base (elements)
+        make_ptr(cutlass.Int64, fake, gmem, assumed_align=8) if main_grad else make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),
     ]
     if call == "tvm-ffi":
         options = f"{options} --enable-tvm-ffi" if options else "--enable-tvm-ffi"
@@ -274,6 +281,8 @@ def _launch(kern, compiled, tensors, num_tokens):
             ptrs.append(make_ptr(cutlass.Int32, t.data_ptr(), gmem, assumed_align=4))
         elif kind == "f32":
             ptrs.append(make_ptr(cutlass.Float32, t.data_ptr(), gmem, assumed_align=4))
+        elif kind == "i64":
+            ptrs.append(make_ptr(cutlass.Int64, t.data_ptr(), gmem, assumed_align=8))
         elif kind == "vec":
             ptrs.append(make_ptr(dt, t.data_ptr(), gmem, assumed_align=2))
         else:
@@ -303,9 +312,24 @@ def _check(a, b, split_sizes, b_n_major):
     if kb != k:
         raise ValueError(f"K mismatch: a has {k}, b has {kb}")
     if split_sizes.numel() != e:
-        raise ValueError("split_sizes must have one entry per expert")
+        raise ValueError(f"split_sizes must have one entry per expert: {e} experts, got {split_sizes.numel()} entries")
     n = b.shape[1] if not b_n_major else b.shape[2]
+    _check_limits(a.shape[0], n)
     return e, n, k
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _check_limits(tokens: int, n: int) -> None:
+    """What the kernels index with 32 bits: token rows, and the dSReLU partial sums (one fp32 per
+    token and 128-column block). Element offsets into A, C, z and act are 64-bit, so operands
+    past 2^31 elements are fine."""
+    if tokens > _INT32_MAX:
+        raise ValueError(f"the grouped GEMM takes at most {_INT32_MAX} token rows, got {tokens}")
+    if tokens * -(-n // 64) > _INT32_MAX:
+        raise ValueError(f"{tokens} tokens x {-(-n // 64)} column blocks of N={n} overflow the kernel's "
+                         "32-bit dprobs partial-sum index; split the tokens into smaller calls")
 
 
 def _splits_i32(split_sizes: torch.Tensor, device) -> torch.Tensor:
@@ -425,6 +449,87 @@ def _check_wgrad(dy, x, split_sizes):
         raise ValueError("split_sizes must be a 1-D tensor with one entry per expert")
     if dy.shape[1] % 8 or x.shape[1] % 8:
         raise ValueError("N and K must be multiples of 8 (16-byte rows)")
+    if dy.shape[0] > _INT32_MAX:
+        raise ValueError(f"the grouped wgrad takes at most {_INT32_MAX} token rows, got {dy.shape[0]}")
+
+
+_OFFSETS_CACHE: dict = {}  # (device, addresses) -> int64 element offsets on the GPU (and their pinned source)
+_OFFSETS_CACHE_MAX = 256
+
+
+def _main_grad_offsets(bufs, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lowest-addressed buffer, int64 element offsets of each expert's buffer from it) on ``device``.
+
+    Megatron's grad buffers are persistent, so the offsets are built once per set of addresses
+    and copied from pinned memory without a host sync."""
+    ptrs = tuple(b.data_ptr() for b in bufs)
+    base = min(range(len(bufs)), key=lambda i: ptrs[i])
+    key = (device, ptrs)
+    hit = _OFFSETS_CACHE.get(key)
+    if hit is None:
+        if len(_OFFSETS_CACHE) >= _OFFSETS_CACHE_MAX:
+            _OFFSETS_CACHE.pop(next(iter(_OFFSETS_CACHE)))
+        host = torch.tensor([(p - ptrs[base]) // 4 for p in ptrs], dtype=torch.int64).pin_memory()
+        hit = _OFFSETS_CACHE[key] = (host.to(device, non_blocking=True), host)
+    return bufs[base], hit[0]
+
+
+def _check_main_grads(main_grads, e: int, n: int, k: int, device) -> list[torch.Tensor]:
+    """E fp32 (N, K) buffers on ``device``: a sequence of them, or one (E, N, K) tensor."""
+    if isinstance(main_grads, torch.Tensor):
+        if main_grads.dim() != 3:
+            raise ValueError(f"main_grad must be (E, N, K) = ({e}, {n}, {k}) or a list of (N, K) buffers, "
+                             f"got shape {tuple(main_grads.shape)}")
+        main_grads = list(main_grads.unbind(0))
+    bufs = list(main_grads)
+    if len(bufs) != e:
+        raise ValueError(f"expected {e} main_grad buffers (one per expert), got {len(bufs)}")
+    for i, g in enumerate(bufs):
+        if not isinstance(g, torch.Tensor) or g.dtype != torch.float32 or g.device != device:
+            raise TypeError(f"main_grad[{i}] must be an fp32 tensor on {device}, got "
+                            f"{getattr(g, 'dtype', type(g).__name__)} on {getattr(g, 'device', '?')}")
+        if tuple(g.shape) != (n, k) or not g.is_contiguous():
+            raise ValueError(f"main_grad[{i}] must be a contiguous ({n}, {k}) tensor, got shape "
+                             f"{tuple(g.shape)} with stride {tuple(g.stride())}")
+    return bufs
+
+
+def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool = True,
+                            backend: str | None = None, tile=None, schedule=None) -> None:
+    """Megatron's wgrad fusion: ``main_grads[e] += dy_e^T @ x_e`` in fp32 (``= `` with
+    ``accumulate=False``, i.e. ``overwrite_main_grad``), for every expert, no host sync.
+
+    ``main_grads``: one (E, N, K) fp32 tensor or E fp32 (N, K) tensors at any addresses on dy's
+    device (each expert's buffer is found through a table of 64-bit offsets). The CuTe kernel
+    adds the fp32 accumulator into them in its epilogue: no bf16 temporary, no extra pass.
+    Experts with no tokens add nothing (or store zeros when overwriting)."""
+    _check_wgrad(dy, x, split_sizes)
+    e, n, k = split_sizes.numel(), dy.shape[1], x.shape[1]
+    bufs = _check_main_grads(main_grads, e, n, k, dy.device)
+    s = _splits_i32(split_sizes, dy.device)
+    if wgrad_backend(backend) == "torch":
+        offs = torch.cumsum(s, 0, dtype=torch.int32)
+        dw = torch._grouped_mm(dy.t(), x, offs=offs, out_dtype=torch.float32)
+        for g, d in zip(bufs, dw.unbind(0)):
+            g.add_(d) if accumulate else g.copy_(d)
+        return
+    t = dy.shape[0]
+    if t == 0:
+        if not accumulate:
+            for g in bufs:
+                g.zero_()
+        return
+    kern, compiled = get_kernel(dy.dtype, k, 0, e, b_n_major=True,
+                                epilogue="acc_f32" if accumulate else "store_f32", tile=tile,
+                                wgrad_m=n, schedule=schedule)
+    base, offsets = _main_grad_offsets(bufs, dy.device)
+    dy, x = _aligned(dy), _aligned(x)
+    _launch(
+        kern, compiled,
+        [(dy, "m"), (x, "m"), (base, "f32"), (s, "i32"), (dy, "vec"), (dy, "m"), (dy, "m"),
+         (offsets, "i64")],
+        t,
+    )
 
 
 def grouped_wgrad(dy, x, split_sizes, *, backend: str | None = None, tile=None, schedule=None):

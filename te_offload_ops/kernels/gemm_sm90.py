@@ -84,7 +84,10 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-EPILOGUES = ("plain", "srelu", "dsrelu")
+EPILOGUES = ("plain", "srelu", "dsrelu", "acc_f32", "store_f32")
+# weight-gradient epilogues that write fp32 main_grad buffers (Megatron's wgrad fusion):
+# acc_f32 adds the tile into them (main_grad += dW), store_f32 overwrites (overwrite_main_grad)
+MAIN_GRAD_EPILOGUES = ("acc_f32", "store_f32")
 SCHEDULES = ("cooperative", "pingpong")
 
 _WG = 128  # threads per warpgroup
@@ -139,10 +142,12 @@ class GroupedGemmSm90:
         self.schedule = schedule
         # threads that share one tile (and its epilogue staging buffer)
         self.tile_threads = _WG if self.pingpong else 2 * _WG
+        if epilogue in MAIN_GRAD_EPILOGUES and wgrad_m is None:
+            raise ValueError(f"the {epilogue} epilogue belongs to the weight-gradient form (wgrad_m)")
         if wgrad_m is not None:
             # K is each expert's token count, read on the GPU
-            if epilogue != "plain" or not b_n_major or k != 0:
-                raise ValueError("the weight-gradient form takes a plain epilogue, N-major B and k=0")
+            if epilogue not in ("plain", *MAIN_GRAD_EPILOGUES) or not b_n_major or k != 0:
+                raise ValueError("the weight-gradient form takes a plain or main-grad epilogue, N-major B and k=0")
             if wgrad_m <= 0 or wgrad_m % 8:
                 raise ValueError("M must be a positive multiple of 8 (16-byte TMA rows)")
         if n % 8 or k % 8:
@@ -169,7 +174,8 @@ class GroupedGemmSm90:
         stage_bytes = (bm + bn) * _BK * elem
         # epilogue staging: one (BM, epi_cols + pad) chunk per output tensor, per
         # warpgroup under pingpong (their epilogues may overlap)
-        self.n_out = 1 if epilogue == "plain" else 2
+        # main-grad epilogues go from registers straight to global memory: no staging
+        self.n_out = {"plain": 1, "srelu": 2, "dsrelu": 2}.get(epilogue, 0)
         if epi_cols is None:
             epi_cols = _EPI_COLS if self.n_out == 1 else _EPI_COLS_TWO_OUTPUTS
         if epi_cols not in (32, 64) or bn % epi_cols:
@@ -205,7 +211,11 @@ class GroupedGemmSm90:
             # (M, T) and (N, T) views of the row-major token matrices: MN-major
             m_a = cute.make_tensor(p_a, cute.make_layout((m, num_tokens), stride=(1, m)))
             m_b = cute.make_tensor(p_b, cute.make_layout((n, num_tokens), stride=(1, n)))
-            m_c = cute.make_tensor(p_c, cute.make_layout((e * m, n), stride=(n, 1)))
+            if cutlass.const_expr(self.epilogue in MAIN_GRAD_EPILOGUES):
+                # p_c: fp32 base; expert e's (M, N) main_grad starts p_off[e] elements past it
+                m_c = cute.make_tensor(p_c, cute.make_layout((m, n), stride=(n, 1)))
+            else:
+                m_c = cute.make_tensor(p_c, cute.make_layout((e * m, n), stride=(n, 1)))
         else:
             m_a = cute.make_tensor(p_a, cute.make_layout((num_tokens, k), stride=(k, 1)))
             if cutlass.const_expr(self.b_n_major):
@@ -217,9 +227,12 @@ class GroupedGemmSm90:
         m_prob = cute.make_tensor(p_prob, cute.make_layout((num_tokens,)))
         m_z = cute.make_tensor(p_z, cute.make_layout((num_tokens, n), stride=(n, 1)))
         m_act = cute.make_tensor(p_act, cute.make_layout((num_tokens, n), stride=(n, 1)))
-        m_part = cute.make_tensor(
-            p_part, cute.make_layout((num_tokens, self.n_tiles), stride=(1, num_tokens))
-        )
+        if cutlass.const_expr(self.epilogue in MAIN_GRAD_EPILOGUES):
+            m_part = cute.make_tensor(p_part, cute.make_layout((e,)))  # Int64 element offsets
+        else:
+            m_part = cute.make_tensor(
+                p_part, cute.make_layout((num_tokens, self.n_tiles), stride=(1, num_tokens))
+            )
 
         a_major = LayoutEnum.COL_MAJOR if self.wgrad_m is not None else LayoutEnum.ROW_MAJOR
         b_major = LayoutEnum.COL_MAJOR if self.b_n_major else LayoutEnum.ROW_MAJOR
@@ -264,7 +277,7 @@ class GroupedGemmSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(sb_layout)], 1024
             ]
             epi: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, self.epi_bufs * self.n_out * self.epi_elems], 128
+                cute.struct.MemRange[self.dtype, max(8, self.epi_bufs * self.n_out * self.epi_elems)], 128
             ]
 
         self.smem_struct = Smem
@@ -290,7 +303,22 @@ class GroupedGemmSm90:
         return m_blk, lin - m_blk * self.n_tiles, shares_a
 
     @cute.jit
-    def _locate(self, m_split, m_blk):
+    def _rows_of(self, m_split, ei, rows_before, num_tokens):
+        """Expert ``ei``'s token count as the kernel uses it: clamped to [0, T - rows_before].
+
+        Split sizes are checked on the host only later (reading them now would sync), so bad
+        ones must stay harmless here: a negative count would move later experts' rows below
+        row 0 and a huge one would queue work far past T. Valid split sizes pass unchanged."""
+        cnt = m_split[ei]
+        room = num_tokens - rows_before
+        if cnt > room:
+            cnt = room
+        if cnt < 0:
+            cnt = cutlass.Int32(0)
+        return cnt
+
+    @cute.jit
+    def _locate(self, m_split, m_blk, num_tokens):
         """(expert, first row, end row) of m-block ``m_blk``; split sizes read on the GPU."""
         bm = self.bm
         expert = cutlass.Int32(0)
@@ -299,7 +327,7 @@ class GroupedGemmSm90:
         tiles_before = cutlass.Int32(0)
         rows_before = cutlass.Int32(0)
         for ei in cutlass.range_constexpr(self.num_experts):
-            cnt = m_split[ei]
+            cnt = self._rows_of(m_split, ei, rows_before, num_tokens)
             ntile = (cnt + bm - 1) // bm
             local = m_blk - tiles_before
             if local >= 0:
@@ -322,10 +350,8 @@ class GroupedGemmSm90:
         bm, bk = self.bm, self.bk
         if cutlass.const_expr(self.wgrad_m is None):
             m_blk, n_blk, shares_a = self._tile_coords(tile, rank)
-            expert, row0, row_end = self._locate(m_split, m_blk)
-            # split sizes summing past T must not write past T (no host check: it would sync)
-            if row_end > num_tokens:
-                row_end = num_tokens
+            # clamped counts: split sizes summing past T never reach past T
+            expert, row0, row_end = self._locate(m_split, m_blk, num_tokens)
             a_row, a_col = row0, cutlass.Int32(0)
             k_tiles, k_rem = cutlass.Int32(self.k_tiles), cutlass.Int32(bk)
             c_row, rows_here = row0, row_end - row0
@@ -336,10 +362,11 @@ class GroupedGemmSm90:
             a_col = cutlass.Int32(0)  # the expert's first token
             cnt = cutlass.Int32(0)
             for ei in cutlass.range_constexpr(self.num_experts):
-                if ei < expert:
-                    a_col = a_col + m_split[ei]
+                here = self._rows_of(m_split, ei, a_col, num_tokens)
                 if ei == expert:
-                    cnt = m_split[ei]
+                    cnt = here
+                if ei < expert:
+                    a_col = a_col + here
             a_row = m_blk * bm
             k_tiles = (cnt + bk - 1) // bk
             k_rem = cnt - (k_tiles - 1) * bk
@@ -421,8 +448,12 @@ class GroupedGemmSm90:
         else:
             # real work: sum_e ceil(split_e / BM) m-blocks, each with n_tiles n-blocks
             m_total = cutlass.Int32(0)
+            rows_before = cutlass.Int32(0)
+            num_tokens = cute.size(m_prob)
             for ei in cutlass.range_constexpr(self.num_experts):
-                m_total = m_total + (m_split[ei] + bm - 1) // bm
+                cnt = self._rows_of(m_split, ei, rows_before, num_tokens)
+                m_total = m_total + (cnt + bm - 1) // bm
+                rows_before = rows_before + cnt
             # tile groups; an odd tile count leaves the last group a phantom partner
             n_work = (m_total * self.n_tiles + self.cluster_n - 1) // self.cluster_n
         cluster_mn = (1, self.cluster_n)
@@ -551,13 +582,13 @@ class GroupedGemmSm90:
         z_chunks = 1 if self.pingpong else bn // self.epi_cols
         z_r = [cute.make_rmem_tensor(cp_id.shape, dtype) for _ in range(z_chunks)]
 
-        num_tokens = cute.size(m_c, mode=[0])
+        num_tokens = cute.size(m_prob)  # T in every form (m_c is the (E*M, N) stack in wgrad)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tile = cluster
         turn = cutlass.Int32(0)  # the cluster's tile count so far (pingpong: whose turn)
         while tile < n_work:
-            _, n_blk, _, _, k_tiles, k_rem, row0, rows_here, _ = self._work(
+            expert, n_blk, _, _, k_tiles, k_rem, row0, rows_here, _ = self._work(
                 m_split, tile, rank, num_tokens
             )
             mine = True
@@ -565,7 +596,7 @@ class GroupedGemmSm90:
                 mine = turn % 2 == cwg
             if mine:
                 cols_here = self.n - n_blk * bn
-                if cutlass.const_expr(self.epilogue != "plain"):
+                if cutlass.const_expr(self.epilogue in ("srelu", "dsrelu")):
                     self._load_epilogue_inputs(
                         c_id, row0, rows_here, cols_here, n_blk, prob_r, z_r, m_prob, m_z, thr_cp,
                         cp_id,
@@ -609,8 +640,12 @@ class GroupedGemmSm90:
                     pipe.consumer_release(rel)
                     rel.advance()
 
-                self._epilogue(etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r,
-                               thr_mma, c_id, thr_cp, cp_id, st, m_c, m_z, m_act, m_part)
+                if cutlass.const_expr(self.epilogue in MAIN_GRAD_EPILOGUES):
+                    self._epilogue_main_grad(expert, row0 - expert * self.wgrad_m, n_blk, rows_here,
+                                             cols_here, acc, c_id, thr_mma, m_c, m_part)
+                else:
+                    self._epilogue(etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r,
+                                   thr_mma, c_id, thr_cp, cp_id, st, m_c, m_z, m_act, m_part)
             else:
                 # the other warpgroup's tile: skip its stages
                 if k_tiles > 0:
@@ -763,13 +798,65 @@ class GroupedGemmSm90:
                             m_part[row0 + row, n_blk] = s
 
     @cute.jit
+    def _epilogue_main_grad(self, expert, m_row0, n_blk, rows_here, cols_here, acc, c_id, thr_mma,
+                            m_c, m_off):
+        """Weight-gradient tile -> expert ``expert``'s fp32 main_grad, added (acc_f32) or stored.
+
+        Straight from the accumulator layout: the four lanes of a quad hold 8 consecutive
+        columns of a row, so each warp access covers whole 32-byte sectors and needs no staging.
+        The read-modify-write goes ``epi_cols`` columns at a time: all loads of a chunk are in
+        flight together, then the sums are stored. Offsets are 64-bit (main_grad buffers are
+        large flat allocations)."""
+        bm, bn = self.bm, self.bn
+        origin = m_off[expert] + cutlass.Int64(m_row0) * self.n + n_blk * bn
+        g_tile = cute.make_tensor(m_c.iterator + origin, cute.make_layout((bm, bn), stride=(self.n, 1)))
+        t_g = thr_mma.partition_C(g_tile)
+        shp = acc.shape
+        n_pair = cute.size(shp[0][0])
+        n_half = cute.size(shp[0][1])
+        grp_per_chunk = self.epi_cols // 8
+        per_chunk = n_pair * n_half * grp_per_chunk * cute.size(shp[1]) * cute.size(shp[2])
+        old = cute.make_rmem_tensor(cute.make_layout(per_chunk), cutlass.Float32)
+        for ch in cutlass.range_constexpr(bn // self.epi_cols):
+            if cutlass.const_expr(self.epilogue == "acc_f32"):
+                i = 0
+                for mm in cutlass.range_constexpr(cute.size(shp[1])):
+                    for h in cutlass.range_constexpr(n_half):
+                        for nn in cutlass.range_constexpr(cute.size(shp[2])):
+                            for g in cutlass.range_constexpr(ch * grp_per_chunk, (ch + 1) * grp_per_chunk):
+                                for pr in cutlass.range_constexpr(n_pair):
+                                    crd = ((pr, h, g), mm, nn)
+                                    old[i] = cutlass.Float32(0.0)
+                                    rc = c_id[crd]
+                                    if rc[0] < rows_here:
+                                        if rc[1] < cols_here:
+                                            old[i] = t_g[crd]
+                                    i += 1
+            i = 0
+            for mm in cutlass.range_constexpr(cute.size(shp[1])):
+                for h in cutlass.range_constexpr(n_half):
+                    for nn in cutlass.range_constexpr(cute.size(shp[2])):
+                        for g in cutlass.range_constexpr(ch * grp_per_chunk, (ch + 1) * grp_per_chunk):
+                            for pr in cutlass.range_constexpr(n_pair):
+                                crd = ((pr, h, g), mm, nn)
+                                rc = c_id[crd]
+                                if rc[0] < rows_here:
+                                    if rc[1] < cols_here:
+                                        if cutlass.const_expr(self.epilogue == "acc_f32"):
+                                            t_g[crd] = acc[crd] + old[i]
+                                        else:
+                                            t_g[crd] = acc[crd]
+                                i += 1
+
+    @cute.jit
     def _chunk(self, t, row0, col0):
         """(BM, epi_cols) global tile at (row0, col0), its pointer marked 16-byte aligned.
 
         It is: rows are N elements apart with N % 8 == 0, and col0 is a multiple of epi_cols (>= 32).
         Without the mark the copies fall back to 2-byte stores."""
-        ptr = (t.iterator + (row0 * self.n + col0)).align(16)
+        # 64-bit: row0 * N passes 2^31 for operands past 2^31 elements
+        ptr = (t.iterator + (cutlass.Int64(row0) * self.n + col0)).align(16)
         return cute.make_tensor(ptr, cute.make_layout((self.bm, self.epi_cols), stride=(self.n, 1)))
 
 
-__all__ = ["GroupedGemmSm90", "EPILOGUES"]
+__all__ = ["GroupedGemmSm90", "EPILOGUES", "MAIN_GRAD_EPILOGUES"]

@@ -36,7 +36,10 @@ class OffloadableOp:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.te_op = next(b for b in cls.__mro__ if b.__module__.startswith("transformer_engine."))
+        te_bases = [b for b in cls.__mro__ if b.__module__.startswith("transformer_engine.")]
+        if not te_bases:  # a shared base of ours, not an op yet
+            return
+        cls.te_op = te_bases[0]
         if "__init__" in cls.__dict__:  # a user subclass with its own constructor
             return
 
@@ -70,7 +73,12 @@ class OffloadableOp:
         del ctx, input_
         return saved
 
+    def check_inputs(self, input_, extra_inputs) -> None:
+        """Raise a clear error for inputs TE would reject or crash on (before any kernel)."""
+        del input_, extra_inputs
+
     def fuser_forward(self, basic_op_ctxs, input_, **kwargs):  # noqa: D102 (TE's signature)
+        self.check_inputs(input_, kwargs["basic_op_extra_inputs"][0])
         out = super().fuser_forward(basic_op_ctxs, input_, **kwargs)
         ctx = basic_op_ctxs[0]
         if ctx.to_save is not None:

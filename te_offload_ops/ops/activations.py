@@ -2,28 +2,38 @@
 
 from __future__ import annotations
 
+import torch
 import transformer_engine.pytorch as te
 
 from ._offloadable import OffloadableOp
+from .input_checks import check_scales
 
 
-class ScaledSReLU(OffloadableOp, te.ops.ScaledSReLU):
+class _ScaledActivation(OffloadableOp):
+    """Shared input check of the scaled activations: one scale per token, on the input's device."""
+
+    def check_inputs(self, input_, extra_inputs) -> None:
+        if type(input_) is torch.Tensor:  # quantized inputs are TE's to check
+            check_scales(type(self).__name__, extra_inputs[0], input_)
+
+
+class ScaledSReLU(_ScaledActivation, te.ops.ScaledSReLU):
     """``te.ops.ScaledSReLU`` whose saved input and probs follow the offload policy."""
 
 
-class ScaledTanhSReLU(OffloadableOp, te.ops.ScaledTanhSReLU):
+class ScaledTanhSReLU(_ScaledActivation, te.ops.ScaledTanhSReLU):
     """``te.ops.ScaledTanhSReLU`` whose saved input and probs follow the offload policy."""
 
 
-class ScaledSwiGLU(OffloadableOp, te.ops.ScaledSwiGLU):
+class ScaledSwiGLU(_ScaledActivation, te.ops.ScaledSwiGLU):
     """``te.ops.ScaledSwiGLU`` whose saved input and probs follow the offload policy."""
 
 
-class ScaledSiTUGLU(OffloadableOp, te.ops.ScaledSiTUGLU):
+class ScaledSiTUGLU(_ScaledActivation, te.ops.ScaledSiTUGLU):
     """``te.ops.ScaledSiTUGLU`` whose saved input and probs follow the offload policy."""
 
 
-class ScaledClampedQGeGLU(OffloadableOp, te.ops.ScaledClampedQGeGLU):
+class ScaledClampedQGeGLU(_ScaledActivation, te.ops.ScaledClampedQGeGLU):
     """``te.ops.ScaledClampedQGeGLU`` whose saved input and probs follow the offload policy."""
 
 

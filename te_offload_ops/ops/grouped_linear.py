@@ -9,6 +9,7 @@ import transformer_engine.pytorch as te
 
 from ..policy import is_storage
 from ._offloadable import OffloadableOp
+from .input_checks import check_input, check_split_sizes
 
 # TE 2.20's GroupedLinear saves [split_sizes, base_split_offsets, split_points,
 # input_tensor_offsets, output_tensor_offsets, (scales if scale_bias), <input>, <weights>], where
@@ -83,13 +84,22 @@ class GroupedLinear(OffloadableOp, te.ops.GroupedLinear):
         ctx.teo_input_rows = [x.shape[0] for x in slices]
         return saved[:prefix] + (buf,) + saved[prefix + self.num_groups :]
 
+    def check_inputs(self, input_, extra_inputs) -> None:
+        device = self._get_weight_tensors()[0].device
+        name = type(self).__name__
+        if type(input_) is torch.Tensor:  # quantized inputs are TE's to check
+            check_input(name, input_, self.in_features, device)
+        check_split_sizes(name, extra_inputs[0], self.num_groups, device)
+
     def fuser_backward(self, basic_op_ctxs, grad_output, **kwargs):  # noqa: D102 (TE's signature)
         ctx = basic_op_ctxs[0]
         rows = getattr(ctx, "teo_input_rows", None)
         if rows is not None:
             prefix, _ = self._layout()
-            saved = tuple(ctx.saved_tensors)
-            ctx.saved_tensors = saved[:prefix] + tuple(torch.split(saved[prefix], rows)) + saved[prefix + 1 :]
+            saved = list(ctx.saved_tensors)
+            # a list, as TE's fuser hands it over: TE keeps slices of it (its delayed-wgrad
+            # store tells activation lists from grouped storages by type)
+            ctx.saved_tensors = saved[:prefix] + list(torch.split(saved[prefix], rows)) + saved[prefix + 1 :]
             ctx.teo_input_rows = None
         return super().fuser_backward(basic_op_ctxs, grad_output, **kwargs)
 

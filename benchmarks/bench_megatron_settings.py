@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""The fused SReLU grouped MLP with the settings Megatron-Core passes, against the plain fused op.
+
+Variants of one layer's fwd+bwd (bf16), timed interleaved round by round (clocks drift between
+runs by up to 10%, so each round times every variant once and medians are taken over rounds):
+
+* plain           - the fused op as benchmarked in bench_fused_mlp.py
+* main_grad       - accumulate_into_main_grad=True: wgrads added into fp32 main_grad buffers
+* delay           - delay_wgrad_compute=True: fwd, bwd, then backward_dw() of both GroupedLinears
+* main_grad+delay - both, as Megatron runs them with its expert-parallel overlap
+* no_split_check  - TEO_CHECK_SPLIT_SIZES=off: what the deferred split-size check costs
+
+Each is timed back to back (wall time per step, host cost included) and with the host ahead
+(GPU work only; see bench_fused_mlp.host_ahead_ms). Writes JSON, markdown and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+VARIANTS = ("plain", "main_grad", "delay", "main_grad+delay", "no_split_check")
+SWEEP = [(8, 2048, 2688, 1856), (8, 4096, 2688, 1856), (32, 1024, 2048, 768), (32, 2048, 4096, 1536),
+         (64, 512, 2048, 768)]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", action="store_true", help=f"configs (E, tokens/expert, H, F): {SWEEP}")
+    p.add_argument("--experts", "-E", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per expert")
+    p.add_argument("--hidden", "-H", type=int, default=2688)
+    p.add_argument("--ffn", "-F", type=int, default=1856)
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (each times every variant)")
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    args = p.parse_args(argv)
+    for name in ("experts", "tokens", "hidden", "ffn", "rounds"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name} must be positive")
+    return args
+
+
+def _build(E, H, F, variant):
+    import torch
+    import transformer_engine.pytorch as te
+
+    import te_offload_ops as teo
+
+    kw = dict(bias=False, device="cuda", dtype=torch.bfloat16,
+              accumulate_into_main_grad="main_grad" in variant, delay_wgrad_compute="delay" in variant)
+    mlp = te.ops.Sequential(teo.GroupedLinear(E, H, F, **kw), teo.ScaledSReLU(), teo.GroupedLinear(E, F, H, **kw))
+    if "main_grad" in variant:
+        for p in mlp.parameters():
+            p.main_grad = torch.zeros(p.shape, device="cuda", dtype=torch.float32)
+            p.grad_added_to_main_grad = False
+    return mlp
+
+
+def measure(E, tokens, H, F, rounds) -> dict:
+    import torch
+
+    from bench_fused_mlp import host_ahead_ms, median_ms
+    from offload_policies import compute_path
+
+    T = E * tokens
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(T, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    splits = torch.full((E,), tokens, device="cuda", dtype=torch.int64)
+    mlps = {v: _build(E, H, F, v) for v in VARIANTS}
+    for v in VARIANTS[1:]:
+        for p, q in zip(mlps[v].parameters(), mlps["plain"].parameters()):
+            p.data.copy_(q.data)
+
+    def step(variant):
+        mlp = mlps[variant]
+        for t in (x, probs, *mlp.parameters()):
+            t.grad = None
+        os.environ["TEO_CHECK_SPLIT_SIZES"] = "off" if variant == "no_split_check" else "deferred"
+        mlp(x, splits, probs, splits).backward(dy)
+        for op in (mlp[0], mlp[2]):
+            op.backward_dw()  # a no-op unless the wgrads were delayed
+
+    for v in VARIANTS:  # compile, and check that every variant runs fused
+        step(v)
+    torch.cuda.synchronize()
+    paths = {v: compute_path(mlps[v]) for v in VARIANTS}
+    wall = {v: [] for v in VARIANTS}
+    gpu = {v: [] for v in VARIANTS}
+    for r in range(rounds):
+        for v in VARIANTS:
+            wall[v].append(median_ms(lambda: step(v), iters=3))
+            gpu[v].append(host_ahead_ms(lambda: step(v)) or float("nan"))
+    os.environ.pop("TEO_CHECK_SPLIT_SIZES", None)
+    flop = 6 * 2 * T * H * F
+    row = {"E": E, "tokens_per_expert": tokens, "H": H, "F": F, "paths": paths, "variants": {}}
+    for v in VARIANTS:
+        w, g = statistics.median(wall[v]), statistics.median(gpu[v])
+        row["variants"][v] = {"wall_ms": w, "gpu_ms": g, "wall_tflops": flop / w / 1e9, "gpu_tflops": flop / g / 1e9,
+                              "wall_samples": wall[v], "gpu_samples": gpu[v]}
+    base = row["variants"]["plain"]
+    for v in VARIANTS:
+        d = row["variants"][v]
+        d["wall_vs_plain"], d["gpu_vs_plain"] = d["wall_ms"] / base["wall_ms"], d["gpu_ms"] / base["gpu_ms"]
+    # the split-size check's cost is plain (checked) against no_split_check
+    nc = row["variants"]["no_split_check"]
+    row["split_check_cost"] = {"wall": base["wall_ms"] / nc["wall_ms"] - 1, "gpu": base["gpu_ms"] / nc["gpu_ms"] - 1}
+    del mlps, x, probs, dy
+    torch.cuda.empty_cache()
+    return row
+
+
+def markdown(result) -> str:
+    lines = [f"# Fused SReLU grouped MLP with Megatron-Core's settings on {result['gpu']} ({result['date']})", "",
+             f"bf16, uniform splits, fwd+bwd (+ backward_dw where delayed); medians over {result['rounds']} interleaved "
+             "rounds. *wall*: back to back, host cost included; *GPU*: host ahead (GPU work only). Ratios are against "
+             "the plain fused op of the same round set. *split check*: the deferred split-size check's cost "
+             "(plain against `TEO_CHECK_SPLIT_SIZES=off`).", "",
+             "| E | tok/expert | H | F | " + " | ".join(f"{v} ms wall / GPU (x plain)" for v in VARIANTS[1:4])
+             + " | plain ms wall / GPU | split check wall / GPU |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        cells = []
+        for v in VARIANTS[1:4]:
+            d = r["variants"][v]
+            cells.append(f"{d['wall_ms']:.3f} / {d['gpu_ms']:.3f} ({d['wall_vs_plain']:.3f} / {d['gpu_vs_plain']:.3f})")
+        p = r["variants"]["plain"]
+        c = r["split_check_cost"]
+        lines.append(f"| {r['E']} | {r['tokens_per_expert']} | {r['H']} | {r['F']} | " + " | ".join(cells)
+                     + f" | {p['wall_ms']:.3f} / {p['gpu_ms']:.3f} | {c['wall']:+.1%} / {c['gpu']:+.1%} |")
+    unfused = {f"{r['E']}x{r['tokens_per_expert']}:{v}" for r in result["rows"] for v, p in r["paths"].items() if p != "fused"}
+    if unfused:
+        lines += ["", "Ran unfused (not comparable): " + ", ".join(sorted(unfused))]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"E{r['E']}x{r['tokens_per_expert']}\nH{r['H']} F{r['F']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows) + 2), 4))
+    width = 0.8 / 4
+    for i, v in enumerate(VARIANTS[1:]):
+        vals = [r["variants"][v]["gpu_vs_plain"] for r in rows]
+        ax.bar([j + (i - 1.5) * width for j in range(len(rows))], vals, width, label=v)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(1.03, color="red", lw=0.8, ls="--", label="+3% target")
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("fwd+bwd GPU time / plain fused")
+    ax.set_ylim(0.9, max(1.1, max(r["variants"][v]["gpu_vs_plain"] for r in rows for v in VARIANTS[1:]) + 0.02))
+    ax.set_title(f"Megatron settings on the fused MLP, {result['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from offload_policies import cuda_problem
+
+    if problem := cuda_problem():
+        print(f"bench_megatron_settings.py: cannot run: {problem}", file=sys.stderr)
+        return 2
+    import torch
+
+    gpu = torch.cuda.get_device_name()
+    plan = SWEEP if args.sweep else [(args.experts, args.tokens, args.hidden, args.ffn)]
+    rows = []
+    for i, (E, tokens, H, F) in enumerate(plan, 1):
+        row = measure(E, tokens, H, F, args.rounds)
+        rows.append(row)
+        v = row["variants"]
+        print(f"[{i}/{len(plan)}] E={E} tok={tokens} H={H} F={F}: plain {v['plain']['gpu_ms']:.3f} ms GPU; "
+              + ", ".join(f"{k} x{v[k]['gpu_vs_plain']:.3f}" for k in VARIANTS[1:4])
+              + f"; split check {row['split_check_cost']['wall']:+.2%} wall, {row['split_check_cost']['gpu']:+.2%} GPU",
+              flush=True)
+    result = {"benchmark": "megatron_settings", "gpu": gpu, "rounds": args.rounds, "rows": rows,
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "megatron_settings_" + re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_") + ("_sweep" if args.sweep else "")
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown(result)
+    (args.out / f"{stem}.md").write_text(table)
+    plot(result, args.out / f"{stem}.png")
+    print("\n" + table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Checking split sizes that live on the GPU without a host sync on every call.
+
+The fused path never reads ``split_sizes`` on the host while it launches its kernels (that is
+what lets the host run ahead and, later, CUDA graphs capture it). Bad split sizes (negative, not
+summing to the token count, too large for int32) are still caught:
+
+* forward queues a copy of the split sizes into pinned host memory and records an event: a few
+  microseconds of host time and a copy of E integers on the stream, no wait;
+* the check is *resolved* before the fused op's backward launches anything, and for calls
+  without grad at the op's next forward (once their copy has landed). By then the copy is
+  normally long done; if not, the host waits for that copy only.
+* a bad result raises ``ValueError`` naming the values, the token count and what is wrong.
+
+Until then the kernels treat the sizes defensively (negative counts as 0, counts clamped so
+that no expert reaches past the last token), so nothing reads or writes out of bounds; the
+forward output of a bad call is not meaningful, and its backward raises.
+
+``TEO_CHECK_SPLIT_SIZES``: ``deferred`` (default), ``sync`` (resolve in forward: a host sync,
+for debugging), ``off``. Split sizes on the CPU are checked at once (no sync needed). Under CUDA
+graph capture nothing is queued (a captured copy would not say which replay it came from).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Optional
+
+import torch
+
+CHECK_ENV = "TEO_CHECK_SPLIT_SIZES"
+CHECK_MODES = ("deferred", "sync", "off")
+_INT32_MAX = 2**31 - 1
+_SHOWN = 16  # split sizes printed in an error
+
+# pinned host buffers and events, reused: allocating them costs more host time than the check
+_POOL: dict = defaultdict(list)
+_EVENTS: list = []
+
+
+def check_mode() -> str:
+    mode = os.environ.get(CHECK_ENV, "deferred") or "deferred"
+    if mode not in CHECK_MODES:
+        raise ValueError(f"{CHECK_ENV} must be one of {CHECK_MODES}, got {mode!r}")
+    return mode
+
+
+def _shown(values: list[int]) -> str:
+    head = ", ".join(map(str, values[:_SHOWN]))
+    return f"[{head}{', ...' if len(values) > _SHOWN else ''}]"
+
+
+def problem(values: list[int], num_tokens: int) -> Optional[str]:
+    """What is wrong with these split sizes for ``num_tokens`` tokens, or None."""
+    issues = []
+    negative = [(i, v) for i, v in enumerate(values) if v < 0]
+    if negative:
+        issues.append("negative sizes at " + ", ".join(f"expert {i}: {v}" for i, v in negative[:_SHOWN]))
+    huge = [(i, v) for i, v in enumerate(values) if v > _INT32_MAX]
+    if huge:
+        issues.append("sizes past 2^31-1 at " + ", ".join(f"expert {i}: {v}" for i, v in huge[:_SHOWN]))
+    total = sum(values)
+    if total != num_tokens:
+        issues.append(f"they sum to {total}, not to the input's {num_tokens} tokens"
+                      f" ({'fewer' if total < num_tokens else 'more'})")
+    if not issues:
+        return None
+    return f"bad split_sizes {_shown(values)} for {len(values)} experts: " + "; ".join(issues)
+
+
+class SplitSizesCheck:
+    """One call's split sizes on their way to the host, and the verdict once they are there."""
+
+    def __init__(self, split_sizes: torch.Tensor, num_tokens: int, where: str):
+        self.num_tokens, self.where = num_tokens, where
+        key = (split_sizes.numel(), split_sizes.dtype)
+        self._key = key
+        self._host = _POOL[key].pop() if _POOL[key] else torch.empty(key[0], dtype=key[1], pin_memory=True)
+        self._host.copy_(split_sizes.reshape(-1), non_blocking=True)
+        self._event = _EVENTS.pop() if _EVENTS else torch.cuda.Event()
+        self._event.record()
+
+    @property
+    def landed(self) -> bool:
+        return self._event.query()
+
+    def resolve(self) -> None:
+        """Wait for the copy if needed, release the buffers, raise ValueError if the sizes are bad."""
+        if self._host is None:
+            return
+        self._event.synchronize()
+        values = self._host.tolist()
+        _POOL[self._key].append(self._host)
+        _EVENTS.append(self._event)
+        self._host = self._event = None
+        found = problem(values, self.num_tokens)
+        if found is not None:
+            raise ValueError(f"{self.where}: {found}")
+
+
+def check_now(split_sizes: torch.Tensor, num_tokens: int, where: str) -> None:
+    """Check split sizes the host can read without waiting for the GPU (CPU tensors)."""
+    found = problem(split_sizes.reshape(-1).tolist(), num_tokens)
+    if found is not None:
+        raise ValueError(f"{where}: {found}")
+
+
+def start_check(split_sizes: torch.Tensor, num_tokens: int, where: str) -> Optional[SplitSizesCheck]:
+    """Begin checking CUDA split sizes per :data:`CHECK_ENV`; returns the pending check, if any."""
+    mode = check_mode()
+    if mode == "off" or torch.cuda.is_current_stream_capturing():
+        return None
+    check = SplitSizesCheck(split_sizes, num_tokens, where)
+    if mode == "sync":
+        check.resolve()
+        return None
+    return check

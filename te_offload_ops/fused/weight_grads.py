@@ -1,0 +1,87 @@
+"""Weight gradients of the fused MLP with the settings Megatron-Core passes to TE's GroupedLinear.
+
+Mirrors what TE's GroupedLinear does in its backward, with our kernels:
+
+* ``accumulate_into_main_grad``: the wgrad kernel adds its fp32 accumulator into each weight's
+  ``main_grad`` (or overwrites it when the weight has ``overwrite_main_grad``), then the op
+  returns TE's dummy grads and sets ``grad_added_to_main_grad``, so DDP adds nothing twice.
+* ``delay_wgrad_compute``: the wgrad GEMM is queued on the op's ``wgrad_store`` and runs in
+  ``op.backward_dw()``, whose bookkeeping (``.grad`` or hooks) is TE's own.
+* ``single_grouped_weight``: one (E, out, in) gradient, or the grouped view of ``main_grad``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from transformer_engine.pytorch.ops._common import (
+    get_accumulate_flag_in_param,
+    get_dummy_wgrads_for_params,
+    get_main_grad_from_param,
+    view_main_grad_as_grouped_buffer,
+)
+
+from .expert_weights import weight_params
+
+
+def check_main_grad(op, name: str) -> None:
+    """Forward-time check, as TE makes: accumulate_into_main_grad needs main_grad buffers."""
+    if not op._accumulate_into_main_grad:
+        return
+    for i, p in enumerate(weight_params(op)):
+        if getattr(p, "main_grad", None) is None and not hasattr(p, "__fsdp_param__"):
+            raise RuntimeError(
+                f"{name} (GroupedLinear) has accumulate_into_main_grad=True, but its weight "
+                f"{'weight' if op.single_grouped_weight else f'weight{i}'} has no main_grad buffer; "
+                "allocate one per weight (Megatron's DDP does) or turn the setting off"
+            )
+
+
+def _main_grads(op) -> list[torch.Tensor] | torch.Tensor:
+    params = weight_params(op)
+    if op.single_grouped_weight:
+        main_grad = get_main_grad_from_param(params[0], op_label="GroupedLinear")
+        return view_main_grad_as_grouped_buffer(main_grad, op.num_groups, (op.out_features, op.in_features),
+                                                label="GroupedLinear weight")
+    return [get_main_grad_from_param(p, op_label="GroupedLinear") for p in params]
+
+
+def _run_wgrad(temporaries, operands, grad_weights, *, main_grads, accumulate) -> None:
+    """The delayed wgrad GEMM, run by ``op.backward_dw()``: into ``main_grads``, or per-expert
+    grads into the list ``grad_weights`` that TE's backward_dw then assigns to ``.grad``.
+    ``temporaries`` only ride along: backward_dw frees them once this returns."""
+    from .. import kernels
+
+    del temporaries
+    dy, x, split_sizes = operands
+    if main_grads is not None:
+        kernels.grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, accumulate=accumulate)
+    else:
+        grad_weights[:] = kernels.grouped_wgrad(dy, x, split_sizes).unbind(0)
+
+
+def weight_grads(op, dy: torch.Tensor, x: torch.Tensor, split_sizes: torch.Tensor,
+                 temporaries: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+    """Grads to return for ``op``'s weight Parameters for ``W_e = dy_e^T @ x_e``.
+
+    ``temporaries`` are tensors of the fused op's own that the GEMM reads (freed after it when
+    delayed; the saved input is not among them, it may be the caller's)."""
+    from .. import kernels
+
+    params = weight_params(op)
+    if not params[0].requires_grad:
+        return [None] * len(params)
+    into_main_grad = op._accumulate_into_main_grad
+    main_grads = _main_grads(op) if into_main_grad else None
+    accumulate = into_main_grad and get_accumulate_flag_in_param(params[0])
+    if op.wgrad_store is not None and op.wgrad_store.delay_wgrad_compute():
+        job = functools.partial(_run_wgrad, main_grads=main_grads, accumulate=accumulate)
+        op.wgrad_store.put([list(temporaries), [dy, x, split_sizes], []], job)
+        return get_dummy_wgrads_for_params(params) if into_main_grad else [None] * len(params)
+    if into_main_grad:
+        kernels.grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, accumulate=accumulate)
+        return get_dummy_wgrads_for_params(params)
+    dw = kernels.grouped_wgrad(dy, x, split_sizes)
+    return [dw] if op.single_grouped_weight else list(dw.unbind(0))

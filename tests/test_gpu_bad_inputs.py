@@ -1,0 +1,160 @@
+"""GPU: bad input gets a clear error that names the values, and the process stays usable: after
+each bad call a correct step runs and gives the same result as before."""
+
+import pytest
+import torch
+
+from conftest import requires_gpu
+from engines import Config, forward_plan, fused_path_problem, make_stack
+from te_offload_ops.fused.selection import DISABLE_ENV
+from te_offload_ops.fused.split_check import CHECK_ENV
+
+E, H, F, T = 4, 256, 128, 512
+
+
+@pytest.fixture(params=["unfused", "fused"])
+def path(request, monkeypatch):
+    if request.param == "fused" and (problem := fused_path_problem()):
+        pytest.skip(problem)
+    monkeypatch.setenv(DISABLE_ENV, "1" if request.param == "fused" else "0")
+    return request.param
+
+
+@pytest.fixture
+def mlp(path):
+    return make_stack(Config(layers=1, experts=E, hidden=H, ffn=F))[0]
+
+
+def _inputs(seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    probs = torch.rand(T, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    splits = torch.tensor([100, 0, 312, 100], device="cuda")
+    return x, probs, splits
+
+
+def _good_step(mlp):
+    x, probs, splits = _inputs()
+    for p in mlp.parameters():
+        p.grad = None
+    y = mlp(x, splits, probs, splits)
+    y.float().square().sum().backward()
+    torch.cuda.synchronize()  # a lost CUDA context would raise here
+    return y.detach(), x.grad, probs.grad, [p.grad.clone() for p in mlp.parameters()]
+
+
+def _same(a, b):
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+    assert all(torch.equal(u, v) for u, v in zip(a[3], b[3]))
+
+
+@requires_gpu
+@pytest.mark.parametrize("splits, match", [
+    ([100, 0, 200, 100], r"sum to 400, not to the input's 512 tokens \(fewer\)"),
+    ([100, 0, 312, 200], r"sum to 612, not to the input's 512 tokens \(more\)"),
+    ([-88, 0, 500, 100], r"negative sizes at expert 0: -88"),
+])
+@pytest.mark.parametrize("where", ["cuda", "cpu"])
+def test_bad_split_sizes_raise_and_the_process_goes_on(mlp, path, splits, match, where):
+    good = _good_step(mlp)
+    x, probs, _ = _inputs()
+    bad = torch.tensor(splits, device=where)
+    if path == "unfused":  # TE reads split sizes on the host and splits the input: torch raises
+        with pytest.raises((RuntimeError, ValueError)):
+            mlp(x, bad, probs, bad).sum().backward()
+    elif where == "cpu":  # readable at once: the fused op raises in forward
+        with pytest.raises(ValueError, match=match):
+            mlp(x, bad, probs, bad)
+    else:  # on the GPU: raised before the backward launches anything
+        y = mlp(x, bad, probs, bad)
+        with pytest.raises(ValueError, match=match):
+            y.float().sum().backward()
+        assert x.grad is None
+    _same(good, _good_step(mlp))
+    assert forward_plan(mlp) == (["FusedScaledSReLUMLP"] if path == "fused" else ["GroupedLinear", "ScaledSReLU", "GroupedLinear"])
+
+
+@requires_gpu
+def test_bad_split_sizes_without_grad_raise_at_the_next_call(mlp, path):
+    if path == "unfused":
+        pytest.skip("the unfused ops read split sizes on the host and raise at once")
+    x, probs, _ = _inputs()
+    bad = torch.tensor([100, 0, 200, 100], device="cuda")
+    with torch.no_grad():
+        mlp(x, bad, probs, bad)
+        torch.cuda.synchronize()
+        _, _, splits = _inputs()
+        with pytest.raises(ValueError, match=r"bad split_sizes \[100, 0, 200, 100\]"):
+            mlp(x, splits, probs, splits)  # the next call finds the earlier one's verdict
+        mlp(x, splits, probs, splits)  # that verdict was used up: no second error
+
+
+@requires_gpu
+def test_sync_mode_raises_in_forward(mlp, path, monkeypatch):
+    if path == "unfused":
+        pytest.skip("the unfused ops always check on the host")
+    monkeypatch.setenv(CHECK_ENV, "sync")
+    x, probs, _ = _inputs()
+    bad = torch.tensor([100, 0, 200, 100], device="cuda")
+    with pytest.raises(ValueError, match="sum to 400"):
+        mlp(x, bad, probs, bad)
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", ["x-on-cpu", "probs-on-cpu", "x-width", "probs-count", "splits-length", "splits-float"])
+def test_bad_arguments_raise_before_any_kernel(mlp, path, case):
+    good = _good_step(mlp)
+    x, probs, splits = _inputs()
+    args = {"x-on-cpu": (x.detach().cpu(), splits, probs, splits),
+            "probs-on-cpu": (x, splits, probs.detach().cpu(), splits),
+            "x-width": (x[:, :200], splits, probs, splits),
+            "probs-count": (x, splits, probs[:500], splits),
+            "splits-length": (x, splits[:3], probs, splits[:3]),
+            "splits-float": (x, splits.float(), probs, splits.float())}[case]
+    match = {"x-on-cpu": "input is on cpu, but the weights are on cuda:0",
+             "probs-on-cpu": "probs are on cpu, the input on cuda:0",
+             "x-width": r"shape \(512, 200\).*in_features=256",
+             "probs-count": "probs have 500 values .* for 512 tokens",
+             "splits-length": r"one size per group \(4\)",
+             "splits-float": "integer dtype.*torch.float32"}[case]
+    with pytest.raises((ValueError, TypeError), match=match):
+        mlp(*args)
+    _same(good, _good_step(mlp))
+
+
+@requires_gpu
+def test_three_dim_input_and_probs_give_what_te_gives(path, monkeypatch):
+    """(s, b, h) inputs with (s, b) probs, as TE's ops take them: same values as the 2-D call."""
+    mlp = make_stack(Config(layers=1, experts=E, hidden=H, ffn=F))[0]
+    x, probs, splits = _inputs()
+    y2 = mlp(x, splits, probs, splits)
+    x3 = x.detach().view(128, 4, H).requires_grad_()
+    p3 = probs.detach().view(128, 4).requires_grad_()
+    y3 = mlp(x3, splits, p3, splits)
+    assert y3.shape == (128, 4, H) and torch.equal(y3.reshape(T, H), y2)
+    y3.float().sum().backward()
+    assert x3.grad.shape == x3.shape and p3.grad.shape == p3.shape
+
+
+@requires_gpu
+def test_kernels_clamp_bad_split_sizes_in_bounds():
+    """Until the host check raises, the kernels use each expert's count clamped to what is left of
+    the T rows: a negative count is 0 (later experts do not shift below row 0), and a sum past T
+    stops at T. Rows they cover are computed with the right expert's weights."""
+    if (problem := fused_path_problem()):
+        pytest.skip(problem)
+    from te_offload_ops.kernels import grouped_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = (torch.randn(3, F, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+
+    def ref(rows, e):
+        return x[rows].float() @ w[e].float().t()
+
+    c = grouped_gemm(x, w, torch.tensor([-40, 200, 400], device="cuda"))  # expert 0: none; 1: 0-199; 2: 200-511
+    torch.testing.assert_close(c[:200].float(), ref(slice(0, 200), 1), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(c[200:].float(), ref(slice(200, T), 2), atol=2e-2, rtol=2e-2)
+    c = grouped_gemm(x, w, torch.tensor([300, 2**31 - 1, 7], device="cuda"))  # expert 1 stops at T
+    torch.testing.assert_close(c[300:].float(), ref(slice(300, T), 1), atol=2e-2, rtol=2e-2)
+    torch.cuda.synchronize()

@@ -1,0 +1,159 @@
+"""GPU: the settings Megatron-Core passes to TE's grouped-MLP ops, on the fused and unfused paths
+and under every offload engine: accumulate_into_main_grad (fp32 main_grad, grad_added_to_main_grad),
+delay_wgrad_compute + backward_dw(), single_grouped_weight."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import requires_gpu
+from engines import (Config, attach_main_grads, copy_weights, forward_plan, fused_path_problem, linears, make_inputs,
+                     make_stack, run_step)
+from te_offload_ops.fused.selection import DISABLE_ENV
+
+FUSED = ["FusedScaledSReLUMLP"]
+UNFUSED = ["GroupedLinear", "ScaledSReLU", "GroupedLinear"]
+SETTINGS = {
+    "delay": ("delay",),
+    "main_grad": ("main_grad",),
+    "main_grad+delay": ("main_grad", "delay"),
+    "single": ("single",),
+    "single+main_grad+delay": ("single", "main_grad", "delay"),
+}
+SPLITS = (0, 700, 1329, 19)  # uneven, one expert without tokens
+
+
+@pytest.fixture(params=["unfused", "fused"])
+def path(request, monkeypatch):
+    if request.param == "fused" and (problem := fused_path_problem()):
+        pytest.skip(problem)
+    monkeypatch.setenv(DISABLE_ENV, "1" if request.param == "fused" else "0")
+    monkeypatch.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1")
+    return request.param
+
+
+def _stock_te_runs(megatron):
+    """Whether stock TE's unfused ops run these settings on this GPU (single grouped weights need
+    TE's grouped-tensor GEMM path, i.e. cuBLASLt >= 13.4 on Hopper)."""
+    if "single" not in megatron:
+        return True
+    from transformer_engine.pytorch.ops.basic.grouped_linear import is_op_fuser_grouped_tensor_path_supported
+
+    return is_op_fuser_grouped_tensor_path_supported(None, torch.bfloat16)
+
+
+def _build(megatron, path, **cfg_kw):
+    cfg = Config(layers=2, splits=SPLITS, megatron=megatron, **cfg_kw)
+    if "single" in megatron and path == "unfused" and not _stock_te_runs(megatron):
+        pytest.skip("TE's unfused GroupedLinear takes single_grouped_weight only on its grouped-tensor "
+                    "GEMM path, which needs cuBLASLt >= 13.4 on Hopper; this GPU's cuBLASLt is older")
+    ours = make_stack(cfg)
+    # reference: stock TE, unfused, same settings (per-expert weights where TE cannot run single)
+    ref_megatron = megatron if _stock_te_runs(megatron) else tuple(m for m in megatron if m != "single")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(DISABLE_ENV, "0")
+        stock = make_stack(Config(layers=2, splits=SPLITS, megatron=ref_megatron, stock_te=True, **cfg_kw))
+    copy_weights(ours, stock)
+    if "main_grad" in megatron:
+        attach_main_grads(ours)
+        attach_main_grads(stock)
+    return cfg, ours, stock
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+@requires_gpu
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_megatron_settings_match_stock_te(setting, path):
+    megatron = SETTINGS[setting]
+    cfg, ours, stock = _build(megatron, path)
+    inputs = make_inputs(cfg)
+    a = run_step(ours, inputs, "none")
+    b = run_step(stock, inputs, "none")
+    assert forward_plan(ours[0]) == (FUSED if path == "fused" else UNFUSED)
+    assert a["grads"].keys() == b["grads"].keys()
+    for name, g in a["grads"].items():
+        ref = b["grads"][name]
+        assert g is not None and ref is not None and g.shape == ref.shape, name
+        if path == "unfused":
+            assert torch.equal(g, ref), name  # TE's own code, our policy around it
+        elif ref.abs().max() == 0:
+            assert torch.count_nonzero(g) == 0, name  # the expert without tokens
+        else:
+            assert _rel(g, ref) < 1e-2, (name, _rel(g, ref))
+    for op in linears(ours):
+        params = list(op.parameters())
+        if "main_grad" in megatron:  # what TE sets for Megatron's DDP
+            assert all(p.grad_added_to_main_grad for p in params)
+            assert all(p.main_grad.dtype == torch.float32 for p in params)
+        if "delay" in megatron:  # nothing landed before backward_dw()
+            before = [a["grads_before_dw"][id(p)] for p in params]
+            if "main_grad" in megatron:
+                assert all(g is not None and g.numel() == p.numel() for g, p in zip(before, params))  # dummies
+            else:
+                assert all(g is None for g in before)
+
+
+@requires_gpu
+def test_overwrite_main_grad_stores_instead_of_adding(path):
+    """Megatron-FSDP's overwrite_main_grad: main_grad = dW, as stock TE does. Start values as large
+    as the gradients, so adding instead of storing could not pass for rounding noise."""
+    cfg, ours, stock = _build(("main_grad",), path)
+    for op in linears(ours) + linears(stock):
+        for p in op.parameters():
+            p.overwrite_main_grad = True
+            p.teo_main_grad_init.mul_(1000.0)
+    inputs = make_inputs(cfg)
+    run_step(ours, inputs, "none")
+    run_step(stock, inputs, "none")
+    for a, b in zip(linears(ours), linears(stock)):
+        for e, (pa, pb) in enumerate(zip(a.parameters(), b.parameters())):
+            if SPLITS[e] == 0:  # dW = 0; (TE may leave an empty expert's buffer untouched)
+                assert torch.count_nonzero(pa.main_grad) == 0 or path == "unfused"
+            else:
+                assert _rel(pa.main_grad, pb.main_grad) < 1e-2, (e, _rel(pa.main_grad, pb.main_grad))
+
+
+@requires_gpu
+@pytest.mark.parametrize("engine", ["v2", "spy"])
+def test_megatron_settings_under_in_process_engines(engine, path):
+    if engine == "v2" and os.environ.get("NVTE_CPU_OFFLOAD_V1") == "1":
+        pytest.skip("this process runs TE's V1 engine (NVTE_CPU_OFFLOAD_V1=1)")
+    megatron = ("main_grad", "delay") if path == "unfused" else ("single", "main_grad", "delay")
+    cfg, ours, _ = _build(megatron, path, offload=(True, False, True))
+    inputs = make_inputs(cfg)
+    base = run_step(ours, inputs, "none")
+    run = run_step(ours, inputs, engine)
+    assert torch.equal(base["out"], run["out"])
+    for name, g in base["grads"].items():
+        assert torch.equal(g, run["grads"][name]), name
+    moved = {tuple(k.split("|")) if isinstance(k, str) else k: n for k, n in run["moved"].items()}
+    assert sum(n for (_, kind), n in moved.items() if kind == "weight") == 0, moved
+    assert sum(n for (op, _), n in moved.items() if op.endswith(".act")) == 0, moved  # offload=False
+    assert sum(moved.values()) > 0, moved
+
+
+@requires_gpu
+def test_megatron_settings_under_v1(path, tmp_path):
+    out = tmp_path / "v1.pt"
+    worker = Path(__file__).with_name("engine_worker.py")
+    root = str(worker.parent.parent)
+    env = dict(os.environ, NVTE_CPU_OFFLOAD_V1="1", TEO_TEST_MEGATRON="main_grad,delay",
+               **{DISABLE_ENV: "1" if path == "fused" else "0"},
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(worker), str(out), "v1", "1", "1", "1"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = torch.load(out)
+    assert all(plan == (FUSED if path == "fused" else UNFUSED) for plan in res["plans"])
+    assert torch.equal(res["none"]["out"], res["v1"]["out"])
+    for name, g in res["none"]["grads"].items():
+        assert torch.equal(g, res["v1"]["grads"][name]), name
+    moved = res["v1"]["moved"]
+    assert sum(n for k, n in moved.items() if k.endswith("|weight")) == 0 and sum(moved.values()) > 0, moved

@@ -1,0 +1,82 @@
+"""CPU: bad inputs get errors that name the values (split sizes, devices, dtypes, shapes)."""
+
+import pytest
+import torch
+
+from te_offload_ops.fused.split_check import CHECK_ENV, check_mode, check_now, problem
+from te_offload_ops.ops.input_checks import check_input, check_scales, check_split_sizes
+
+CUDA0 = torch.device("cuda", 0)  # a device object needs no GPU
+
+
+def test_input_on_another_device_names_both():
+    with pytest.raises(ValueError, match=r"input is on cpu, but the weights are on cuda:0"):
+        check_input("fc1", torch.zeros(4, 8), 8, CUDA0)
+
+
+def test_input_width_must_match_in_features():
+    with pytest.raises(ValueError, match=r"shape \(4, 6\).*in_features=8"):
+        check_input("fc1", torch.zeros(4, 6), 8, torch.device("cpu"))
+    with pytest.raises(TypeError, match="must be a torch.Tensor, got list"):
+        check_input("fc1", [1, 2], 8, torch.device("cpu"))
+    check_input("fc1", torch.zeros(2, 3, 8), 8, torch.device("cpu"))  # any leading dims, as TE
+
+
+@pytest.mark.parametrize("splits, match", [
+    (torch.tensor([1.0, 2.0]), "integer dtype.*torch.float32"),
+    (torch.tensor([True, False]), "integer dtype.*torch.bool"),
+    (torch.tensor([1, 2, 3]), r"one size per group \(2\).*shape \(3,\)"),
+    (torch.tensor([[1, 2]]), r"one size per group \(2\)"),
+    ([1, 2], "integer torch.Tensor.*got list"),
+])
+def test_bad_split_sizes_arguments(splits, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        check_split_sizes("fc1", splits, 2, torch.device("cpu"))
+
+
+def test_split_sizes_on_cpu_are_taken_for_a_gpu_op():
+    check_split_sizes("fc1", torch.tensor([3, 1], dtype=torch.int32), 2, CUDA0)
+
+
+def test_probs_must_be_one_per_token():
+    x = torch.zeros(6, 8)
+    with pytest.raises(ValueError, match=r"probs have 5 values .* for 6 tokens"):
+        check_scales("act", torch.zeros(5), x)
+    check_scales("act", torch.zeros(6, 1), x)  # any shape with one value per token
+    check_scales("act", torch.zeros(2, 3), torch.zeros(2, 3, 8))
+
+
+@pytest.mark.parametrize("values, tokens, expected", [
+    ([3, 0, 5], 8, None),
+    ([0, 0], 0, None),
+    ([300, 100], 512, "sum to 400, not to the input's 512 tokens (fewer)"),
+    ([500, 100], 512, "sum to 600, not to the input's 512 tokens (more)"),
+    ([600, -88], 512, "negative sizes at expert 1: -88"),
+    ([2**32 + 5, 0], 2**32 + 5, "past 2^31-1 at expert 0: 4294967301"),
+])
+def test_split_size_verdicts_name_the_values(values, tokens, expected):
+    found = problem(values, tokens)
+    if expected is None:
+        assert found is None
+    else:
+        assert expected in found and str(values[:2]).replace(" ", "")[1:-1] in found.replace(" ", "")
+
+
+def test_long_split_lists_are_shortened():
+    found = problem(list(range(100)), 5)
+    assert "..." in found and "100 experts" in found and "sum to 4950" in found
+
+
+def test_cpu_split_sizes_are_checked_at_once():
+    with pytest.raises(ValueError, match=r"fused MLP: bad split_sizes \[4, 4\] .* sum to 8, not to the input's 9"):
+        check_now(torch.tensor([4, 4]), 9, "fused MLP")
+    check_now(torch.tensor([4, 5]), 9, "fused MLP")
+
+
+def test_check_mode_switch(monkeypatch):
+    assert check_mode() == "deferred"
+    monkeypatch.setenv(CHECK_ENV, "sync")
+    assert check_mode() == "sync"
+    monkeypatch.setenv(CHECK_ENV, "never")
+    with pytest.raises(ValueError, match="deferred.*sync.*off"):
+        check_mode()
