@@ -161,3 +161,5 @@ def test_runtime_blockers_name_each_problem():
     text = " | ".join(reasons)
     assert "input is torch.float32" in text and "not on a CUDA device" in text
     assert "not a plain tensor" in runtime_blockers([1, 2], splits, probs, weight_dtype=torch.bfloat16)[0]
+    assert any("takes (tokens, hidden)" in r for r in runtime_blockers(torch.randn(2, 4, 64, dtype=torch.bfloat16),
+                                                                        splits, probs, weight_dtype=torch.bfloat16))

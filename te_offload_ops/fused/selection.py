@@ -120,4 +120,6 @@ def runtime_blockers(x: Any, split_sizes: Any, probs: Any, *, weight_dtype: torc
         reasons.append(f"input is {x.dtype}, weights are {weight_dtype}")
     if not x.is_cuda:
         reasons.append("input is not on a CUDA device")
+    if x.dim() != 2:  # TE splits dim 0 by the split sizes whatever the rank; the kernels take rows
+        reasons.append(f"input has shape {tuple(x.shape)}; the fused op takes (tokens, hidden)")
     return reasons

@@ -105,8 +105,7 @@ class FusedScaledSReLUMLP(FusedOperation):
         from .. import kernels
 
         fc1, act_op, fc2 = self.basic_ops
-        out_shape = (*x.shape[:-1], fc2.out_features)
-        x2d = x.reshape(-1, fc1.in_features).contiguous()
+        x2d = x.contiguous()  # (tokens, hidden): other ranks run unfused (selection.runtime_blockers)
         tokens = x2d.shape[0]
         where = f"{type(self).__name__} ({fc1.num_groups} experts)"
         check = None
@@ -121,19 +120,18 @@ class FusedScaledSReLUMLP(FusedOperation):
         if not any(ctx.requires_grad for ctx in ctxs):
             if check is not None:
                 self._pending_checks.append(check)
-            return y.view(out_shape), [(), (), ()]
+            return y, [(), (), ()]
         ctx1, ctx_act, ctx2 = ctxs
         ctx1.teo_fused = True
         ctx1.teo_split_check = check
         ctx1.input_requires_grad = x.requires_grad
-        ctx1.input_shape = x.shape
         ctx_act.probs_require_grad = probs.requires_grad
         ctx_act.probs_shape = probs.shape
         w1, w2 = weight_params(fc1), weight_params(fc2)
         policy.save_for_backward(ctx1, x2d, split_sizes, *w1, offload=fc1.offload, weights=w1, owner=fc1)
         policy.save_for_backward(ctx_act, z, probs_flat, offload=act_op.offload, owner=act_op)
         policy.save_for_backward(ctx2, *w2, offload=fc2.offload, weights=w2, owner=fc2)
-        return y.view(out_shape), [(), (), ()]
+        return y, [(), (), ()]
 
     # -- backward --------------------------------------------------------------------------
 
@@ -160,15 +158,14 @@ class FusedScaledSReLUMLP(FusedOperation):
             check.resolve()
         x, split_sizes, *_ = ctx1.saved_tensors
         z, probs = ctx_act.saved_tensors
-        dy = dy.reshape(-1, fc2.out_features).contiguous()
+        dy = dy.contiguous()
 
         dz, dprobs, act = kernels.grouped_gemm_dsrelu_bwd(dy, stacked_weight(fc2), split_sizes, z, probs)
         dw2 = weight_grads(fc2, dy, act, split_sizes, temporaries=[act])
         del act
         dx = None
         if ctx1.input_requires_grad:
-            dx = kernels.grouped_gemm(dz, stacked_weight(fc1), split_sizes, trans_b=True).view(
-                *ctx1.input_shape[:-1], fc1.in_features)
+            dx = kernels.grouped_gemm(dz, stacked_weight(fc1), split_sizes, trans_b=True)
         dw1 = weight_grads(fc1, dz, x, split_sizes, temporaries=[dz])
         dprobs = dprobs.view(ctx_act.probs_shape) if ctx_act.probs_require_grad else None
         return dx, [dw1, (), dw2], [(None,), (dprobs,), (None,)]
