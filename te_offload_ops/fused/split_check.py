@@ -6,9 +6,12 @@ summing to the token count, too large for int32) are still caught:
 
 * forward queues a copy of the split sizes into pinned host memory and records an event: a few
   microseconds of host time and a copy of E integers on the stream, no wait;
-* the check is *resolved* before the fused op's backward launches anything, and for calls
-  without grad at the op's next forward (once their copy has landed). By then the copy is
-  normally long done; if not, the host waits for that copy only.
+* the check is *resolved* when the fused op's backward starts if the copy has landed by then
+  (the usual case in a model of several layers), before any of its backward kernels; if not,
+  at the end of that backward pass (an autograd final callback), where the host waits for that
+  copy only if it is still in flight. So a bad step raises by the time its ``backward()``
+  returns, without making the host wait in the middle of the step. Calls without grad are
+  resolved at the op's next forward once their copy has landed.
 * a bad result raises ``ValueError`` naming the values, the token count and what is wrong.
 
 Until then the kernels treat the sizes defensively (negative counts as 0, counts clamped so
@@ -96,6 +99,16 @@ class SplitSizesCheck:
         found = problem(values, self.num_tokens)
         if found is not None:
             raise ValueError(f"{self.where}: {found}")
+
+
+def resolve_in_backward(check: Optional[SplitSizesCheck]) -> None:
+    """In a backward: resolve now if the copy landed, else when this backward pass ends."""
+    if check is None:
+        return
+    if check.landed:
+        check.resolve()
+    else:
+        torch.autograd.Variable._execution_engine.queue_callback(check.resolve)
 
 
 def check_now(split_sizes: torch.Tensor, num_tokens: int, where: str) -> None:

@@ -22,7 +22,7 @@ from .. import policy
 from ..ops.input_checks import check_input, check_scales, check_split_sizes
 from .expert_weights import stacked_weight, weight_dtype, weight_params
 from .selection import runtime_blockers
-from .split_check import check_now, start_check
+from .split_check import check_now, resolve_in_backward, start_check
 from .weight_grads import check_main_grad, weight_grads
 
 log = logging.getLogger(__name__)
@@ -154,8 +154,7 @@ class FusedScaledSReLUMLP(FusedOperation):
         fc1, _, fc2 = self.basic_ops
         ctx1, ctx_act, ctx2 = ctxs
         check, ctx1.teo_split_check = ctx1.teo_split_check, None
-        if check is not None:  # bad split sizes raise here, before any backward kernel
-            check.resolve()
+        resolve_in_backward(check)  # bad split sizes raise now or when this backward pass ends
         x, split_sizes, *_ = ctx1.saved_tensors
         z, probs = ctx_act.saved_tensors
         dy = dy.contiguous()
