@@ -2,14 +2,18 @@
 """Memory saved and time spent by each offload policy on a stack of grouped SReLU MLPs.
 
 For each engine (TE V2, TE V1) and policy (all activations offloaded; fc1 / activation / fc2 kept
-resident in turn; stock TE ops as the baseline) it reports the median step time, peak allocated
-memory, activation memory at the end of forward, bytes offloaded, R = memory saved / bytes
-offloaded, and the PCIe lower bound from bandwidth measured in the same run:
+resident in turn; stock TE ops as the baseline) it reports the median step time, the peak memory
+of the whole step (forward and backward) above the static floor (weights, their grads kept in
+preallocated buffers as with main_grad, the stack's inputs), activation memory at the end of
+forward, bytes offloaded, R = peak freed / bytes offloaded (against the no-offload run of the same
+ops), and the PCIe lower bound from bandwidth measured in the same run:
 
     bound = max(fwd_no_offload, bytes / BW_d2h) + max(bwd_no_offload, bytes / BW_h2d)
 
-TE chooses V1 or V2 when it is imported (NVTE_CPU_OFFLOAD_V1), so each engine runs in a child
-process; this process merges their rows and writes JSON, markdown and a PNG chart.
+One offload context serves all the steps of a policy, as in training. TE chooses V1 or V2 when it
+is imported (NVTE_CPU_OFFLOAD_V1), so each engine runs in a child process; this process merges
+their rows and writes JSON, markdown and a PNG chart. MLP layers alone have too little compute to
+hide their copies; benchmarks/moe_step.py measures the whole MoE transformer step.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+
+from bench_common import cuda_problem, measure_pcie  # noqa: E402
 
 POLICIES = {  # name -> (ops, offload flags of fc1, act, fc2)
     "stock TE ops": ("te", (True, True, True)),
@@ -68,61 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def cuda_problem() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return "PyTorch is not installed (run: bash scripts/setup_env.sh)"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 (report any import failure plainly)
-        return f"Transformer Engine does not import ({exc}); run: bash scripts/setup_env.sh"
-    return None
-
-
 # ------------------------------------------------------------------------------------------------
 # Child: one engine, all policies
-
-
-def measure_pcie(nbytes: int = 1 << 29, reps: int = 5) -> dict:
-    """GB/s host<->device with pinned memory: each direction alone, then both at once."""
-    import torch
-
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dev2 = torch.empty_like(dev)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host2 = torch.empty_like(host, pin_memory=True)
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def timed(fn) -> float:
-        times = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
-
-    def both():
-        main = torch.cuda.current_stream()
-        for s in (s1, s2):
-            s.wait_stream(main)
-        with torch.cuda.stream(s1):
-            host.copy_(dev, non_blocking=True)
-        with torch.cuda.stream(s2):
-            dev2.copy_(host2, non_blocking=True)
-        for s in (s1, s2):
-            main.wait_stream(s)
-
-    d2h = nbytes / timed(lambda: host.copy_(dev, non_blocking=True)) / 1e9
-    h2d = nbytes / timed(lambda: dev.copy_(host, non_blocking=True)) / 1e9
-    both_gbs = nbytes / timed(both) / 1e9
-    return {"d2h_GBps": d2h, "h2d_GBps": h2d, "bidirectional_each_GBps": both_gbs}
 
 
 def split_sizes(args) -> list[int]:
@@ -177,12 +130,17 @@ def measure_policy(args, engine: str, ops: str, offload) -> dict:
     probs = [torch.rand(T, device="cuda", dtype=dt, requires_grad=True) for _ in stack]
     dy = torch.randn(T, args.hidden, device="cuda", dtype=dt)
     splits = torch.tensor(split_sizes(args), device="cuda", dtype=torch.int64)
-    params = [p for mlp in stack for p in mlp.parameters()] + [x, *probs]
+    weights = [p for mlp in stack for p in mlp.parameters()]
+    for w in weights:  # weight grads live in buffers of their own across steps, as main_grad does
+        w.grad = torch.zeros_like(w)
+    ctx, sync, counter = offload_context(engine, num_layers=args.offload_layers, model_layers=args.layers)
 
     def step(sync_after_forward: bool):
-        ctx, sync, counter = offload_context(engine, num_layers=args.offload_layers, model_layers=args.layers)
-        for p in params:
-            p.grad = None
+        counter.bytes.clear()
+        for w in weights:
+            w.grad.zero_()
+        for t in (x, *probs):  # input grads are the step's outputs, not buffers
+            t.grad = None
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         ev[0].record()
         h = x * 1.0  # stands in for the previous block's output, which the model does not keep
@@ -204,21 +162,22 @@ def measure_policy(args, engine: str, ops: str, offload) -> dict:
     for _ in range(max(1, args.warmup)):
         step(False)
     path = compute_path(stack[0])
-    for p in params:  # so the baseline holds weights and inputs only
-        p.grad = None
+    for t in (x, *probs):
+        t.grad = None
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    floor = torch.cuda.memory_allocated()  # weights, weight grads, inputs: what stays between steps
     _, _, fwd_mem, offloaded = step(True)
-    peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     times = [step(False) for _ in range(args.iters)]
+    peak = torch.cuda.max_memory_allocated()  # over the whole of each timed step
     fwd_ms = statistics.median(t[0] for t in times)
     step_ms = statistics.median(t[1] for t in times)
-    del stack, params, x, probs, dy
+    del stack, weights, x, probs, dy, ctx, sync
     torch.cuda.empty_cache()
     return {"path": path, "step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": step_ms - fwd_ms,
             "step_ms_min": min(t[1] for t in times), "step_ms_max": max(t[1] for t in times),
-            "peak_MiB": peak / 2**20, "act_MiB": (fwd_mem - base) / 2**20, "offloaded_MiB": offloaded / 2**20}
+            "floor_MiB": floor / 2**20, "peak_MiB": (peak - floor) / 2**20, "act_MiB": (fwd_mem - floor) / 2**20,
+            "offloaded_MiB": offloaded / 2**20}
 
 
 def run_child(args) -> None:
@@ -238,7 +197,7 @@ def run_child(args) -> None:
                "offload": dict(zip(("fc1", "act", "fc2"), flags))}
         row.update(measure_policy(args, eng, ops, flags))
         out["rows"].append(row)
-        print(f"[{engine} {i}/{len(plan)}] {name:16s} {row['path']:7s} step {row['step_ms']:7.2f} ms  peak {row['peak_MiB']:8.0f} MiB  "
+        print(f"[{engine} {i}/{len(plan)}] {name:16s} {row['path']:7s} step {row['step_ms']:7.2f} ms  peak above floor {row['peak_MiB']:8.0f} MiB  "
               f"offloaded {row['offloaded_MiB']:7.0f} MiB", flush=True)
     out["gpu"] = torch.cuda.get_device_name()
     args.child_out.write_text(json.dumps(out))
@@ -249,14 +208,14 @@ def run_child(args) -> None:
 
 
 def derive(rows: list[dict], pcie: dict) -> None:
-    """Adds R and the PCIe bound to each row, from the no-offload row of the same engine run and
-    the same ops (ours or stock TE)."""
+    """Adds R (peak freed / bytes offloaded) and the PCIe bound to each row, from the no-offload
+    row of the same engine run and the same ops (ours or stock TE)."""
     refs = {r["ops"]: r for r in rows if r["engine"] == "none"}
     for r in rows:
         ref = refs[r["ops"]]
         moved = r["offloaded_MiB"] * 2**20
-        saved = (ref["act_MiB"] - r["act_MiB"]) * 2**20
-        r["R"] = saved / moved if moved else None
+        freed = (ref["peak_MiB"] - r["peak_MiB"]) * 2**20
+        r["R"] = freed / moved if moved else None
         d2h_ms = moved / (pcie["d2h_GBps"] * 1e9) * 1e3
         h2d_ms = moved / (pcie["h2d_GBps"] * 1e9) * 1e3
         r["bound_ms"] = max(ref["fwd_ms"], d2h_ms) + max(ref["bwd_ms"], h2d_ms)

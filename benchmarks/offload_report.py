@@ -12,7 +12,7 @@ COLUMNS = [  # header, key, format
     ("path", "path", "{}"),
     ("step ms", "step_ms", "{:.2f}"),
     ("fwd ms", "fwd_ms", "{:.2f}"),
-    ("peak MiB", "peak_MiB", "{:.0f}"),
+    ("peak above floor MiB", "peak_MiB", "{:.0f}"),
     ("act MiB @fwd end", "act_MiB", "{:.0f}"),
     ("offloaded MiB", "offloaded_MiB", "{:.0f}"),
     ("R", "R", "{:.2%}"),
@@ -33,7 +33,9 @@ def markdown(result: dict) -> str:
         "",
         f"E={c['experts']} experts x {c['tokens']} tokens ({c['routing']} routing: {c['split_sizes']}), H={c['hidden']}, F={c['ffn']}, {c['dtype']}, "
         f"{c['layers']} layers, {c['offload_layers']} offloaded; median of {c['iters']} steps.",
-        f"PCIe bound = {result['bound_formula']}; R = activation memory saved / bytes offloaded.",
+        f"PCIe bound = {result['bound_formula']}; peak: most memory allocated during the step (forward and "
+        "backward) above the static floor (weights, their grads kept across steps, the inputs); "
+        "R = peak freed / bytes offloaded, against the no-offload run of the same ops.",
         "",
     ]
     for run in result["runs"]:
@@ -66,7 +68,7 @@ def chart(result: dict, path: Path) -> bool:
                  label="PCIe lower bound")
     ax_t.set_ylabel("step time (ms)")
     ax_t.legend(loc="upper left")
-    ax_m.bar(xs, [r["peak_MiB"] for r in rows], color=colors, label="peak allocated")
+    ax_m.bar(xs, [r["peak_MiB"] for r in rows], color=colors, label="step peak above the static floor")
     ax_m.bar(xs, [r["act_MiB"] for r in rows], color="none", edgecolor="black", hatch="//",
              label="activations at end of forward")
     ax_m.set_ylabel("memory (MiB)")

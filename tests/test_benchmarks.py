@@ -11,26 +11,28 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 
-def _row(engine, ops, act, moved, fwd=5.0, bwd=10.0, step=15.0):
-    return {"engine": engine, "ops": ops, "act_MiB": act, "offloaded_MiB": moved,
+def _row(engine, ops, peak, moved, fwd=5.0, bwd=10.0, step=15.0):
+    return {"engine": engine, "ops": ops, "peak_MiB": peak, "act_MiB": peak / 2, "offloaded_MiB": moved,
             "fwd_ms": fwd, "bwd_ms": bwd, "step_ms": step}
 
 
-def test_r_compares_each_row_with_the_no_offload_run_of_its_own_ops():
+def test_r_is_the_step_peak_freed_against_the_no_offload_run_of_its_own_ops():
     from offload_policies import derive
 
     rows = [_row("none", "teo", 1200, 0), _row("none", "te", 1700, 0, fwd=6.0, bwd=12.0),
-            _row("v2", "teo", 200, 1000, step=40.0), _row("v2", "te", 300, 1400, step=80.0)]
+            _row("v2", "teo", 200, 1000, step=40.0), _row("v2", "te", 300, 1400, step=80.0),
+            _row("v1", "teo", 700, 1000, step=30.0)]
     pcie = {"d2h_GBps": 50.0, "h2d_GBps": 50.0}
     derive(rows, pcie)
     assert rows[2]["R"] == pytest.approx(1.0) and rows[3]["R"] == pytest.approx(1.0)
+    assert rows[4]["R"] == pytest.approx(0.5)  # offloaded 1000 MiB, the peak fell by 500
     moved_ms = 1400 * 2**20 / 50e9 * 1e3  # > the stock run's fwd and bwd: the bound is PCIe
     assert rows[3]["bound_ms"] == pytest.approx(2 * moved_ms)
     assert rows[0]["R"] is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-@pytest.mark.parametrize("script", ["offload_policies.py", "bench_fused_mlp.py", "bench_kernels.py",
+@pytest.mark.parametrize("script", ["moe_step.py", "offload_policies.py", "bench_fused_mlp.py", "bench_kernels.py",
                                     "ablate_epilogue.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
     proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=300)

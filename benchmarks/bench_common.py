@@ -1,0 +1,71 @@
+"""Helpers the offload benchmarks share: what stops a GPU run, PCIe bandwidth, file names.
+
+Importing this module needs neither torch nor a GPU; the functions that measure import torch.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+
+
+def cuda_problem() -> str | None:
+    """Why this machine cannot run the GPU benchmarks, or None."""
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed (run: bash scripts/setup_env.sh)"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 (report any import failure plainly)
+        return f"Transformer Engine does not import ({exc}); run: bash scripts/setup_env.sh"
+    return None
+
+
+def file_stem(benchmark: str, gpu: str, *suffixes: str) -> str:
+    """``benchmark_<GPU name>[_suffix...]`` with only letters, digits and underscores."""
+    parts = [benchmark, re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_"), *(s for s in suffixes if s)]
+    return "_".join(parts)
+
+
+def measure_pcie(nbytes: int = 1 << 29, reps: int = 5) -> dict:
+    """GB/s host<->device with pinned memory: each direction alone, then both at once."""
+    import torch
+
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev2 = torch.empty_like(dev)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty_like(host, pin_memory=True)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    def both():
+        main = torch.cuda.current_stream()
+        for s in (s1, s2):
+            s.wait_stream(main)
+        with torch.cuda.stream(s1):
+            host.copy_(dev, non_blocking=True)
+        with torch.cuda.stream(s2):
+            dev2.copy_(host2, non_blocking=True)
+        for s in (s1, s2):
+            main.wait_stream(s)
+
+    d2h = nbytes / timed(lambda: host.copy_(dev, non_blocking=True)) / 1e9
+    h2d = nbytes / timed(lambda: dev.copy_(host, non_blocking=True)) / 1e9
+    both_gbs = nbytes / timed(both) / 1e9
+    del dev, dev2, host, host2
+    torch.cuda.empty_cache()
+    return {"d2h_GBps": d2h, "h2d_GBps": h2d, "bidirectional_each_GBps": both_gbs}

@@ -1,0 +1,514 @@
+#!/usr/bin/env python3
+"""The main job: a training step of N MoE transformer layers with activations offloaded to CPU.
+
+Each layer is built from Transformer Engine's parts and this package's grouped MLP
+(benchmarks/moe_model.py): LayerNormLinear qkv, causal attention, Linear proj, LayerNorm, a top-k
+softmax router, TE's moe_permute_with_probs / moe_unpermute, and
+te.ops.Sequential(GroupedLinear, ScaledSReLU, GroupedLinear). A step is forward, backward and an
+AdamW step, with grads kept in preallocated buffers.
+
+For each engine (TE V2, TE V1; one process each, as TE picks the engine at import) and policy
+("MLP n/L": only the grouped MLP of the first n layers inside the offload context; "layer n/L":
+whole layers) it reports step time and tokens/s, peak memory above the static floor over the whole
+step, bytes offloaded, peak freed / bytes offloaded, the PCIe bound from bandwidth measured in the
+same process, and the most tokens per step that fit under a memory cap with and without offload
+(predicted from the measured peak per sequence, then confirmed by runs under the cap). It writes
+JSON, markdown and a PNG (step time against peak memory) into --out; --memory-target names the
+fastest measured policy whose peak meets it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+sys.path.insert(0, str(HERE))
+
+from bench_common import cuda_problem, file_stem, measure_pcie  # noqa: E402
+from moe_step_report import (  # noqa: E402
+    GiB, MiB, cap_candidates, finish, policy_label, predicted_batch, search_cap, write_reports,
+)
+
+# Shapes (per layer). "base": the step measured in issue 12 on an H100. "moe-heavy": MoE activations
+# dominate (many small experts, large top-k), as in Qwen3-30B-A3B or DeepSeek-V2-Lite.
+SHAPES = {
+    "base": {"hidden": 2688, "heads": 21, "ffn": 1856, "experts": 8, "topk": 2},
+    "moe-heavy": {"hidden": 2048, "heads": 16, "ffn": 1024, "experts": 64, "topk": 8},
+}
+SHAPE_KEYS = ("hidden", "heads", "ffn", "experts", "topk")
+
+# The environment each engine's process needs before TE is imported. An engine of this package
+# (e.g. "teo" from te_offload_ops.engines.offload_context) is one more entry here.
+ENGINE_ENV = {
+    "v2": {"NVTE_CPU_OFFLOAD_V1": "0"},
+    "v1": {"NVTE_CPU_OFFLOAD_V1": "1"},
+}
+TE_ENGINES = ("v2", "v1")
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+FUSION_ENV = "TEO_FUSED_SRELU_MLP"
+
+# Defaults of a full run and of --quick; an explicit flag wins over either.
+FULL = {"shapes": "base,moe-heavy", "layers": 8, "batch": 2, "warmup": 2, "iters": 5,
+        "cap_seqs": 4, "cap_trials": 4, "cap_max_batch": 16}
+QUICK = {"shapes": "base", "layers": 4, "batch": 1, "warmup": 1, "iters": 3,
+         "cap_seqs": 2, "cap_trials": 2, "cap_max_batch": 4}
+
+
+@dataclass(frozen=True)
+class Policy:
+    scope: str  # "none", "mlp" or "layer"
+    layers: int  # how many layers, the first ones, are offloaded
+
+    def label(self, total: int) -> str:
+        return policy_label(self.scope, self.layers, total)
+
+
+NO_OFFLOAD = Policy("none", 0)
+
+
+def default_policies(layers: int) -> list[Policy]:
+    """MLP only: a quarter, half, three quarters, all but one, all; whole layers: a quarter to three quarters."""
+    mlp = sorted({n for n in (layers // 4, layers // 2, 3 * layers // 4, layers - 1, layers) if n > 0})
+    whole = sorted({n for n in (layers // 4, layers // 2, 3 * layers // 4) if n > 0}) or [1]
+    return [Policy("mlp", n) for n in mlp] + [Policy("layer", n) for n in whole]
+
+
+def parse_policies(text: str, layers: int) -> list[Policy]:
+    """ "mlp:2,layer:4,mlp:all" -> policies; n is 1..L or "all"."""
+    out = []
+    for item in (s.strip() for s in text.split(",") if s.strip()):
+        scope, _, n = item.partition(":")
+        if scope not in ("mlp", "layer") or not n:
+            raise ValueError(f"policy {item!r}: expected mlp:N or layer:N (N in 1..{layers} or 'all')")
+        count = layers if n == "all" else int(n) if n.isdigit() else -1
+        if not 1 <= count <= layers:
+            raise ValueError(f"policy {item!r}: N must be in 1..{layers} or 'all'")
+        if Policy(scope, count) not in out:
+            out.append(Policy(scope, count))
+    if not out:
+        raise ValueError("no policies given")
+    return out
+
+
+def parse_caps(text: Optional[str], shapes: list[str]) -> dict[str, float]:
+    """ "30" (every shape) or "base=24,moe-heavy=30" -> {shape: GiB}; shapes left out get an automatic cap."""
+    if not text:
+        return {}
+    if "=" not in text:
+        value = float(text)
+        if value <= 0:
+            raise ValueError(f"memory cap must be positive, got {value}")
+        return dict.fromkeys(shapes, value)
+    caps = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in shapes:
+            raise ValueError(f"memory cap for {name!r}: not one of the shapes run ({', '.join(shapes)})")
+        caps[name] = float(value)
+        if caps[name] <= 0:
+            raise ValueError(f"memory cap for {name!r} must be positive, got {value}")
+    return caps
+
+
+def format_caps(caps: dict[str, float]) -> str:
+    return ",".join(f"{name}={value:g}" for name, value in caps.items())
+
+
+def schedule_notes(engine: str, layers: int, total: int) -> list[str]:
+    """What to know about a row beyond its numbers: where TE's own schedules are out of their depth."""
+    notes = []
+    if engine == "v2" and total > 1 and layers == total - 1:
+        notes.append("TE V2 at n = L-1: each layer's offload must end when the next layer starts")
+    if engine in TE_ENGINES and layers == total:
+        notes.append("n = L: TE's default schedule does not offload every layer")
+    return notes
+
+
+def auto_cap_GiB(floor_MiB: float, none_peak_above_MiB: float, batch: int, seqs: int, device_GiB: float) -> float:
+    """Room for ``seqs`` sequences at the no-offload peak per sequence, rounded up to 0.5 GiB, below the device's size."""
+    want = (floor_MiB + none_peak_above_MiB / batch * seqs) / 1024
+    return min(math.ceil(want * 2) / 2, math.floor(device_GiB) - 1)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help=f"a short run: {', '.join(f'{k}={v}' for k, v in QUICK.items())}")
+    p.add_argument("--shapes", help=f"comma-separated, from {', '.join(SHAPES)} (default {FULL['shapes']})")
+    for key in SHAPE_KEYS:
+        p.add_argument(f"--{key}", type=int, help=f"{key} for every shape run (default: the shape's)")
+    p.add_argument("--layers", "-L", type=int, help=f"layers (default {FULL['layers']})")
+    p.add_argument("--batch", type=int, help=f"sequences per step (default {FULL['batch']})")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--attention", choices=["sdpa", "te"], default="sdpa",
+                   help="torch SDPA on contiguous q, k, v, or TE's DotProductAttention")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--engines", default="v2,v1", help=f"comma-separated, from {', '.join(ENGINE_ENV)}")
+    p.add_argument("--policies", help="comma-separated mlp:N / layer:N (N = layers offloaded, or 'all'); "
+                                      "default: a quarter, half, three quarters, L-1 and L for the MLP, "
+                                      "a quarter to three quarters for whole layers")
+    p.add_argument("--unfused", action="store_true",
+                   help=f"run this package's MLP ops unfused, through TE's path ({FUSION_ENV}=0)")
+    p.add_argument("--warmup", type=int, help=f"untimed steps per policy (default {FULL['warmup']})")
+    p.add_argument("--iters", type=int, help=f"timed steps per policy (default {FULL['iters']})")
+    p.add_argument("--memory-cap", help="GiB of GPU memory for the tokens-under-a-cap search: one number, or "
+                                        "shape=GiB,...; default per shape: the static floor plus --cap-seqs "
+                                        "sequences at the no-offload peak (found by the first engine's process)")
+    p.add_argument("--cap-seqs", type=int, help=f"sequences the automatic cap leaves room for (default {FULL['cap_seqs']})")
+    p.add_argument("--cap-slowdown", type=float, default=0.05,
+                   help="also search the policy fitting the most tokens among those at most this much slower")
+    p.add_argument("--cap-trials", type=int, help=f"runs under the cap per policy searched (default {FULL['cap_trials']})")
+    p.add_argument("--cap-max-batch", type=int, help=f"most sequences per step tried (default {FULL['cap_max_batch']})")
+    p.add_argument("--no-cap", action="store_true", help="skip the tokens-under-a-cap search")
+    p.add_argument("--memory-target", type=float, help="GiB: name the fastest measured policy whose peak meets it")
+    p.add_argument("--out", type=Path, default=HERE / "results", help="folder for JSON, markdown, PNG")
+    p.add_argument("--child", choices=list(ENGINE_ENV), help=argparse.SUPPRESS)
+    p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    names = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SHAPES]
+    if unknown or not names:
+        p.error(f"--shapes: {unknown or 'none given'}; choose from {', '.join(SHAPES)}")
+    args.shapes = {name: {k: getattr(args, k) or SHAPES[name][k] for k in SHAPE_KEYS} for name in names}
+    for name, shape in args.shapes.items():
+        if shape["hidden"] % shape["heads"]:
+            p.error(f"shape {name}: hidden={shape['hidden']} is not a multiple of heads={shape['heads']}")
+        if not 0 < shape["topk"] <= shape["experts"]:
+            p.error(f"shape {name}: topk={shape['topk']} must be in 1..experts={shape['experts']}")
+        if any(v <= 0 for v in shape.values()):
+            p.error(f"shape {name}: every dimension must be positive, got {shape}")
+    for key in ("layers", "batch", "seq", "iters", "cap_seqs", "cap_trials", "cap_max_batch"):
+        if getattr(args, key) <= 0:
+            p.error(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not args.engines or any(e not in ENGINE_ENV for e in args.engines):
+        p.error(f"--engines takes {', '.join(ENGINE_ENV)}, got {args.engines}")
+    try:
+        args.policies = parse_policies(args.policies, args.layers) if args.policies else default_policies(args.layers)
+        args.caps = parse_caps(args.memory_cap, list(args.shapes))
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# Child: one engine, every shape
+
+
+def _empty_host_cache() -> None:
+    import torch
+
+    empty = getattr(torch._C, "_host_emptyCache", None)  # torch's pinned-memory cache
+    if empty is not None:
+        empty()
+
+
+class StepBench:
+    """One model of one shape, its optimizer and preallocated grads, and the runs of its policies."""
+
+    def __init__(self, name: str, shape: dict, args, engine: str):
+        import torch
+
+        from moe_model import LayerShape, build_stack, compute_path
+
+        self.torch, self.args, self.engine, self.name = torch, args, engine, name
+        self.L, self.seq = args.layers, args.seq
+        self.hidden = shape["hidden"]
+        self.dtype = getattr(torch, DTYPES[args.dtype])
+        self.stack = build_stack(LayerShape(**shape), args.layers, self.dtype, args.attention)
+        self.params = [p for p in self.stack.parameters() if p.requires_grad]
+        for p in self.params:  # grads live in buffers of their own for the whole run, as main_grad would
+            p.grad = torch.zeros_like(p)
+        self.opt = torch.optim.AdamW(self.params, lr=1e-6, fused=True)
+        # one step allocates the optimizer state and the workspaces that stay between steps
+        self._steps(NO_OFFLOAD, args.batch, count=1)
+        self.path = compute_path(self.stack)
+        torch.cuda.synchronize()
+        gc.collect()
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts) / MiB  # noqa: E731
+        state = [t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.is_cuda]
+        self.floor_MiB = torch.cuda.memory_allocated() / MiB
+        parts = {"params_MiB": nbytes(self.params), "grads_MiB": nbytes([p.grad for p in self.params]),
+                 "optimizer_MiB": nbytes(state)}
+        self.floor = {"floor_MiB": self.floor_MiB, **parts, "other_MiB": self.floor_MiB - sum(parts.values())}
+
+    def _inputs(self, batch: int):
+        torch = self.torch
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        shape = (batch * self.seq, self.hidden)
+        x = torch.randn(shape, device="cuda", dtype=self.dtype, generator=g)  # the embedding's output
+        dy = torch.randn(shape, device="cuda", dtype=self.dtype, generator=g)  # what the head sends back
+        return x, dy
+
+    def _context(self, policy: Policy):
+        from te_offload_ops.engines import offload_context
+
+        if policy.scope == "none":
+            return offload_context("none", num_layers=0, model_layers=self.L)
+        return offload_context(self.engine, num_layers=policy.layers, model_layers=self.L)
+
+    def _step(self, x, dy, batch: int, policy: Policy, context) -> dict:
+        from moe_model import forward_stack
+
+        torch = self.torch
+        ctx, sync, counter = context
+        counter.bytes.clear()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        ev[0].record()
+        # a copy, so that the engine can free what it offloads: the model does not keep the embedding's output
+        out = forward_stack(self.stack, x.clone(), batch, "layer" if policy.scope == "none" else policy.scope,
+                            ctx, sync)
+        ev[1].record()
+        out.backward(dy)
+        del out
+        ev[2].record()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+        ev[3].record()
+        torch.cuda.synchronize()
+        fwd, bwd, opt = (ev[i].elapsed_time(ev[i + 1]) for i in range(3))
+        return {"fwd_ms": fwd, "bwd_ms": bwd, "opt_ms": opt, "step_ms": fwd + bwd + opt, "offloaded": counter.total}
+
+    def _steps(self, policy: Policy, batch: int, count: int, warmup: int = 0, reuse: bool = True):
+        """``warmup`` untimed then ``count`` timed steps; returns (samples, peak above floor MiB, held MiB)."""
+        torch = self.torch
+        x, dy = self._inputs(batch)
+        held = self._context(policy) if reuse else None
+        for _ in range(warmup):
+            self._step(x, dy, batch, policy, held or self._context(policy))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        samples = [self._step(x, dy, batch, policy, held or self._context(policy)) for _ in range(count)]
+        peak = torch.cuda.max_memory_allocated() / MiB
+        inputs_MiB = 2 * x.numel() * x.element_size() / MiB
+        left = torch.cuda.memory_allocated() / MiB - inputs_MiB  # what the engine keeps between steps
+        return samples, peak, left
+
+    def _recover(self) -> None:
+        torch = self.torch
+        self.opt.zero_grad(set_to_none=False)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        _empty_host_cache()
+
+    def run(self, policy: Policy, batch: int, *, warmup: int, iters: int, reuse: bool = True) -> dict:
+        """One policy at one batch; a row with the error instead of numbers where it failed."""
+        torch = self.torch
+        row = {"engine": self.engine, "scope": policy.scope, "layers": policy.layers,
+               "policy": policy.label(self.L), "batch": batch, "tokens": batch * self.seq,
+               "context": "reused" if reuse else "one per step", "floor_MiB": self.floor_MiB,
+               "notes": schedule_notes(self.engine, policy.layers, self.L) if policy.scope != "none" else []}
+        try:
+            samples, peak, left = self._steps(policy, batch, iters, warmup, reuse)
+        except torch.cuda.OutOfMemoryError:
+            row["error"], row["oom"] = "out of memory", True
+        except Exception as exc:  # noqa: BLE001 (an engine that cannot run a policy is a result)
+            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        if "error" in row:
+            self._recover()
+            return row
+        med = lambda k: statistics.median(s[k] for s in samples)  # noqa: E731
+        row.update({k: med(k) for k in ("step_ms", "fwd_ms", "bwd_ms", "opt_ms")})
+        row.update({"step_ms_min": min(s["step_ms"] for s in samples), "step_ms_max": max(s["step_ms"] for s in samples),
+                    "tokens_per_s": row["tokens"] / (row["step_ms"] / 1e3),
+                    "peak_above_MiB": peak - self.floor_MiB, "offloaded_MiB": samples[-1]["offloaded"] / MiB,
+                    "held_between_steps_MiB": left - self.floor_MiB})
+        if row["held_between_steps_MiB"] > 1:
+            row["notes"].append(f"the engine holds {row['held_between_steps_MiB']:.0f} MiB between steps")
+        return row
+
+    def run_policy(self, policy: Policy) -> dict:
+        """A reused context first (as in training); if that fails other than by OOM, one context per step."""
+        a = self.args
+        row = self.run(policy, a.batch, warmup=a.warmup, iters=a.iters)
+        if row.get("error") and not row.get("oom") and policy.scope != "none":
+            retry = self.run(policy, a.batch, warmup=a.warmup, iters=a.iters, reuse=False)
+            if not retry.get("error"):
+                retry["notes"].append(f"a reused context failed ({row['error']})")
+                return retry
+        return row
+
+    def cap_trial(self, policy: Policy, batch: int, cap_GiB: float, reuse: bool) -> dict:
+        torch = self.torch
+        torch.cuda.empty_cache()
+        _empty_host_cache()  # pinned buffers of other batch sizes would pile up on the host
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_GiB * GiB / total))
+        try:  # the allocator now refuses what would pass the cap: an OOM means it does not fit
+            row = self.run(policy, batch, warmup=1, iters=2, reuse=reuse)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        fits = not row.get("error") and self.floor_MiB + row["peak_above_MiB"] <= cap_GiB * 1024
+        return {"batch": batch, "fits": fits, "peak_above_MiB": row.get("peak_above_MiB") if fits else None,
+                "step_ms": row.get("step_ms"), "tokens_per_s": row.get("tokens_per_s"), "error": row.get("error")}
+
+    def cap_search(self, row: dict, cap_GiB: float) -> dict:
+        a = self.args
+        policy = Policy(row["scope"], row["layers"])
+        cap_above = cap_GiB * 1024 - self.floor_MiB
+        base = (row["batch"], row["peak_above_MiB"])
+
+        def trial(batch: int) -> dict:
+            t = self.cap_trial(policy, batch, cap_GiB, reuse=row["context"] == "reused")
+            print(f"[{self.engine} {self.name} cap {cap_GiB:.1f} GiB] {row['policy']:10s} {batch:3d} x {self.seq} tokens: "
+                  + (f"fits, peak {(self.floor_MiB + t['peak_above_MiB']) / 1024:.1f} GiB, {t['step_ms']:.0f} ms"
+                     if t["fits"] else f"does not fit ({t['error'] or 'over the cap'})"), flush=True)
+            return t
+
+        trials, best, bracketed = search_cap(trial, base, cap_above, a.cap_max_batch, a.cap_trials)
+        at = next((t for t in trials if t["fits"] and t["batch"] == best), {})
+        return {"engine": self.engine, "scope": row["scope"], "layers": row["layers"], "policy": row["policy"],
+                "predicted_batch": predicted_batch(row["peak_above_MiB"], row["batch"], cap_above),
+                "batch": best, "bracketed": bracketed, "tokens": best * self.seq,
+                "tokens_per_s": at.get("tokens_per_s"), "step_ms": at.get("step_ms"),
+                "peak_above_MiB": at.get("peak_above_MiB"), "trials": trials}
+
+
+def _progress(engine: str, name: str, i: int, n: int, row: dict) -> None:
+    head = f"[{engine} {name} {i}/{n}] {row['policy']:10s}"
+    if row.get("error"):
+        print(f"{head} did not run: {row['error']}", flush=True)
+        return
+    print(f"{head} step {row['step_ms']:7.1f} ms  {row['tokens_per_s']:9,.0f} tok/s  "
+          f"peak above floor {row['peak_above_MiB']:7.0f} MiB  offloaded {row['offloaded_MiB']:6.0f} MiB"
+          + (f"  ({'; '.join(row['notes'])})" if row["notes"] else ""), flush=True)
+
+
+def run_child(args) -> None:
+    import torch
+
+    engine = args.child
+    out = {"engine": engine, "gpu": torch.cuda.get_device_name(), "pcie": measure_pcie(), "shapes": {}}
+    p = out["pcie"]
+    print(f"[{engine}] PCIe d2h {p['d2h_GBps']:.1f} GB/s, h2d {p['h2d_GBps']:.1f} GB/s, "
+          f"both {p['bidirectional_each_GBps']:.1f} GB/s each", flush=True)
+    device_GiB = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GiB
+    for name, shape in args.shapes.items():
+        t0 = time.perf_counter()
+        try:
+            bench = StepBench(name, shape, args, engine)
+        except Exception as exc:  # noqa: BLE001 (one shape that does not fit must not cost the others)
+            out["shapes"][name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+            print(f"[{engine} {name}] could not build and run the model: {out['shapes'][name]['error']}", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
+        print(f"[{engine} {name}] built in {time.perf_counter() - t0:.0f} s: MLP {bench.path}, "
+              f"static floor {bench.floor_MiB:.0f} MiB", flush=True)
+        plan = [NO_OFFLOAD] + args.policies
+        rows = []
+        for i, policy in enumerate(plan, 1):
+            rows.append(bench.run_policy(policy))
+            _progress(engine, name, i, len(plan), rows[-1])
+        result = {"floor": bench.floor, "path": bench.path, "rows": rows}
+        ref = rows[0]
+        if not args.no_cap and not ref.get("error"):
+            if name in args.caps:
+                cap, how = args.caps[name], "given"
+            else:
+                cap = auto_cap_GiB(bench.floor_MiB, ref["peak_above_MiB"], args.batch, args.cap_seqs, device_GiB)
+                how = (f"automatic: static floor + {args.cap_seqs} sequences at the no-offload peak per "
+                       "sequence, rounded up to 0.5 GiB")
+            cap_above = cap * 1024 - bench.floor_MiB
+            picks = cap_candidates(rows, cap_above, args.batch, args.cap_slowdown)
+            result["cap"] = {"cap_GiB": cap, "how": how, "searches": [bench.cap_search(r, cap) for r in picks]}
+        out["shapes"][name] = result
+        del bench
+        gc.collect()
+        torch.cuda.empty_cache()
+    args.child_out.write_text(json.dumps(out))
+
+
+# ------------------------------------------------------------------------------------------------
+# Parent: one process per engine, merged
+
+
+def merge(args, children: list[dict]) -> dict:
+    shapes = []
+    for name, shape in args.shapes.items():
+        runs = [{"engine": c["engine"], **c["shapes"][name]} for c in children if name in c["shapes"]]
+        failed = {r["engine"]: r["error"] for r in runs if "error" in r}
+        runs = [r for r in runs if "error" not in r]
+        shapes.append({"name": name, "shape": shape, "layers": args.layers, "batch": args.batch, "seq": args.seq,
+                       "dtype": args.dtype, "attention": args.attention,
+                       "path": runs[0]["path"] if runs else None, "runs": runs, "failed": failed})
+    return {
+        "benchmark": "moe_step", "gpu": children[0]["gpu"],
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "config": {"engines": args.engines, "policies": [p.label(args.layers) for p in args.policies],
+                   "warmup": args.warmup, "iters": args.iters, "unfused": args.unfused, "quick": args.quick,
+                   "cap_slowdown": args.cap_slowdown, "memory_target_GiB": args.memory_target},
+        "pcie": {c["engine"]: c["pcie"] for c in children},
+        "shapes": shapes,
+    }
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    problem = cuda_problem()
+    if problem:
+        print(f"moe_step.py: cannot run: {problem}; it measures GPU memory, time and PCIe traffic", file=sys.stderr)
+        return 2
+    if args.child:
+        run_child(args)
+        return 0
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"MoE step: shapes {', '.join(args.shapes)}, L={args.layers}, {args.batch} x {args.seq} tokens, "
+          f"engines {', '.join(args.engines)}, policies {', '.join(p.label(args.layers) for p in args.policies)}"
+          + (", MLP unfused" if args.unfused else ""), flush=True)
+    start = time.perf_counter()
+    children, failed, caps, how = [], [], dict(args.caps), {}
+    for engine in args.engines:
+        child_out = args.out / f".moe_step_child_{engine}.json"
+        env = dict(os.environ, **ENGINE_ENV[engine], PYTHONUNBUFFERED="1")
+        if args.unfused:
+            env[FUSION_ENV] = "0"
+        extra = ["--memory-cap", format_caps(caps)] if caps and caps != args.caps else []
+        cmd = [sys.executable, __file__, *argv, *extra, "--child", engine, "--child-out", str(child_out)]
+        if subprocess.run(cmd, env=env).returncode != 0 or not child_out.exists():
+            print(f"moe_step.py: the {engine} process failed (output above)", file=sys.stderr)
+            failed.append(engine)
+            continue
+        child = json.loads(child_out.read_text())
+        child_out.unlink()
+        for name, shape in child["shapes"].items():  # later engines run under the first one's caps
+            if "cap" in shape:
+                caps.setdefault(name, shape["cap"]["cap_GiB"])
+                how.setdefault(name, shape["cap"]["how"])
+                shape["cap"]["how"] = how[name]
+        children.append(child)
+    if not children:
+        return 1
+    result = merge(args, children)
+    finish(result, args.memory_target)
+    stem = file_stem("moe_step", result["gpu"], "unfused" if args.unfused else "", "quick" if args.quick else "")
+    paths = write_reports(result, args.out, stem)
+    print(f"\nwrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - start:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,402 @@
+"""The MoE step benchmark's bookkeeping and reports, from a results dict (no GPU, no torch).
+
+Every row comes from one engine's process (``run``) and is compared with the no-offload row of the
+same process and shape: clocks and allocator state differ between processes.
+
+* peak: the most memory allocated at any point of the step (forward, backward, optimizer) above
+  the static floor (weights, preallocated grads, optimizer state, workspaces kept between steps);
+* freed / offloaded: (no-offload peak - this peak) / bytes the engine offloaded per step;
+* PCIe bound: max(fwd, bytes / BW_d2h) + max(bwd, bytes / BW_h2d) + optimizer, from the
+  no-offload run's phase times and the bandwidth measured in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Iterable, Optional
+
+MiB = 2**20
+GiB = 2**30
+
+TARGETS = {  # issue 12's targets: name -> (what, bound, "max" or "min")
+    "mlp_step": ("MoE-MLP offload, any n <= L: step / no offload", 1.03, "max"),
+    "layer_bound": ("whole layers, any n: step / PCIe bound", 1.10, "max"),
+    "freed": ("peak freed / bytes offloaded", 0.95, "min"),
+    "cap_tokens": ("tokens per step under the cap / no offload, at >= 0.95x its tokens/s", 1.5, "min"),
+}
+CAP_RATE_FLOOR = 0.95  # "at <= 5% lower tokens/s"
+
+
+def policy_label(scope: str, layers: int, total: int) -> str:
+    if scope == "none":
+        return "none"
+    return f"{'MLP' if scope == 'mlp' else 'layer'} {layers}/{total}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-row derivations
+
+
+def transfer_ms(nbytes: float, gbps: float) -> float:
+    return nbytes / (gbps * 1e9) * 1e3
+
+
+def pcie_bound_ms(ref: dict, offloaded_bytes: float, pcie: dict) -> float:
+    """Lower bound on the step: each direction's copies hide at best under that phase's compute."""
+    return (max(ref["fwd_ms"], transfer_ms(offloaded_bytes, pcie["d2h_GBps"]))
+            + max(ref["bwd_ms"], transfer_ms(offloaded_bytes, pcie["h2d_GBps"]))
+            + ref["opt_ms"])
+
+
+def no_offload_row(rows: Iterable[dict]) -> Optional[dict]:
+    return next((r for r in rows if r["scope"] == "none" and not r.get("error")), None)
+
+
+def derive_rows(rows: list[dict], pcie: dict) -> None:
+    """Adds vs_none, freed_MiB, freed_per_offloaded, bound_ms and vs_bound to each row of one run."""
+    ref = no_offload_row(rows)
+    for r in rows:
+        for key in ("vs_none", "freed_MiB", "freed_per_offloaded", "bound_ms", "vs_bound", "rate_vs_none"):
+            r[key] = None
+        if r.get("error") or ref is None:
+            continue
+        r["vs_none"] = r["step_ms"] / ref["step_ms"]
+        r["rate_vs_none"] = r["tokens_per_s"] / ref["tokens_per_s"]
+        if r["scope"] == "none":
+            continue
+        moved = r["offloaded_MiB"] * MiB
+        r["freed_MiB"] = ref["peak_above_MiB"] - r["peak_above_MiB"]
+        r["freed_per_offloaded"] = r["freed_MiB"] / r["offloaded_MiB"] if moved else None
+        r["bound_ms"] = pcie_bound_ms(ref, moved, pcie)
+        r["vs_bound"] = r["step_ms"] / r["bound_ms"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Tokens under a memory cap
+
+
+def predicted_batch(peak_above_MiB: float, batch: int, cap_above_MiB: float) -> int:
+    """Sequences per step that fit if the peak above the floor grows in proportion to them."""
+    if peak_above_MiB <= 0 or batch <= 0:
+        raise ValueError(f"need a positive peak and batch, got peak={peak_above_MiB} MiB, batch={batch}")
+    return max(0, math.floor(cap_above_MiB / (peak_above_MiB / batch)))
+
+
+def _line_guess(points: list[tuple[int, float]], cap_above_MiB: float) -> int:
+    # Through the two largest measured batches (nearest the cap); through the origin from one.
+    # A later point of the same batch replaces an earlier one (a run under the cap beats the base run).
+    points = sorted(dict(points).items())
+    b2, p2 = points[-1]
+    if len(points) >= 2:
+        b1, p1 = points[-2]
+        slope = (p2 - p1) / (b2 - b1)
+        if slope > 0:
+            return b2 + math.floor((cap_above_MiB - p2) / slope)
+    return predicted_batch(p2, b2, cap_above_MiB)
+
+
+def next_cap_batch(trials: list[dict], base: tuple[int, float], cap_above_MiB: float,
+                   max_batch: int) -> Optional[int]:
+    """The next batch to try under the cap, or None when the search is settled.
+
+    ``trials``: {"batch", "fits", "peak_above_MiB"} of the runs under the cap so far; ``base``:
+    (batch, peak above floor) of the run without a cap. Settled: the largest fitting batch is
+    next to the smallest failing one, nothing fits at 1, or the largest allowed batch fits.
+    """
+    fits = [t["batch"] for t in trials if t["fits"]]
+    fails = [t["batch"] for t in trials if not t["fits"]]
+    lo = max(fits, default=0)
+    hi = min(fails, default=max_batch + 1)
+    if hi <= lo + 1:
+        return None
+    points = [base] + [(t["batch"], t["peak_above_MiB"]) for t in trials if t["fits"]]
+    guess = _line_guess(points, cap_above_MiB)
+    return min(max(guess, lo + 1), hi - 1)
+
+
+def settled_batch(trials: list[dict]) -> tuple[int, bool]:
+    """(largest batch that fit, whether the batch after it was seen not to fit)."""
+    lo = max((t["batch"] for t in trials if t["fits"]), default=0)
+    return lo, any(t["batch"] == lo + 1 and not t["fits"] for t in trials)
+
+
+def search_cap(trial, base: tuple[int, float], cap_above_MiB: float, max_batch: int,
+               budget: int) -> tuple[list[dict], int, bool]:
+    """Runs ``trial(batch) -> {"batch", "fits", "peak_above_MiB", ...}`` at most ``budget`` times,
+    each at :func:`next_cap_batch`'s choice; returns (trials, largest batch that fit, whether the
+    next batch up was seen not to fit)."""
+    trials: list[dict] = []
+    for _ in range(budget):
+        batch = next_cap_batch(trials, base, cap_above_MiB, max_batch)
+        if batch is None:
+            break
+        trials.append(trial(batch))
+    best, bracketed = settled_batch(trials)
+    return trials, best, bracketed
+
+
+def cap_candidates(rows: list[dict], cap_above_MiB: float, batch: int, slowdown: float) -> list[dict]:
+    """Rows worth a search under the cap: no offload; the offload policy predicted to fit the most
+    tokens among those within ``slowdown`` of the no-offload step; and the one predicted to fit the
+    most of all, if different. Ties go to the faster row."""
+    ref = no_offload_row(rows)
+    if ref is None:
+        return []
+    ok = [r for r in rows if r["scope"] != "none" and not r.get("error") and r["peak_above_MiB"] > 0]
+
+    def best(pool):
+        return max(pool, key=lambda r: (predicted_batch(r["peak_above_MiB"], batch, cap_above_MiB), -r["step_ms"]),
+                   default=None)
+
+    picks = [ref, best([r for r in ok if r["step_ms"] <= ref["step_ms"] * (1 + slowdown)]), best(ok)]
+    out = []
+    for r in picks:
+        if r is not None and all(r is not o for o in out):
+            out.append(r)
+    return out
+
+
+def derive_cap(searches: list[dict]) -> None:
+    """Adds tokens_vs_none and rate_vs_none to each search of one run (against its no-offload search)."""
+    ref = next((s for s in searches if s["scope"] == "none"), None)
+    for s in searches:
+        s["tokens_vs_none"] = s["rate_vs_none"] = None
+        if ref and ref["tokens"] and s["tokens"]:
+            s["tokens_vs_none"] = s["tokens"] / ref["tokens"]
+            if s.get("tokens_per_s") and ref.get("tokens_per_s"):
+                s["rate_vs_none"] = s["tokens_per_s"] / ref["tokens_per_s"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Selection and targets
+
+
+def fastest_within(rows: Iterable[dict], target_MiB: float) -> tuple[Optional[dict], Optional[dict]]:
+    """(fastest row whose whole-step peak, floor included, is <= target_MiB; the row of least peak)."""
+    ok = [r for r in rows if not r.get("error")]
+    total = lambda r: r["floor_MiB"] + r["peak_above_MiB"]  # noqa: E731
+    meeting = [r for r in ok if total(r) <= target_MiB]
+    return (min(meeting, key=lambda r: r["step_ms"], default=None), min(ok, key=total, default=None))
+
+
+def target_summary(shape_result: dict) -> list[dict]:
+    """Per engine and target: the measured value (worst case over the policies it covers) and whether it is met."""
+    out = []
+    for run in shape_result["runs"]:
+        rows = [r for r in run["rows"] if not r.get("error") and r["scope"] != "none"]
+        values = {
+            "mlp_step": max((r["vs_none"] for r in rows if r["scope"] == "mlp" and r["vs_none"] is not None), default=None),
+            "layer_bound": max((r["vs_bound"] for r in rows if r["scope"] == "layer" and r["vs_bound"] is not None), default=None),
+            "freed": min((r["freed_per_offloaded"] for r in rows if r["freed_per_offloaded"] is not None), default=None),
+            "cap_tokens": max((s["tokens_vs_none"] for s in run.get("cap", {}).get("searches", [])
+                               if s["scope"] != "none" and s.get("tokens_vs_none") is not None
+                               and (s.get("rate_vs_none") or 0) >= CAP_RATE_FLOOR), default=None),
+        }
+        failed = [r["policy"] for r in run["rows"] if r.get("error")]
+        for key, value in values.items():
+            what, bound, kind = TARGETS[key]
+            met = None if value is None else (value <= bound if kind == "max" else value >= bound)
+            if key == "mlp_step" and failed and any(p.startswith("MLP") for p in failed):
+                met = False  # a number of layers the engine could not offload at all
+            out.append({"engine": run["engine"], "target": key, "what": what, "bound": bound, "kind": kind,
+                        "value": value, "met": met})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Reports
+
+ROW_COLUMNS = [  # header, key, format
+    ("engine", "engine", "{}"),
+    ("policy", "policy", "{}"),
+    ("step ms", "step_ms", "{:.1f}"),
+    ("x none", "vs_none", "{:.3f}"),
+    ("tokens/s", "tokens_per_s", "{:,.0f}"),
+    ("fwd / bwd / opt ms", None, None),
+    ("peak above floor MiB", "peak_above_MiB", "{:.0f}"),
+    ("offloaded MiB", "offloaded_MiB", "{:.0f}"),
+    ("freed MiB", "freed_MiB", "{:.0f}"),
+    ("freed / offloaded", "freed_per_offloaded", "{:.1%}"),
+    ("PCIe bound ms", "bound_ms", "{:.1f}"),
+    ("x bound", "vs_bound", "{:.2f}"),
+    ("notes", None, None),
+]
+CAP_COLUMNS = [
+    ("engine", "engine", "{}"),
+    ("policy", "policy", "{}"),
+    ("predicted seqs", "predicted_batch", "{}"),
+    ("max seqs", None, None),
+    ("tokens/step", "tokens", "{:,}"),
+    ("x none", "tokens_vs_none", "{:.2f}"),
+    ("tokens/s", "tokens_per_s", "{:,.0f}"),
+    ("tokens/s x none", "rate_vs_none", "{:.3f}"),
+    ("peak GiB", None, None),
+]
+
+
+def _cell(row: dict, key: Optional[str], fmt: Optional[str]) -> str:
+    value = row.get(key) if key else None
+    return "-" if value is None else fmt.format(value)
+
+
+def _row_cells(row: dict) -> list[str]:
+    cells = []
+    for header, key, fmt in ROW_COLUMNS:
+        if header.startswith("fwd"):
+            cells.append("-" if row.get("error") else f"{row['fwd_ms']:.1f} / {row['bwd_ms']:.1f} / {row['opt_ms']:.1f}")
+        elif header == "notes":
+            notes = list(row.get("notes", []))
+            if row.get("error"):
+                notes.insert(0, f"did not run: {row['error']}")
+            cells.append("; ".join(notes).replace("|", "/") or "")
+        else:
+            cells.append(_cell(row, key, fmt))
+    return cells
+
+
+def _cap_cells(s: dict, floor_MiB: float) -> list[str]:
+    cells = []
+    for header, key, fmt in CAP_COLUMNS:
+        if header == "max seqs":
+            cells.append(f"{s['batch']}" + ("" if s["bracketed"] else " (at least)"))
+        elif header == "peak GiB":
+            cells.append("-" if s.get("peak_above_MiB") is None else f"{(floor_MiB + s['peak_above_MiB']) / 1024:.1f}")
+        else:
+            cells.append(_cell(s, key, fmt))
+    return cells
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _shape_line(s: dict) -> str:
+    sh = s["shape"]
+    return (f"{s['layers']} layers, {s['batch']} x {s['seq']} tokens, H={sh['hidden']}, {sh['heads']} heads, "
+            f"F={sh['ffn']}, {sh['experts']} experts, top-{sh['topk']}, {s['dtype']}, attention {s['attention']}, "
+            f"MLP path {s.get('path', '?')}")
+
+
+def markdown(result: dict) -> str:
+    c = result["config"]
+    lines = [
+        f"# MoE transformer training step with activation offload, {result['gpu']} ({result['date']})",
+        "",
+        f"Median of {c['iters']} steps after {c['warmup']} warm-up steps, one offload context per policy. "
+        "Step = forward + backward + AdamW step, grads in preallocated buffers. Peak: most memory allocated "
+        "during the step above the static floor (weights, grads, optimizer state, workspaces). "
+        "Freed: no-offload peak minus this peak. PCIe bound: max(fwd, bytes/BW_d2h) + max(bwd, bytes/BW_h2d) + opt, "
+        "from the no-offload run of the same process. \"MLP n/L\": the grouped MLP of the first n layers offloaded; "
+        "\"layer n/L\": whole layers.",
+        "",
+    ]
+    for engine, p in result["pcie"].items():
+        lines.append(f"- {engine} process: PCIe d2h {p['d2h_GBps']:.1f} GB/s, h2d {p['h2d_GBps']:.1f} GB/s, "
+                     f"both at once {p['bidirectional_each_GBps']:.1f} GB/s each")
+    for s in result["shapes"]:
+        lines += ["", f"## {s['name']}: {_shape_line(s)}", ""]
+        for engine, error in s.get("failed", {}).items():
+            lines.append(f"- {engine} process: could not build and run the model: {error}")
+        for run in s["runs"]:
+            f = run["floor"]
+            lines.append(f"- {run['engine']} process: static floor {f['floor_MiB']:.0f} MiB (weights {f['params_MiB']:.0f}, "
+                         f"grads {f['grads_MiB']:.0f}, optimizer {f['optimizer_MiB']:.0f}, other {f['other_MiB']:.0f})")
+        lines.append("")
+        lines += _table([h for h, _, _ in ROW_COLUMNS],
+                        [_row_cells(r) for run in s["runs"] for r in run["rows"]])
+        caps = [(run, sr) for run in s["runs"] for sr in run.get("cap", {}).get("searches", [])]
+        if caps:
+            cap = s["runs"][0]["cap"]
+            lines += ["", f"### Most tokens per step under {cap['cap_GiB']:.1f} GiB ({cap['how']})", ""]
+            lines += _table([h for h, _, _ in CAP_COLUMNS],
+                            [_cap_cells(sr, run["floor"]["floor_MiB"]) for run, sr in caps])
+        lines += ["", "### Targets", ""]
+        lines += _table(["engine", "target", "bound", "measured", "met"],
+                        [[t["engine"], t["what"], f"{'<=' if t['kind'] == 'max' else '>='} {t['bound']}",
+                          "-" if t["value"] is None else f"{t['value']:.3f}",
+                          {True: "yes", False: "no", None: "-"}[t["met"]]] for t in s["targets"]])
+        if s.get("memory_target"):
+            lines += ["", s["memory_target"]["text"]]
+    return "\n".join(lines) + "\n"
+
+
+def memory_target_text(shape_result: dict, target_GiB: float) -> dict:
+    rows = [r for run in shape_result["runs"] for r in run["rows"]]
+    best, least = fastest_within(rows, target_GiB * 1024)
+    if best is not None:
+        text = (f"Memory target {target_GiB:.1f} GiB: fastest measured policy is {best['engine']} {best['policy']}, "
+                f"{best['step_ms']:.1f} ms, peak {(best['floor_MiB'] + best['peak_above_MiB']) / 1024:.2f} GiB.")
+    elif least is not None:
+        text = (f"Memory target {target_GiB:.1f} GiB: no measured policy meets it; the least peak is "
+                f"{least['engine']} {least['policy']} at {(least['floor_MiB'] + least['peak_above_MiB']) / 1024:.2f} GiB.")
+    else:
+        text = f"Memory target {target_GiB:.1f} GiB: no policy ran."
+    return {"target_GiB": target_GiB, "engine": best and best["engine"], "policy": best and best["policy"], "text": text}
+
+
+def chart(result: dict, path: Path) -> bool:
+    """Step time against peak memory, one point per policy, each with its PCIe bound below it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG chart")
+        return False
+    shapes = result["shapes"]
+    fig, axes = plt.subplots(1, len(shapes), figsize=(8 * len(shapes), 6.5), squeeze=False)
+    markers = {"none": "*", "v2": "o", "v1": "s"}
+    colors = {"none": "black", "mlp": "#4c72b0", "layer": "#dd8452"}
+    for ax, s in zip(axes[0], shapes):
+        seen = set()
+        for run in s["runs"]:
+            for r in run["rows"]:
+                if r.get("error"):
+                    continue
+                x, y = r["peak_above_MiB"] / 1024, r["step_ms"]
+                label = f"{r['engine']} {r['scope']}"
+                ax.scatter([x], [y], marker=markers.get(r["engine"], "D"), color=colors[r["scope"]], s=60,
+                           label=None if label in seen else label, zorder=3)
+                seen.add(label)
+                ax.annotate(r["policy"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+                if r.get("bound_ms") is not None:
+                    ax.plot([x, x], [r["bound_ms"], y], color=colors[r["scope"]], lw=0.8, ls=":")
+                    ax.scatter([x], [r["bound_ms"]], marker="_", color=colors[r["scope"]], s=200,
+                               label=None if "bound" in seen else "PCIe bound", zorder=2)
+                    seen.add("bound")
+        ax.set_xlabel("peak memory above the static floor (GiB)")
+        ax.set_ylabel("step time (ms)")
+        ax.set_title(f"{s['name']}: {_shape_line(s)}", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"MoE training step with activation offload, {result['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def finish(result: dict, memory_target_GiB: Optional[float] = None) -> None:
+    """Derives every row, cap search, target and the memory-target choice in place."""
+    for s in result["shapes"]:
+        for run in s["runs"]:
+            derive_rows(run["rows"], result["pcie"][run["engine"]])
+            derive_cap(run.get("cap", {}).get("searches", []))
+        s["targets"] = target_summary(s)
+        if memory_target_GiB is not None:
+            s["memory_target"] = memory_target_text(s, memory_target_GiB)
+
+
+def write_reports(result: dict, folder: Path, stem: str) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"{stem}.json", folder / f"{stem}.md"]
+    paths[0].write_text(json.dumps(result, indent=2) + "\n")
+    text = markdown(result)
+    paths[1].write_text(text)
+    print("\n" + text)
+    if chart(result, folder / f"{stem}.png"):
+        paths.append(folder / f"{stem}.png")
+    return paths

@@ -1,0 +1,296 @@
+"""CPU checks of benchmarks/moe_step.py: its options, policies, bound, cap search and reports,
+from synthetic results (the GPU run itself is tests/test_moe_step_gpu.py)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import moe_step  # noqa: E402
+import moe_step_report as rep  # noqa: E402
+from moe_step import Policy  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------------
+# Options and policies
+
+
+def test_full_run_defaults_cover_both_shapes_and_the_issue_policies():
+    args = moe_step.parse_args([])
+    assert list(args.shapes) == ["base", "moe-heavy"]
+    assert args.shapes["base"] == {"hidden": 2688, "heads": 21, "ffn": 1856, "experts": 8, "topk": 2}
+    assert (args.layers, args.batch, args.seq, args.engines) == (8, 2, 4096, ["v2", "v1"])
+    assert [p.label(8) for p in args.policies] == [
+        "MLP 2/8", "MLP 4/8", "MLP 6/8", "MLP 7/8", "MLP 8/8", "layer 2/8", "layer 4/8", "layer 6/8"]
+    assert args.caps == {}
+
+
+def test_quick_fills_only_what_is_not_given():
+    args = moe_step.parse_args(["--quick", "--layers", "6"])
+    assert list(args.shapes) == ["base"] and args.batch == 1 and args.iters == 3
+    assert args.layers == 6
+    assert Policy("mlp", 6) in args.policies and Policy("mlp", 5) in args.policies
+
+
+def test_shape_flags_override_every_shape_run():
+    args = moe_step.parse_args(["--experts", "16", "--topk", "4"])
+    assert all(s["experts"] == 16 and s["topk"] == 4 for s in args.shapes.values())
+    assert args.shapes["moe-heavy"]["hidden"] == 2048
+
+
+@pytest.mark.parametrize("argv", [
+    ["--engines", "v3"], ["--shapes", "tiny"], ["--policies", "mlp:9"], ["--policies", "attn:2"],
+    ["--hidden", "1000", "--heads", "3"], ["--topk", "9", "--shapes", "base"], ["--batch", "0"],
+    ["--memory-cap", "nope=3"], ["--memory-cap", "-1"],
+])
+def test_bad_options_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        moe_step.parse_args(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_policies_parse_all_and_drop_repeats():
+    assert moe_step.parse_policies("mlp:all, layer:2,mlp:4", 4) == [Policy("mlp", 4), Policy("layer", 2)]
+    assert moe_step.default_policies(1) == [Policy("mlp", 1), Policy("layer", 1)]
+    with pytest.raises(ValueError, match="1..4"):
+        moe_step.parse_policies("mlp:0", 4)
+
+
+def test_caps_one_for_all_or_per_shape_and_back():
+    shapes = ["base", "moe-heavy"]
+    assert moe_step.parse_caps("30", shapes) == {"base": 30.0, "moe-heavy": 30.0}
+    caps = moe_step.parse_caps("base=22.5", shapes)
+    assert caps == {"base": 22.5}
+    assert moe_step.parse_caps(moe_step.format_caps({"base": 22.5, "moe-heavy": 31.0}), shapes) == {
+        "base": 22.5, "moe-heavy": 31.0}
+    assert moe_step.parse_caps(None, shapes) == {}
+
+
+def test_engines_are_one_environment_entry_each():
+    assert moe_step.ENGINE_ENV["v1"] == {"NVTE_CPU_OFFLOAD_V1": "1"}
+    assert moe_step.ENGINE_ENV["v2"] == {"NVTE_CPU_OFFLOAD_V1": "0"}
+
+
+def test_rows_where_te_schedules_fall_short_are_marked():
+    assert moe_step.schedule_notes("v2", 7, 8) and not moe_step.schedule_notes("v1", 7, 8)
+    assert moe_step.schedule_notes("v2", 8, 8) and moe_step.schedule_notes("v1", 8, 8)
+    assert moe_step.schedule_notes("v2", 4, 8) == []
+    assert moe_step.schedule_notes("teo", 8, 8) == []  # an engine of ours carries no TE caveat
+
+
+def test_automatic_cap_rounds_up_to_half_a_gib_and_stays_below_the_device():
+    # floor 10 GiB, 2 sequences took 3 GiB: 4 sequences need 16 GiB in all
+    assert moe_step.auto_cap_GiB(10 * 1024, 3 * 1024, 2, 4, 80.0) == 16.0
+    assert moe_step.auto_cap_GiB(10 * 1024, 3 * 1024 + 10, 2, 4, 80.0) == 16.5
+    assert moe_step.auto_cap_GiB(10 * 1024, 60 * 1024, 1, 4, 79.6) == 78
+
+
+# ------------------------------------------------------------------------------------------------
+# Derivations
+
+
+def _row(scope, layers, step, peak, moved, fwd=None, bwd=None, opt=2.0, engine="v2", tokens=8192, error=None):
+    fwd = step / 3 if fwd is None else fwd
+    bwd = step - fwd - opt if bwd is None else bwd
+    row = {"engine": engine, "scope": scope, "layers": layers, "policy": rep.policy_label(scope, layers, 8),
+           "batch": 2, "tokens": tokens, "floor_MiB": 7000.0, "notes": [], "context": "reused"}
+    if error:
+        row["error"] = error
+        return row
+    row.update({"step_ms": step, "fwd_ms": fwd, "bwd_ms": bwd, "opt_ms": opt, "tokens_per_s": tokens / step * 1e3,
+                "peak_above_MiB": peak, "offloaded_MiB": moved})
+    return row
+
+
+PCIE = {"d2h_GBps": 50.0, "h2d_GBps": 40.0, "bidirectional_each_GBps": 30.0}
+
+
+def test_rows_are_compared_with_the_no_offload_row_of_their_run():
+    rows = [_row("none", 0, 60.0, 5000, 0, fwd=20.0, bwd=38.0), _row("mlp", 2, 63.0, 4700, 300),
+            _row("layer", 4, 100.0, 2800, 2200), _row("mlp", 8, 0, 0, 0, error="ValueError: no")]
+    rep.derive_rows(rows, PCIE)
+    none, mlp, layer, failed = rows
+    assert none["vs_none"] == 1.0 and none["freed_MiB"] is None
+    assert mlp["vs_none"] == pytest.approx(1.05) and mlp["freed_MiB"] == 300
+    assert mlp["freed_per_offloaded"] == pytest.approx(1.0)
+    # 300 MiB hide under both phases: the bound is the no-offload step
+    assert mlp["bound_ms"] == pytest.approx(60.0)
+    # 2200 MiB: 46.1 ms down (> fwd 20), 57.7 ms up (> bwd 38), plus the optimizer
+    d2h, h2d = 2200 * 2**20 / 50e9 * 1e3, 2200 * 2**20 / 40e9 * 1e3
+    assert layer["bound_ms"] == pytest.approx(d2h + h2d + 2.0)
+    assert layer["vs_bound"] == pytest.approx(100.0 / (d2h + h2d + 2.0))
+    assert layer["freed_per_offloaded"] == pytest.approx(2200 / 2200)
+    assert failed["vs_none"] is None and failed["bound_ms"] is None
+
+
+def test_predicted_batch_scales_the_peak_per_sequence():
+    assert rep.predicted_batch(3000, 2, 7600) == 5
+    assert rep.predicted_batch(3000, 2, -10) == 0
+    with pytest.raises(ValueError, match="positive"):
+        rep.predicted_batch(0, 2, 100)
+
+
+def _memory_model(constant, per_seq, cap_above, max_ok=None):
+    """A trial runner for a step whose peak is constant + per_seq * batch; past max_ok it OOMs
+    whatever its peak (fragmentation)."""
+    calls = []
+
+    def trial(batch):
+        calls.append(batch)
+        peak = constant + per_seq * batch
+        fits = peak <= cap_above and (max_ok is None or batch <= max_ok)
+        return {"batch": batch, "fits": fits, "peak_above_MiB": peak if fits else None}
+
+    return trial, calls
+
+
+@pytest.mark.parametrize("constant,per_seq,cap_above,expected", [
+    (800, 1500, 9000, 5),     # (9000 - 800) / 1500 = 5.47
+    (800, 1500, 700, 0),      # not even one sequence
+    (0, 1000, 12000, 12),     # exactly at the cap fits
+    (2000, 300, 9000, 23),    # a large constant: the first guess (through the origin) is low
+])
+def test_cap_search_finds_the_largest_batch_and_brackets_it(constant, per_seq, cap_above, expected):
+    trial, calls = _memory_model(constant, per_seq, cap_above)
+    base = (2, constant + 2 * per_seq)
+    trials, best, bracketed = rep.search_cap(trial, base, cap_above, max_batch=32, budget=6)
+    assert best == expected and bracketed
+    assert len(calls) <= 4  # the line through measured points gets there fast
+    assert len(set(calls)) == len(calls)  # never the same batch twice
+
+
+def test_cap_search_stops_at_the_largest_batch_allowed():
+    trial, calls = _memory_model(0, 100, 1e6)
+    trials, best, bracketed = rep.search_cap(trial, (2, 200), 1e6, max_batch=8, budget=6)
+    assert (best, bracketed, calls) == (8, False, [8])
+
+
+def test_cap_search_steps_down_past_an_oom_below_the_predicted_peak():
+    trial, calls = _memory_model(800, 1500, 9000, max_ok=4)  # the peak says 5 fits; the allocator says 4
+    trials, best, bracketed = rep.search_cap(trial, (2, 3800), 9000, max_batch=32, budget=6)
+    assert (best, bracketed) == (4, True)
+    assert calls == [4, 5]
+
+
+def test_cap_search_reports_at_least_when_its_budget_runs_out():
+    trial, calls = _memory_model(2000, 300, 9000)
+    trials, best, bracketed = rep.search_cap(trial, (2, 2600), 9000, max_batch=32, budget=1)
+    assert len(calls) == 1 and not bracketed and best == calls[0]
+
+
+def test_cap_candidates_no_offload_the_best_fast_one_and_the_best_overall():
+    rows = [_row("none", 0, 60.0, 5000, 0), _row("mlp", 2, 62.0, 4700, 300), _row("mlp", 6, 63.0, 4100, 850),
+            _row("layer", 4, 100.0, 2800, 2200), _row("mlp", 8, 0, 0, 0, error="ValueError")]
+    picks = rep.cap_candidates(rows, cap_above_MiB=20000, batch=2, slowdown=0.05)
+    assert [r["policy"] for r in picks] == ["none", "MLP 6/8", "layer 4/8"]
+    # when the best overall is also fast, it is searched once
+    picks = rep.cap_candidates(rows[:3], cap_above_MiB=20000, batch=2, slowdown=0.05)
+    assert [r["policy"] for r in picks] == ["none", "MLP 6/8"]
+
+
+def test_memory_target_names_the_fastest_policy_that_meets_it():
+    rows = [_row("none", 0, 60.0, 5000, 0), _row("mlp", 2, 62.0, 4700, 300), _row("mlp", 6, 66.0, 4100, 850),
+            _row("layer", 4, 100.0, 2800, 2200, engine="v1")]
+    best, least = rep.fastest_within(rows, 7000 + 4800)
+    assert best["policy"] == "MLP 2/8"
+    best, least = rep.fastest_within(rows, 7000 + 4200)
+    assert best["policy"] == "MLP 6/8"
+    best, least = rep.fastest_within(rows, 7000 + 1000)
+    assert best is None and least["policy"] == "layer 4/8"
+    text = rep.memory_target_text({"runs": [{"rows": rows}]}, (7000 + 1000) / 1024)["text"]
+    assert "no measured policy meets it" in text and "layer 4/8" in text
+
+
+# ------------------------------------------------------------------------------------------------
+# Targets and reports from a synthetic two-engine result
+
+
+def _search(engine, scope, layers, batch, rate, predicted=None):
+    return {"engine": engine, "scope": scope, "layers": layers, "policy": rep.policy_label(scope, layers, 8),
+            "predicted_batch": predicted or batch, "batch": batch, "bracketed": True, "tokens": batch * 4096,
+            "tokens_per_s": rate, "step_ms": batch * 4096 / rate * 1e3, "peak_above_MiB": 9000.0,
+            "trials": [{"batch": batch, "fits": True, "peak_above_MiB": 9000.0},
+                       {"batch": batch + 1, "fits": False, "peak_above_MiB": None}]}
+
+
+def _result():
+    floor = {"floor_MiB": 7000.0, "params_MiB": 1700.0, "grads_MiB": 1700.0, "optimizer_MiB": 3400.0,
+             "other_MiB": 200.0}
+    v2_rows = [_row("none", 0, 60.0, 5000, 0), _row("mlp", 2, 61.0, 4716, 284), _row("mlp", 7, 93.0, 4006, 994),
+               _row("mlp", 8, 0, 0, 0, error="ValueError: Cannot offload all layers")]
+    v2_rows[2]["notes"] = moe_step.schedule_notes("v2", 7, 8)
+    v1_rows = [_row("none", 0, 61.0, 5000, 0, engine="v1"), _row("mlp", 2, 61.5, 4716, 284, engine="v1"),
+               _row("mlp", 8, 64.0, 3900, 1136, engine="v1"), _row("layer", 4, 80.0, 2722, 2248, engine="v1")]
+    runs = [
+        {"engine": "v2", "floor": floor, "path": "fused", "rows": v2_rows,
+         "cap": {"cap_GiB": 16.5, "how": "given", "searches": [_search("v2", "none", 0, 3, 120000),
+                                                               _search("v2", "mlp", 7, 4, 90000)]}},
+        {"engine": "v1", "floor": floor, "path": "fused", "rows": v1_rows,
+         "cap": {"cap_GiB": 16.5, "how": "given", "searches": [_search("v1", "none", 0, 3, 120000),
+                                                               _search("v1", "layer", 4, 5, 117000)]}},
+    ]
+    shape = {"name": "base", "shape": dict(moe_step.SHAPES["base"]), "layers": 8, "batch": 2, "seq": 4096,
+             "dtype": "bf16", "attention": "sdpa", "path": "fused", "runs": runs}
+    return {"benchmark": "moe_step", "gpu": "NVIDIA H100 80GB HBM3", "date": "2026-11-24 00:00 UTC",
+            "config": {"engines": ["v2", "v1"], "policies": [], "warmup": 2, "iters": 5, "unfused": False,
+                       "quick": False, "cap_slowdown": 0.05, "memory_target_GiB": 11.0},
+            "pcie": {"v2": PCIE, "v1": PCIE}, "shapes": [shape]}
+
+
+def test_targets_are_judged_per_engine_from_the_worst_policy():
+    result = _result()
+    rep.finish(result)
+    t = {(x["engine"], x["target"]): x for x in result["shapes"][0]["targets"]}
+    # V2 could not run MLP 8/8: its MLP target is not met whatever the other rows say
+    assert t[("v2", "mlp_step")]["met"] is False
+    assert t[("v2", "mlp_step")]["value"] == pytest.approx(93.0 / 60.0)
+    assert t[("v1", "mlp_step")]["value"] == pytest.approx(64.0 / 61.0) and t[("v1", "mlp_step")]["met"] is False
+    assert t[("v1", "freed")]["value"] == pytest.approx(1100 / 1136) and t[("v1", "freed")]["met"] is True
+    assert t[("v2", "layer_bound")]["value"] is None and t[("v2", "layer_bound")]["met"] is None
+    # V2's offload fits 4/3 the tokens at 0.75x the rate: not counted; V1's 5/3 at 0.975x: met
+    assert t[("v2", "cap_tokens")]["value"] is None
+    assert t[("v1", "cap_tokens")]["value"] == pytest.approx(5 / 3) and t[("v1", "cap_tokens")]["met"] is True
+
+
+def test_reports_hold_every_row_the_cap_table_targets_and_the_memory_choice(tmp_path):
+    result = _result()
+    rep.finish(result, memory_target_GiB=11.0)
+    paths = rep.write_reports(result, tmp_path, "moe_step_test")
+    data = json.loads((tmp_path / "moe_step_test.json").read_text())
+    assert data["shapes"][0]["memory_target"]["policy"] == "MLP 8/8"  # 7000 + 3900 MiB, the fastest under 11 GiB
+    md = (tmp_path / "moe_step_test.md").read_text()
+    assert md.count("\n| v2 |") == 4 + 2 + 4 and md.count("\n| v1 |") == 4 + 2 + 4  # rows, cap searches, targets
+    assert "did not run: ValueError: Cannot offload all layers" in md
+    assert "TE V2 at n = L-1" in md
+    assert "Most tokens per step under 16.5 GiB" in md
+    assert "Memory target 11.0 GiB: fastest measured policy is v1 MLP 8/8" in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert len(paths) == 2
+    else:
+        assert (tmp_path / "moe_step_test.png").stat().st_size > 0
+
+
+def test_merge_puts_each_engine_process_under_its_shape_and_keeps_failures_apart():
+    args = moe_step.parse_args(["--quick", "--shapes", "base,moe-heavy"])
+    shape_run = {"floor": {}, "path": "fused", "rows": []}
+    children = [{"engine": e, "gpu": "GPU", "pcie": PCIE,
+                 "shapes": {"base": dict(shape_run), "moe-heavy": {"error": "OutOfMemoryError: x"} if e == "v1"
+                            else dict(shape_run)}} for e in ("v2", "v1")]
+    merged = moe_step.merge(args, children)
+    base, heavy = merged["shapes"]
+    assert [r["engine"] for r in base["runs"]] == ["v2", "v1"] and base["failed"] == {}
+    assert [r["engine"] for r in heavy["runs"]] == ["v2"] and heavy["failed"] == {"v1": "OutOfMemoryError: x"}
+    assert merged["pcie"] == {"v2": PCIE, "v1": PCIE} and base["layers"] == 4
+
+
+def test_file_stem_is_safe():
+    from bench_common import file_stem
+
+    assert file_stem("moe_step", "NVIDIA H100 80GB HBM3", "", "quick") == "moe_step_NVIDIA_H100_80GB_HBM3_quick"
