@@ -4,7 +4,8 @@ Mirrors what TE's GroupedLinear does in its backward, with our kernels:
 
 * ``accumulate_into_main_grad``: the wgrad kernel adds its fp32 accumulator into each weight's
   ``main_grad`` (or overwrites it when the weight has ``overwrite_main_grad``), then the op
-  returns TE's dummy grads and sets ``grad_added_to_main_grad``, so DDP adds nothing twice.
+  returns placeholder grads and sets ``grad_added_to_main_grad`` as TE does, so DDP adds
+  nothing twice.
 * ``delay_wgrad_compute``: the wgrad GEMM is queued on the op's ``wgrad_store`` and runs in
   ``op.backward_dw()``, whose bookkeeping (``.grad`` or hooks) is TE's own.
 * ``single_grouped_weight``: one (E, out, in) gradient, or the grouped view of ``main_grad``.
@@ -18,7 +19,6 @@ from typing import Optional
 import torch
 from transformer_engine.pytorch.ops._common import (
     get_accumulate_flag_in_param,
-    get_dummy_wgrads_for_params,
     get_main_grad_from_param,
     view_main_grad_as_grouped_buffer,
 )
@@ -37,6 +37,23 @@ def check_main_grad(op, name: str) -> None:
                 f"{'weight' if op.single_grouped_weight else f'weight{i}'} has no main_grad buffer; "
                 "allocate one per weight (Megatron's DDP does) or turn the setting off"
             )
+
+
+def _dummy_grads(params) -> list[Optional[torch.Tensor]]:
+    """What TE's ``get_dummy_wgrads_for_params`` gives Megatron: ``grad_added_to_main_grad`` set,
+    and a placeholder ``.grad`` (zeros with ``zero_out_wgrad``) for each such parameter.
+
+    The placeholders are fresh allocations rather than TE's one cached buffer per shape: autograd
+    can adopt a tensor nobody else holds as ``.grad``, but copies a shared one: a full weight-sized copy per parameter and step."""
+    out: list[Optional[torch.Tensor]] = []
+    for p in params:
+        if not hasattr(p, "grad_added_to_main_grad"):
+            out.append(None)
+            continue
+        p.grad_added_to_main_grad = True
+        make = torch.zeros if getattr(p, "zero_out_wgrad", False) else torch.empty
+        out.append(make(p.shape, dtype=p.dtype, device=p.device))
+    return out
 
 
 def _main_grads(op) -> list[torch.Tensor] | torch.Tensor:
@@ -79,9 +96,9 @@ def weight_grads(op, dy: torch.Tensor, x: torch.Tensor, split_sizes: torch.Tenso
     if op.wgrad_store is not None and op.wgrad_store.delay_wgrad_compute():
         job = functools.partial(_run_wgrad, main_grads=main_grads, accumulate=accumulate)
         op.wgrad_store.put([list(temporaries), [dy, x, split_sizes], []], job)
-        return get_dummy_wgrads_for_params(params) if into_main_grad else [None] * len(params)
+        return _dummy_grads(params) if into_main_grad else [None] * len(params)
     if into_main_grad:
         kernels.grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, accumulate=accumulate)
-        return get_dummy_wgrads_for_params(params)
+        return _dummy_grads(params)
     dw = kernels.grouped_wgrad(dy, x, split_sizes)
     return [dw] if op.single_grouped_weight else list(dw.unbind(0))

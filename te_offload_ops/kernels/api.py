@@ -494,6 +494,11 @@ def _check_main_grads(main_grads, e: int, n: int, k: int, device) -> list[torch.
     return bufs
 
 
+def _vector_aligned(bufs) -> bool:
+    """The kernel reads and writes main_grad as 8-byte pairs."""
+    return all(g.data_ptr() % 8 == 0 for g in bufs)
+
+
 def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool = True,
                             backend: str | None = None, tile=None, schedule=None) -> None:
     """Megatron's wgrad fusion: ``main_grads[e] += dy_e^T @ x_e`` in fp32 (``= `` with
@@ -507,7 +512,7 @@ def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool 
     e, n, k = split_sizes.numel(), dy.shape[1], x.shape[1]
     bufs = _check_main_grads(main_grads, e, n, k, dy.device)
     s = _splits_i32(split_sizes, dy.device)
-    if wgrad_backend(backend) == "torch":
+    if wgrad_backend(backend) == "torch" or not _vector_aligned(bufs):  # odd addresses: no 8-byte pairs
         offs = torch.cumsum(s, 0, dtype=torch.int32)
         dw = torch._grouped_mm(dy.t(), x, offs=offs, out_dtype=torch.float32)
         for g, d in zip(bufs, dw.unbind(0)):

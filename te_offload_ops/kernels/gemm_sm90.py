@@ -176,8 +176,8 @@ class GroupedGemmSm90:
         # warpgroup under pingpong (their epilogues may overlap)
         # main-grad epilogues go from registers straight to global memory: no staging
         self.n_out = {"plain": 1, "srelu": 2, "dsrelu": 2}.get(epilogue, 0)
-        if epi_cols is None:
-            epi_cols = _EPI_COLS if self.n_out == 1 else _EPI_COLS_TWO_OUTPUTS
+        if epi_cols is None:  # main-grad epilogues: 64 columns = two load rounds per pingpong tile
+            epi_cols = _EPI_COLS if self.n_out in (0, 1) else _EPI_COLS_TWO_OUTPUTS
         if epi_cols not in (32, 64) or bn % epi_cols:
             raise ValueError(f"epilogue chunks must be 32 or 64 columns and tile BN={bn}, got {epi_cols}")
         self.epi_cols = epi_cols
@@ -802,51 +802,51 @@ class GroupedGemmSm90:
                             m_c, m_off):
         """Weight-gradient tile -> expert ``expert``'s fp32 main_grad, added (acc_f32) or stored.
 
-        Straight from the accumulator layout: the four lanes of a quad hold 8 consecutive
-        columns of a row, so each warp access covers whole 32-byte sectors and needs no staging.
-        The read-modify-write goes ``epi_cols`` columns at a time: all loads of a chunk are in
-        flight together, then the sums are stored. Offsets are 64-bit (main_grad buffers are
-        large flat allocations)."""
+        Straight from the accumulator layout: each thread holds column pairs, and the four lanes
+        of a quad hold 8 consecutive columns of a row, so 8-byte accesses cover whole 32-byte
+        sectors with no staging. The read-modify-write goes ``epi_cols`` columns at a time: all
+        loads of a chunk are in flight together, then the sums are stored. Offsets are 64-bit
+        (main_grad buffers are large flat allocations); the host checks 8-byte alignment."""
         bm, bn = self.bm, self.bn
         origin = m_off[expert] + cutlass.Int64(m_row0) * self.n + n_blk * bn
-        g_tile = cute.make_tensor(m_c.iterator + origin, cute.make_layout((bm, bn), stride=(self.n, 1)))
-        t_g = thr_mma.partition_C(g_tile)
+        ptr = (m_c.iterator + origin).align(8)
+        t_g = thr_mma.partition_C(cute.make_tensor(ptr, cute.make_layout((bm, bn), stride=(self.n, 1))))
         shp = acc.shape
-        n_pair = cute.size(shp[0][0])
         n_half = cute.size(shp[0][1])
+        n_m, n_n = cute.size(shp[1]), cute.size(shp[2])
         grp_per_chunk = self.epi_cols // 8
-        per_chunk = n_pair * n_half * grp_per_chunk * cute.size(shp[1]) * cute.size(shp[2])
-        old = cute.make_rmem_tensor(cute.make_layout(per_chunk), cutlass.Float32)
+        pairs = n_half * grp_per_chunk * n_m * n_n
+        old = cute.make_rmem_tensor(cute.make_layout((2, pairs), stride=(1, 2)), cutlass.Float32)
+        new = cute.make_rmem_tensor(cute.make_layout((2, pairs), stride=(1, 2)), cutlass.Float32)
         for ch in cutlass.range_constexpr(bn // self.epi_cols):
             if cutlass.const_expr(self.epilogue == "acc_f32"):
                 i = 0
-                for mm in cutlass.range_constexpr(cute.size(shp[1])):
+                for mm in cutlass.range_constexpr(n_m):
                     for h in cutlass.range_constexpr(n_half):
-                        for nn in cutlass.range_constexpr(cute.size(shp[2])):
+                        for nn in cutlass.range_constexpr(n_n):
                             for g in cutlass.range_constexpr(ch * grp_per_chunk, (ch + 1) * grp_per_chunk):
-                                for pr in cutlass.range_constexpr(n_pair):
-                                    crd = ((pr, h, g), mm, nn)
-                                    old[i] = cutlass.Float32(0.0)
-                                    rc = c_id[crd]
-                                    if rc[0] < rows_here:
-                                        if rc[1] < cols_here:
-                                            old[i] = t_g[crd]
-                                    i += 1
-            i = 0
-            for mm in cutlass.range_constexpr(cute.size(shp[1])):
-                for h in cutlass.range_constexpr(n_half):
-                    for nn in cutlass.range_constexpr(cute.size(shp[2])):
-                        for g in cutlass.range_constexpr(ch * grp_per_chunk, (ch + 1) * grp_per_chunk):
-                            for pr in cutlass.range_constexpr(n_pair):
-                                crd = ((pr, h, g), mm, nn)
-                                rc = c_id[crd]
+                                old[0, i] = cutlass.Float32(0.0)
+                                old[1, i] = cutlass.Float32(0.0)
+                                rc = c_id[(0, h, g), mm, nn]
                                 if rc[0] < rows_here:
-                                    if rc[1] < cols_here:
-                                        if cutlass.const_expr(self.epilogue == "acc_f32"):
-                                            t_g[crd] = acc[crd] + old[i]
-                                        else:
-                                            t_g[crd] = acc[crd]
+                                    if rc[1] < cols_here:  # N % 8 == 0: a pair is in or out whole
+                                        cute.autovec_copy(t_g[(None, h, g), mm, nn], old[None, i])
                                 i += 1
+            i = 0
+            for mm in cutlass.range_constexpr(n_m):
+                for h in cutlass.range_constexpr(n_half):
+                    for nn in cutlass.range_constexpr(n_n):
+                        for g in cutlass.range_constexpr(ch * grp_per_chunk, (ch + 1) * grp_per_chunk):
+                            rc = c_id[(0, h, g), mm, nn]
+                            if rc[0] < rows_here:
+                                if rc[1] < cols_here:
+                                    for pr in cutlass.range_constexpr(2):
+                                        if cutlass.const_expr(self.epilogue == "acc_f32"):
+                                            new[pr, i] = acc[(pr, h, g), mm, nn] + old[pr, i]
+                                        else:
+                                            new[pr, i] = acc[(pr, h, g), mm, nn]
+                                    cute.autovec_copy(new[None, i], t_g[(None, h, g), mm, nn])
+                            i += 1
 
     @cute.jit
     def _chunk(self, t, row0, col0):
