@@ -43,12 +43,12 @@ def is_storage(obj: Any) -> bool:
     return isinstance(obj, (QuantizedTensorStorage, GroupedTensorStorage))
 
 
-def _grouped_data_tensors_from_saving(storage: GroupedTensorStorage) -> tuple:
-    # The same tensors, in the same order, that prepare_for_saving() hands to autograd; restoring
-    # them at once leaves the storage as it was (TE's mark_not_offload does the same round trip).
+def _saved_parts(storage: Any) -> tuple[torch.Tensor, ...]:
+    # The tensors, in order, that prepare_for_saving() hands to autograd (scales and amaxes too);
+    # restoring them at once leaves the storage as it was (TE's mark_not_offload does the same).
     tensors, _ = storage.prepare_for_saving()
     storage.restore_from_saved(tensors)
-    return tuple(tensors)
+    return tuple(t for t in tensors if t is not None)
 
 
 def data_tensors(obj: Any) -> tuple[torch.Tensor, ...]:
@@ -63,7 +63,7 @@ def data_tensors(obj: Any) -> tuple[torch.Tensor, ...]:
         if hasattr(obj, "get_data_tensors"):
             found = obj.get_data_tensors()
         elif isinstance(obj, GroupedTensorStorage):
-            found = _grouped_data_tensors_from_saving(obj)
+            found = _saved_parts(obj)
         else:
             raise TypeError(f"{type(obj).__name__} has no get_data_tensors()")
         return tuple(t for t in found if t is not None)
@@ -74,15 +74,26 @@ def data_tensors(obj: Any) -> tuple[torch.Tensor, ...]:
 
 def _mark_carriers(obj: Any) -> tuple[torch.Tensor, ...]:
     # Where engines look for marks: a tensor subclass (Float8Tensor, GroupedTensor) reaches
-    # autograd whole and V2/Megatron hooks read the wrapper; plain storages reach it as their
-    # data tensors, which is also where V1 and V2's decomposition of quantized tensors look.
-    whole = (obj,) if isinstance(obj, torch.Tensor) and is_storage(obj) else ()
-    return whole + data_tensors(obj)
+    # autograd whole and V2/Megatron hooks read the wrapper; plain storages reach it as every
+    # tensor their prepare_for_saving() gives (data, scales: what hook engines see), and V1 and
+    # V2's decomposition of quantized tensors look at their data tensors.
+    if not is_storage(obj):
+        return data_tensors(obj)
+    if isinstance(obj, torch.Tensor):
+        return (obj,) + data_tensors(obj)
+    found = {id(t): t for t in data_tensors(obj) + _saved_parts(obj)}
+    return tuple(found.values())
 
 
 def _is_weight(obj: Any, weight_ids: set[int]) -> bool:
     # A Parameter is a weight whichever list it came in.
     return id(obj) in weight_ids or isinstance(obj, torch.nn.Parameter)
+
+
+def _clear_v1_marks(t: torch.Tensor) -> None:
+    for attr in (V1_OFFLOAD_ATTR, _V1_FORCE_CLEAR_ATTR):
+        if hasattr(t, attr):
+            delattr(t, attr)
 
 
 def _keep_resident(obj: Any) -> None:
@@ -91,16 +102,20 @@ def _keep_resident(obj: Any) -> None:
         setattr(t, KEEP_ATTR, True)
         # mark_not_offload cannot undo a V1 mark set earlier (TE's own ops mark their inputs
         # when offload is enabled), and V1 offloads whatever carries it: take it off.
-        for attr in (V1_OFFLOAD_ATTR, _V1_FORCE_CLEAR_ATTR):
-            if hasattr(t, attr):
-                delattr(t, attr)
+        _clear_v1_marks(t)
 
 
 def _offload(obj: Any) -> None:
     # A tensor another op asked to keep during this forward stays kept: keeping is always safe.
-    if any(getattr(t, KEEP_ATTR, False) for t in _mark_carriers(obj)):
+    # Storages can share a data tensor with another op's storage (grouped storages of one MLP
+    # share their split sizes): the kept part stays kept, the rest is still offloaded.
+    carriers = _mark_carriers(obj)
+    kept = [t for t in carriers if getattr(t, KEEP_ATTR, False)]
+    if len(kept) == len(carriers):
         return
     cpu_offload.mark_activation_offload(obj)
+    for t in kept:
+        _clear_v1_marks(t)
     if cpu_offload.is_cpu_offload_enabled():
         cpu_offload.start_offload(obj)
 

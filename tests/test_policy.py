@@ -164,3 +164,24 @@ def test_grouped_data_tensors_fallback_matches_te(monkeypatch):
 def test_data_tensors_rejects_other_types():
     with pytest.raises(TypeError, match="expected a tensor or a TE tensor storage"):
         data_tensors([torch.randn(2)])
+
+
+def test_storage_sharing_a_kept_tensor_still_offloads_the_rest(engine, started):
+    """Grouped storages of one MLP share their split sizes: keeping one storage must not pin the other."""
+    kept_storage, other = grouped_storage(), grouped_storage()
+    other.first_dims = kept_storage.first_dims
+    mark_saved_tensors([kept_storage], offload=False)
+    mark_saved_tensors([other], offload=True)
+    assert kept(other.first_dims) and not v1_marked(other.first_dims)
+    for t in (other.rowwise_data, other.tensor_offsets):
+        assert not kept(t)
+        assert v1_marked(t) == (engine == "v1")
+    assert same(started, [other])
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_weight_scales_are_kept_too(offload, engine, started):
+    """Hook engines see every tensor a storage hands to autograd, its scales included."""
+    weight = fp8_storage()
+    mark_saved_tensors([weight], offload=offload, weights=[weight])
+    assert kept(weight._scale_inv) and not v1_marked(weight._scale_inv)
