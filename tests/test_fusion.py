@@ -163,3 +163,19 @@ def test_runtime_blockers_name_each_problem():
     assert "not a plain tensor" in runtime_blockers([1, 2], splits, probs, weight_dtype=torch.bfloat16)[0]
     assert any("takes (tokens, hidden)" in r for r in runtime_blockers(torch.randn(2, 4, 64, dtype=torch.bfloat16),
                                                                         splits, probs, weight_dtype=torch.bfloat16))
+
+
+def test_separate_weights_that_happen_to_be_adjacent_are_stacked_not_viewed():
+    """Weights allocated one by one may sit back to back in memory (the caching allocator does
+    that on the GPU); a strided view of the first one's storage would read past it."""
+    from te_offload_ops.fused.expert_weights import stacked_weight
+
+    op = mlp_ops()[0]
+    buf = torch.randn(4 * 32 * 64, dtype=torch.bfloat16)
+    # four separate storages whose addresses we cannot control on the CPU: fake adjacency by
+    # giving each its own storage copied from one buffer, then check the result is a copy
+    for i in range(4):
+        setattr(op, f"weight{i}", torch.nn.Parameter(buf[i * 2048:(i + 1) * 2048].clone().view(32, 64)))
+    w = stacked_weight(op)
+    assert w.shape == (4, 32, 64) and torch.equal(w.reshape(-1), buf)
+    assert w.untyped_storage().data_ptr() != op.weight0.untyped_storage().data_ptr()

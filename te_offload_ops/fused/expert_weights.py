@@ -35,8 +35,12 @@ def stacked_weight(op) -> torch.Tensor:
     ws = weight_params(op)
     w0 = ws[0]
     step = n * k * w0.element_size()
-    tiled = all(w.is_contiguous() and w.dtype == w0.dtype and w.data_ptr() == w0.data_ptr() + i * step
-                for i, w in enumerate(ws))
+    storage = w0.untyped_storage()
+    # adjacent addresses are not enough: separately allocated weights can sit back to back in
+    # the caching allocator; a view must stay inside one storage
+    tiled = (storage.nbytes() >= w0.storage_offset() * w0.element_size() + E * step
+             and all(w.is_contiguous() and w.dtype == w0.dtype and w.data_ptr() == w0.data_ptr() + i * step
+                     and w.untyped_storage().data_ptr() == storage.data_ptr() for i, w in enumerate(ws)))
     if tiled:
         return w0.detach().as_strided((E, n, k), (n * k, k, 1))
     return torch.stack([w.detach() for w in ws])
