@@ -39,6 +39,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+sys.path.insert(0, str(HERE))
+
+from bench_common import cuda_problem  # noqa: E402
 
 VARIANTS = {  # name -> (experts, use_transformer_engine_op_fuser, offload_modules)
     "stock-fuser": ("stock", True, ()),
@@ -84,16 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def problem() -> str | None:
     """Why this benchmark cannot run here, or None."""
-    try:
-        import torch
-    except ImportError:
-        return "PyTorch is not installed (run: bash scripts/setup_env.sh)"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 (report any import failure plainly)
-        return f"Transformer Engine does not import ({exc}); run: bash scripts/setup_env.sh"
+    if (found := cuda_problem()) is not None:
+        return found
     from te_offload_ops.megatron import require_megatron
 
     try:

@@ -14,3 +14,15 @@ def gpu_skip_reason(need_sm90: bool = False) -> str | None:
 
 requires_gpu = pytest.mark.skipif(gpu_skip_reason() is not None, reason=gpu_skip_reason() or "")
 requires_sm90 = pytest.mark.skipif(gpu_skip_reason(True) is not None, reason=gpu_skip_reason(True) or "")
+
+
+@pytest.fixture(params=["unfused", "fused"])
+def path(request, monkeypatch):
+    """Run a test on our ops unfused and on the Hopper fused op (skipped where it cannot run)."""
+    from engines import fused_path_problem
+    from te_offload_ops.fused.selection import DISABLE_ENV
+
+    if request.param == "fused" and (problem := fused_path_problem()):
+        pytest.skip(problem)
+    monkeypatch.setenv(DISABLE_ENV, "1" if request.param == "fused" else "0")
+    return request.param

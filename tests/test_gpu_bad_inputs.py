@@ -6,18 +6,9 @@ import torch
 
 from conftest import requires_gpu
 from engines import Config, forward_plan, fused_path_problem, make_stack
-from te_offload_ops.fused.selection import DISABLE_ENV
 from te_offload_ops.fused.split_check import CHECK_ENV
 
 E, H, F, T = 4, 256, 128, 512
-
-
-@pytest.fixture(params=["unfused", "fused"])
-def path(request, monkeypatch):
-    if request.param == "fused" and (problem := fused_path_problem()):
-        pytest.skip(problem)
-    monkeypatch.setenv(DISABLE_ENV, "1" if request.param == "fused" else "0")
-    return request.param
 
 
 @pytest.fixture

@@ -9,18 +9,10 @@ import pytest
 import torch
 
 from conftest import requires_gpu
-from engines import Config, forward_plan, fused_path_problem, make_inputs, make_stack, offloadable_activation_bytes, run_step
+from engines import Config, forward_plan, make_inputs, make_stack, offloadable_activation_bytes, run_step
 from offload_spy import Saved
 from te_offload_ops.fused.selection import DISABLE_ENV
 
-
-@pytest.fixture(params=["unfused", "fused"])
-def path(request, monkeypatch):
-    """Run each engine test on the unfused ops and on the Hopper fused op."""
-    if request.param == "fused" and (problem := fused_path_problem()):
-        pytest.skip(problem)
-    monkeypatch.setenv(DISABLE_ENV, "1" if request.param == "fused" else "0")
-    return request.param
 
 
 def _check_path(stack, path):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import requires_gpu
-from engines import (Config, attach_main_grads, copy_weights, forward_plan, fused_path_problem, linears, make_inputs,
+from engines import (Config, attach_main_grads, copy_weights, forward_plan, linears, make_inputs,
                      make_stack, run_step)
 from te_offload_ops.fused.selection import DISABLE_ENV
 
@@ -27,13 +27,10 @@ SETTINGS = {
 SPLITS = (0, 700, 1329, 19)  # uneven, one expert without tokens
 
 
-@pytest.fixture(params=["unfused", "fused"])
-def path(request, monkeypatch):
-    if request.param == "fused" and (problem := fused_path_problem()):
-        pytest.skip(problem)
-    monkeypatch.setenv(DISABLE_ENV, "1" if request.param == "fused" else "0")
+@pytest.fixture(autouse=True)
+def single_param(monkeypatch):
+    """TE builds single grouped weights only with this switch on (Megatron sets it)."""
     monkeypatch.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1")
-    return request.param
 
 
 def _stock_te_runs(megatron):

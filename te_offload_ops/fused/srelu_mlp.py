@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
 from transformer_engine.pytorch.ops.op import FusedOperation
 
 from .. import policy
