@@ -6,6 +6,8 @@ runs by up to 10%, so each round times every variant once and medians are taken 
 
 * plain           - the fused op as benchmarked in bench_fused_mlp.py
 * main_grad       - accumulate_into_main_grad=True: wgrads added into fp32 main_grad buffers
+                    (the epilogue loads, adds and stores: TEO_MAIN_GRAD_ADD=rmw, the default)
+* main_grad(red)  - the same, added by fire-and-forget reductions in L2 (TEO_MAIN_GRAD_ADD=red)
 * delay           - delay_wgrad_compute=True: fwd, bwd, then backward_dw() of both GroupedLinears
 * main_grad+delay - both, as Megatron runs them with its expert-parallel overlap
 * split_check     - plain with the deferred split-size check on (the default); the four above
@@ -34,7 +36,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-VARIANTS = ("plain", "main_grad", "delay", "main_grad+delay", "split_check")
+VARIANTS = ("plain", "main_grad", "main_grad(red)", "delay", "main_grad+delay", "split_check")
+SETTINGS = VARIANTS[1:-1]  # compared with plain, split-size check off
 SWEEP = [(8, 2048, 2688, 1856), (8, 4096, 2688, 1856), (32, 1024, 2048, 768), (32, 2048, 4096, 1536),
          (64, 512, 2048, 768)]
 
@@ -92,6 +95,7 @@ def measure(E, tokens, H, F, rounds) -> dict:
         for t in (x, probs, *mlp.parameters()):
             t.grad = None
         os.environ["TEO_CHECK_SPLIT_SIZES"] = "deferred" if variant == "split_check" else "off"
+        os.environ["TEO_MAIN_GRAD_ADD"] = "red" if variant == "main_grad(red)" else "rmw"
         mlp(x, splits, probs, splits).backward(dy)
         for op in (mlp[0], mlp[2]):
             op.backward_dw()  # a no-op unless the wgrads were delayed
@@ -110,6 +114,7 @@ def measure(E, tokens, H, F, rounds) -> dict:
     busy = {v: sum(k["us_per_step"] for k in profile_kernels(lambda: step(v), steps=10, top=0)) / 1e3
             for v in ("plain", "split_check")}
     os.environ.pop("TEO_CHECK_SPLIT_SIZES", None)
+    os.environ.pop("TEO_MAIN_GRAD_ADD", None)
     flop = 6 * 2 * T * H * F
     row = {"E": E, "tokens_per_expert": tokens, "H": H, "F": F, "paths": paths, "variants": {}}
     for v in VARIANTS:
@@ -133,15 +138,15 @@ def markdown(result) -> str:
     lines = [f"# Fused SReLU grouped MLP with Megatron-Core's settings on {result['gpu']} ({result['date']})", "",
              f"bf16, uniform splits, fwd+bwd (+ backward_dw where delayed); medians over {result['rounds']} interleaved "
              "rounds. *wall*: back to back, host cost included; *GPU*: host ahead (GPU work only). Ratios are against "
-             "the plain fused op of the same round set; these four run with the split-size check off. *split check*: "
+             "the plain fused op of the same round set; these settings run with the split-size check off. *split check*: "
              "the deferred split-size check's cost: back-to-back wall time, and GPU busy time per step from the "
              "profiler (its copy of E sizes to the host), each against plain.", "",
-             "| E | tok/expert | H | F | " + " | ".join(f"{v} ms wall / GPU (x plain)" for v in VARIANTS[1:4])
+             "| E | tok/expert | H | F | " + " | ".join(f"{v} ms wall / GPU (x plain)" for v in SETTINGS)
              + " | plain ms wall / GPU | split check wall / GPU |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|" + "---|" * (len(SETTINGS) + 2)]
     for r in result["rows"]:
         cells = []
-        for v in VARIANTS[1:4]:
+        for v in SETTINGS:
             d = r["variants"][v]
             cells.append(f"{d['wall_ms']:.3f} / {d['gpu_ms']:.3f} ({d['wall_vs_plain']:.3f} / {d['gpu_vs_plain']:.3f})")
         p = r["variants"]["plain"]
@@ -163,15 +168,15 @@ def plot(result, path: Path) -> None:
     rows = result["rows"]
     labels = [f"E{r['E']}x{r['tokens_per_expert']}\nH{r['H']} F{r['F']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows) + 2), 4))
-    width = 0.8 / 3
-    for i, v in enumerate(VARIANTS[1:4]):
+    width = 0.8 / len(SETTINGS)
+    for i, v in enumerate(SETTINGS):
         vals = [r["variants"][v]["gpu_vs_plain"] for r in rows]
-        ax.bar([j + (i - 1) * width for j in range(len(rows))], vals, width, label=v)
+        ax.bar([j + (i - (len(SETTINGS) - 1) / 2) * width for j in range(len(rows))], vals, width, label=v)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.axhline(1.03, color="red", lw=0.8, ls="--", label="+3% target")
     ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylabel("fwd+bwd GPU time / plain fused")
-    ax.set_ylim(0.9, max(1.1, max(r["variants"][v]["gpu_vs_plain"] for r in rows for v in VARIANTS[1:4]) + 0.02))
+    ax.set_ylim(0.9, max(1.1, max(r["variants"][v]["gpu_vs_plain"] for r in rows for v in SETTINGS) + 0.02))
     ax.set_title(f"Megatron settings on the fused MLP, {result['gpu']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -195,7 +200,7 @@ def main(argv=None) -> int:
         rows.append(row)
         v = row["variants"]
         print(f"[{i}/{len(plan)}] E={E} tok={tokens} H={H} F={F}: plain {v['plain']['gpu_ms']:.3f} ms GPU; "
-              + ", ".join(f"{k} x{v[k]['gpu_vs_plain']:.3f}" for k in VARIANTS[1:4])
+              + ", ".join(f"{k} x{v[k]['gpu_vs_plain']:.3f}" for k in SETTINGS)
               + f"; split check {row['split_check_cost']['wall']:+.2%} wall, {row['split_check_cost']['gpu_busy']:+.2%} GPU busy",
               flush=True)
     result = {"benchmark": "megatron_settings", "gpu": gpu, "rounds": args.rounds, "rows": rows,

@@ -377,3 +377,26 @@ def test_main_grad_wgrad_compiles_and_writes_fp32_in_place(epilogue, schedule):
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
 
+
+
+def test_main_grad_by_reductions_issues_one_red_per_element_and_no_loads():
+    """The "red" add into main_grad: one fire-and-forget fp32 reduction per accumulator element,
+    no main_grad loads, no stores."""
+    from te_offload_ops.kernels import compile_variant
+
+    kern, compiled, _ = compile_variant(torch.bfloat16, 2688, 0, 8, b_n_major=True, epilogue="red_f32",
+                                        wgrad_m=1856, schedule="pingpong", options="--keep-ptx", call="python")
+    ptx = str(compiled.artifacts.PTX)
+    assert len(re.findall(r"red\.relaxed\.gpu\.global\.add\.f32", ptx)) == kern.bm * kern.bn // kern.tile_threads
+    assert not re.search(r"ld\.global\.v2|st\.global", ptx)
+
+
+def test_main_grad_add_choice(monkeypatch):
+    from te_offload_ops.kernels import main_grad_add
+
+    assert main_grad_add() == "rmw"
+    monkeypatch.setenv("TEO_MAIN_GRAD_ADD", "red")
+    assert main_grad_add() == "red"
+    monkeypatch.setenv("TEO_MAIN_GRAD_ADD", "atomic")
+    with pytest.raises(ValueError, match="rmw.*red"):
+        main_grad_add()

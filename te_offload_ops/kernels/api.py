@@ -96,7 +96,7 @@ _DEFAULT_SCHEDULE = {"plain": "pingpong", "srelu": "pingpong", "dsrelu": "pingpo
                      "wgrad": "cooperative",
                      # the fp32 main_grad read-modify-write is epilogue work worth hiding
                      "wgrad_main_grad": "pingpong"}
-_MAIN_GRAD_EPILOGUES = ("acc_f32", "store_f32")  # gemm_sm90.MAIN_GRAD_EPILOGUES, without the DSL import
+_MAIN_GRAD_EPILOGUES = ("acc_f32", "red_f32", "store_f32")  # gemm_sm90.MAIN_GRAD_EPILOGUES, without the DSL import
 
 
 def pick_schedule(epilogue: str, wgrad: bool = False, schedule: str | None = None, tile=None) -> str:
@@ -499,15 +499,30 @@ def _vector_aligned(bufs) -> bool:
     return all(g.data_ptr() % 8 == 0 for g in bufs)
 
 
+MAIN_GRAD_ADD_ENV = "TEO_MAIN_GRAD_ADD"  # "rmw" (default) or "red": how the kernel adds into main_grad
+MAIN_GRAD_ADDS = {"rmw": "acc_f32", "red": "red_f32"}
+
+
+def main_grad_add(choice: str | None = None) -> str:
+    """How the wgrad kernel adds into main_grad: "rmw" (loads, adds, stores: measured on an H100,
+    benchmarks/results/megatron_settings_*) or "red" (fire-and-forget reductions in L2: the same
+    bits, no load round trips in the epilogue; not measured yet). The argument, else $TEO_MAIN_GRAD_ADD."""
+    choice = choice or os.environ.get(MAIN_GRAD_ADD_ENV) or "rmw"
+    if choice not in MAIN_GRAD_ADDS:
+        raise ValueError(f"{MAIN_GRAD_ADD_ENV} must be one of {tuple(MAIN_GRAD_ADDS)}, got {choice!r}")
+    return choice
+
+
 def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool = True,
-                            backend: str | None = None, tile=None, schedule=None) -> None:
+                            backend: str | None = None, tile=None, schedule=None, add: str | None = None) -> None:
     """Megatron's wgrad fusion: ``main_grads[e] += dy_e^T @ x_e`` in fp32 (``= `` with
     ``accumulate=False``, i.e. ``overwrite_main_grad``), for every expert, no host sync.
 
     ``main_grads``: one (E, N, K) fp32 tensor or E fp32 (N, K) tensors at any addresses on dy's
     device (each expert's buffer is found through a table of 64-bit offsets). The CuTe kernel
     adds the fp32 accumulator into them in its epilogue: no bf16 temporary, no extra pass.
-    Experts with no tokens add nothing (or store zeros when overwriting)."""
+    Experts with no tokens add nothing (or store zeros when overwriting). ``add``: see
+    :func:`main_grad_add`."""
     _check_wgrad(dy, x, split_sizes)
     e, n, k = split_sizes.numel(), dy.shape[1], x.shape[1]
     bufs = _check_main_grads(main_grads, e, n, k, dy.device)
@@ -525,7 +540,7 @@ def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool 
                 g.zero_()
         return
     kern, compiled = get_kernel(dy.dtype, k, 0, e, b_n_major=True,
-                                epilogue="acc_f32" if accumulate else "store_f32", tile=tile,
+                                epilogue=MAIN_GRAD_ADDS[main_grad_add(add)] if accumulate else "store_f32", tile=tile,
                                 wgrad_m=n, schedule=schedule)
     base, offsets = _main_grad_offsets(bufs, dy.device)
     dy, x = _aligned(dy), _aligned(x)

@@ -84,10 +84,12 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-EPILOGUES = ("plain", "srelu", "dsrelu", "acc_f32", "store_f32")
+EPILOGUES = ("plain", "srelu", "dsrelu", "acc_f32", "red_f32", "store_f32")
 # weight-gradient epilogues that write fp32 main_grad buffers (Megatron's wgrad fusion):
-# acc_f32 adds the tile into them (main_grad += dW), store_f32 overwrites (overwrite_main_grad)
-MAIN_GRAD_EPILOGUES = ("acc_f32", "store_f32")
+# acc_f32 adds the tile into them (main_grad += dW) by loads and stores, red_f32 by fire-and-forget
+# reductions done in L2 (no load round trips in the epilogue; each element still gets exactly one
+# addition, so the result is the same), store_f32 overwrites (overwrite_main_grad)
+MAIN_GRAD_EPILOGUES = ("acc_f32", "red_f32", "store_f32")
 SCHEDULES = ("cooperative", "pingpong")
 
 _WG = 128  # threads per warpgroup
@@ -840,12 +842,18 @@ class GroupedGemmSm90:
                             rc = c_id[(0, h, g), mm, nn]
                             if rc[0] < rows_here:
                                 if rc[1] < cols_here:
-                                    for pr in cutlass.range_constexpr(2):
-                                        if cutlass.const_expr(self.epilogue == "acc_f32"):
-                                            new[pr, i] = acc[(pr, h, g), mm, nn] + old[pr, i]
-                                        else:
-                                            new[pr, i] = acc[(pr, h, g), mm, nn]
-                                    cute.autovec_copy(new[None, i], t_g[(None, h, g), mm, nn])
+                                    if cutlass.const_expr(self.epilogue == "red_f32"):
+                                        at = t_g[(None, h, g), mm, nn].iterator
+                                        for pr in cutlass.range_constexpr(2):
+                                            cute.arch.red(at + pr, acc[(pr, h, g), mm, nn], op="add", dtype="f32",
+                                                          sem="relaxed", scope="gpu")
+                                    else:
+                                        for pr in cutlass.range_constexpr(2):
+                                            if cutlass.const_expr(self.epilogue == "acc_f32"):
+                                                new[pr, i] = acc[(pr, h, g), mm, nn] + old[pr, i]
+                                            else:
+                                                new[pr, i] = acc[(pr, h, g), mm, nn]
+                                        cute.autovec_copy(new[None, i], t_g[(None, h, g), mm, nn])
                             i += 1
 
     @cute.jit
