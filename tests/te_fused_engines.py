@@ -53,6 +53,15 @@ def make_stack(cfg: StepConfig) -> list:
 
 
 def make_inputs(cfg: StepConfig):
+    """Input, per-layer probs, output grad and per-layer split sizes.
+
+    Each layer gets its own split-sizes tensor, as each MoE layer routes its own tokens. They must
+    not be one tensor: TE's fused op saves the caller's split sizes as its grouped inputs'
+    ``first_dims`` and marks them for offload, and TE's V1 engine, once it has copied an offloaded
+    layer's storages to the host, empties their data tensors in place (``.data = torch.Tensor()``),
+    so a later layer that is not offloaded would find its split sizes empty in backward (TE's own
+    op the same: not this package's routing).
+    """
     dev = cfg.device
     g = torch.Generator(device=dev).manual_seed(cfg.seed + 1)
     tokens = sum(cfg.splits)
@@ -60,7 +69,8 @@ def make_inputs(cfg: StepConfig):
     probs = [torch.rand(tokens, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
              for _ in range(cfg.layers)]
     dy = torch.randn(tokens, cfg.hidden, device=dev, dtype=torch.bfloat16, generator=g)
-    return x, probs, dy, torch.tensor(cfg.splits, device=dev, dtype=torch.int64)
+    splits = [torch.tensor(cfg.splits, device=dev, dtype=torch.int64) for _ in range(cfg.layers)]
+    return x, probs, dy, splits
 
 
 class SlotIndex:
@@ -70,15 +80,15 @@ class SlotIndex:
         self.seen, self.owners = seen, te_slot_owners(num_weights, num_weights)
 
     def entries(self):
-        """(layer, tensor, owners, kind) for every data tensor of every slot, in forward order."""
+        """(layer, tensor, owners, kind, (elements, bytes) as saved) per data tensor of each slot, in forward order."""
         for layer, save in enumerate(self.seen):
-            for carriers, (kind, owners) in zip(save.carriers, self.owners):
-                for t in carriers:
-                    yield layer, t, owners, kind
+            for carriers, sizes, (kind, owners) in zip(save.carriers, save.sizes, self.owners):
+                for t, size in zip(carriers, sizes):
+                    yield layer, t, owners, kind, size
 
     def label(self, t: torch.Tensor) -> tuple:
         owners_of, found_kind, layer = set(), "activation", None
-        for at, u, owners, kind in self.entries():
+        for at, u, owners, kind, _ in self.entries():
             if u is t:
                 layer, owners_of = at, owners_of | owners
                 found_kind = "weight" if kind == "weight" else found_kind
@@ -116,7 +126,7 @@ def run_step(cfg: StepConfig, engine: str, monkeypatch, backward_recorder=None, 
         with te.autocast(enabled=True, recipe=RECIPES[cfg.recipe]()):
             for i, mlp in enumerate(stack):
                 with ctx:
-                    h = mlp(h, splits, probs[i], splits)
+                    h = mlp(h, splits[i], probs[i], splits[i])
                 h = sync(h)
         out = h.detach().clone()
         h.backward(dy)
@@ -154,8 +164,9 @@ def policy_problems(result: StepResult, cfg: StepConfig, offloaded_layers: list)
         for name, flag in flags.items():
             if not flag:
                 continue
-            large = {id(t): t.numel() * t.element_size() for at, t, owners, kind in index.entries()
-                     if at == layer and owners == {name} and kind == "activation" and t.numel() >= LARGE}
+            # Sizes as saved: V1 has emptied the device tensors it offloaded by now.
+            large = {id(t): nbytes for at, t, owners, kind, (numel, nbytes) in index.entries()
+                     if at == layer and owners == {name} and kind == "activation" and numel >= LARGE}
             got = moved.get((layer, name, "activation"), 0)
             if not large:
                 problems.append(f"layer {layer} {name} saved no large activation: the check would be empty")

@@ -26,9 +26,11 @@ back, in the shapes and dtypes of the real thing, filled with random bytes (not 
   MXFP8/NVFP4 support for ``te.autocast``. The cuDNN frontend version checks stay real (the
   frontend is installed here and on the GPU machine; its kernels are never called).
 
-On CPU (``cpu=True``) CUDA-only helpers are stood in too: ``tex.splits_to_offsets_multi`` (asserts
-a CUDA device), ``torch.cuda.current_stream``, ``torch.cuda.is_current_stream_capturing`` and
-``torch.cuda.current_device`` (NVFP4Quantizer builds its RHT matrix there).
+For CPU tensors (``cpu=True``, the ``te_fused`` fixture) CUDA-only helpers are stood in too, whether
+or not a GPU is visible (the CPU tests run on the GPU machine as well): ``tex.splits_to_offsets_multi``
+(asserts a CUDA device), ``torch.cuda.current_stream``, ``torch.cuda.is_current_stream_capturing``
+and ``torch.cuda.current_device`` (NVFP4Quantizer builds its RHT matrix there, which would put a
+CUDA tensor among the CPU ones).
 """
 
 from __future__ import annotations
@@ -291,8 +293,8 @@ def frontend_problem() -> Optional[str]:
 
 @pytest.fixture
 def te_fused(monkeypatch):
-    """TE's fused grouped MLP selectable and runnable forward on this machine (CPU or GPU)."""
-    recorder = blackwell_standins(monkeypatch, cpu=not torch.cuda.is_available())
+    """TE's fused grouped MLP selectable and runnable forward on CPU tensors, with or without a GPU visible."""
+    recorder = blackwell_standins(monkeypatch, cpu=True)
     yield recorder
     clear_te_caches()
 
@@ -331,11 +333,13 @@ def make_ops(activation: str = "srelu", *, stock: bool = False, experts: int = 4
 class TESave:
     """One fused forward's saved tuple, and each slot's data tensors as they were when TE saved them.
 
-    (The fuser empties storages once it has handed their data to autograd; backward refills them.)
+    (The fuser empties storages once it has handed their data to autograd; backward refills them.
+    TE's V1 engine swaps the data tensors of storages it offloaded for empty ones: hence ``sizes``.)
     """
 
     saved: tuple
     carriers: list
+    sizes: list  # (elements, bytes) of each carrier when TE saved it
     bytes: Optional[list] = None  # CPU copies of each carrier's bytes, when asked for
 
 
@@ -367,7 +371,8 @@ def watch_te_saves(monkeypatch, *, clone_bytes: bool = False) -> list:
             carriers = [carriers_of(obj) for obj in saved]
             data = ([tuple(t.detach().reshape(-1).view(torch.uint8).cpu() for t in c) for c in carriers]
                     if clone_bytes else None)
-            seen.append(TESave(tuple(saved), carriers, data))
+            sizes = [tuple((t.numel(), t.numel() * t.element_size()) for t in c) for c in carriers]
+            seen.append(TESave(tuple(saved), carriers, sizes, data))
         return out
 
     monkeypatch.setattr(te_mlp._GroupedMLP_CuTeGEMMBase, "fuser_forward", recording_forward)

@@ -13,7 +13,6 @@ from transformer_engine.pytorch import cpu_offload
 from transformer_engine.pytorch.ops.fused import grouped_mlp as te_mlp
 from transformer_engine.pytorch.ops.fuser import OperationFuser
 
-import te_offload_ops as teo
 from te_offload_ops import fused
 from te_offload_ops.fused import FusedScaledSReLUMLP, PolicyGroupedMLPGLU, PolicyGroupedMLPUnary, explain_fusion
 from te_offload_ops.fused.te_grouped_mlp import TESavedLayout
@@ -150,10 +149,6 @@ def test_backward_gets_back_what_te_saved_in_te_order(activation, recipe, te_fus
 def test_single_grouped_weights(te_fused, monkeypatch):
     """One grouped weight per layer: one weight slot each, kept resident."""
     monkeypatch.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1")
-    # Only the Blackwell fusion in this fuser: the Hopper selection does not read single grouped
-    # weights yet (fused/selection.py reads weight0, which such an op lacks).
-    funcs = [f for f in OperationFuser.forward_backward_fusion_functions if f is not fused.fuse_srelu_mlp]
-    monkeypatch.setattr(OperationFuser, "forward_backward_fusion_functions", funcs)
     engine_is_on(monkeypatch, "v1")
     seen = watch_te_saves(monkeypatch)
     _, forward = run_forward(make_ops(single_grouped_weight=True, offload=(False, True, True)), MXFP8BlockScaling(),
