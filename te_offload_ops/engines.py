@@ -76,13 +76,19 @@ def offload_context(
     num_layers: int,
     model_layers: int,
     classify: Optional[Callable[[torch.Tensor], Hashable]] = None,
+    retain_pinned_cpu_buffers: bool = False,
 ):
     """Returns ``(context, sync_function, counter)`` for ``engine`` over ``model_layers`` layers.
 
     Use as TE documents: ``with context: y = layer(x)`` then ``y = sync_function(y)`` per layer.
+    ``retain_pinned_cpu_buffers`` (V2 only) keeps the pinned host buffers from step to step, which
+    CUDA graph capture needs (see ``te_offload_ops.capture``). The counter counts what the engine
+    chose to offload while Python ran: under a graph, the capture, not the replays.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if retain_pinned_cpu_buffers and engine == "v1":
+        raise ValueError("retain_pinned_cpu_buffers is an option of TE's V2 engine; V1 has no such option")
     counter = OffloadCounter(classify)
     if engine == "none":
         return contextlib.nullcontext(), (lambda t: t), counter
@@ -93,6 +99,8 @@ def offload_context(
         )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TE warns that offloading L-1 of L layers leaves little overlap
-        ctx, sync = te.get_cpu_offload_context(enabled=True, num_layers=num_layers, model_layers=model_layers)
+        kwargs = {"retain_pinned_cpu_buffers": True} if retain_pinned_cpu_buffers else {}
+        ctx, sync = te.get_cpu_offload_context(enabled=True, num_layers=num_layers, model_layers=model_layers,
+                                               **kwargs)
     (_count_v2 if engine == "v2" else _count_v1)(ctx, counter)
     return ctx, sync, counter

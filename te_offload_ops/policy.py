@@ -23,6 +23,8 @@ from transformer_engine.pytorch import cpu_offload
 from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage
 from transformer_engine.pytorch.tensor import GroupedTensorStorage
 
+from . import capture
+
 __all__ = [
     "KEEP_ATTR",
     "V1_OFFLOAD_ATTR",
@@ -113,6 +115,8 @@ def _offload(obj: Any) -> None:
     kept = [t for t in carriers if getattr(t, KEEP_ATTR, False)]
     if len(kept) == len(carriers):
         return
+    if capture.capturing():  # pinned buffers must exist before a graph copies into them
+        capture.check_offload_layer_ready()
     cpu_offload.mark_activation_offload(obj)
     for t in kept:
         _clear_v1_marks(t)
@@ -156,5 +160,7 @@ def save_for_backward(
     ``owner`` is the op whose tensors these are (for tools that attribute saved tensors).
     """
     del owner
+    if capture.capturing():
+        capture.check_offload_engine()
     mark_saved_tensors(tensors, offload=offload, weights=weights)
     ctx.save_for_backward(*tensors)

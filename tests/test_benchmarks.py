@@ -33,8 +33,24 @@ def test_r_is_the_step_peak_freed_against_the_no_offload_run_of_its_own_ops():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 @pytest.mark.parametrize("script", ["moe_step.py", "offload_policies.py", "bench_fused_mlp.py", "bench_kernels.py",
-                                    "ablate_epilogue.py"])
+                                    "ablate_epilogue.py", "bench_graphs.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
     proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "cannot run" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_graphs_report_names_targets_and_ratios(tmp_path):
+    from bench_graphs import markdown, plot
+
+    contenders = {"eager back to back": {"ms": 2.0, "TFLOPs": 500.0}, "eager host-ahead": {"ms": 1.6, "TFLOPs": 640.0},
+                  "graphed back to back": {"ms": 1.62, "TFLOPs": 630.0}}
+    row = {"config": "1 layer", "contenders": contenders, "graphed_vs_eager_b2b": 2.0 / 1.62,
+           "graphed_vs_host_ahead": 1.6 / 1.62, "target_met": True, "capture_s": 0.5, "offloaded_MiB_per_step": 0.0}
+    result = {"gpu": "GPU", "date": "today", "experts": 8, "tokens": 2048, "hidden": 2688, "ffn": 1856,
+              "rounds": 3, "steps": 5, "rows": [row]}
+    text = markdown(result)
+    assert "| 1 layer | graphed back to back | 1.620 | 630 |" in text
+    assert "| 1 layer | 1.235 | 0.988 | True |" in text
+    plot(result, tmp_path / "g.png")
+    assert (tmp_path / "g.png").stat().st_size > 0

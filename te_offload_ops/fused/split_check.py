@@ -20,7 +20,8 @@ forward output of a bad call is not meaningful, and its backward raises.
 
 ``TEO_CHECK_SPLIT_SIZES``: ``deferred`` (default), ``sync`` (resolve in forward: a host sync,
 for debugging), ``off``. Split sizes on the CPU are checked at once (no sync needed). Under CUDA
-graph capture nothing is queued (a captured copy would not say which replay it came from).
+graph capture nothing is queued (a captured copy would not say which replay it came from), so
+replays of a graph do not check split sizes: the kernels' clamping keeps them in bounds.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections import defaultdict
 from typing import Optional
 
 import torch
+
+from ..capture import capturing
 
 CHECK_ENV = "TEO_CHECK_SPLIT_SIZES"
 CHECK_MODES = ("deferred", "sync", "off")
@@ -121,7 +124,7 @@ def check_now(split_sizes: torch.Tensor, num_tokens: int, where: str) -> None:
 def start_check(split_sizes: torch.Tensor, num_tokens: int, where: str) -> Optional[SplitSizesCheck]:
     """Begin checking CUDA split sizes per :data:`CHECK_ENV`; returns the pending check, if any."""
     mode = check_mode()
-    if mode == "off" or torch.cuda.is_current_stream_capturing():
+    if mode == "off" or capturing():
         return None
     check = SplitSizesCheck(split_sizes, num_tokens, where)
     if mode == "sync":

@@ -18,6 +18,7 @@ from typing import Any
 from transformer_engine.pytorch.ops.op import FusedOperation
 
 from .. import policy
+from ..capture import GraphCaptureError, capturing
 from ..ops.input_checks import check_input, check_scales, check_split_sizes
 from .expert_weights import stacked_weight, weight_dtype, weight_params
 from .selection import runtime_blockers
@@ -81,6 +82,8 @@ class FusedScaledSReLUMLP(FusedOperation):
     def _resolve_landed_checks(self) -> None:
         """Split-size checks of earlier no-grad calls: raise for those that landed bad."""
         pending = self._pending_checks
+        if pending and capturing():  # querying an event is not allowed in a capture; later
+            return
         while pending and (pending[0].landed or len(pending) > _MAX_PENDING_CHECKS):
             pending.pop(0).resolve()
 
@@ -109,6 +112,11 @@ class FusedScaledSReLUMLP(FusedOperation):
         where = f"{type(self).__name__} ({fc1.num_groups} experts)"
         check = None
         if split_sizes.device.type == "cpu":  # readable now: check at once, then hand them over
+            if capturing():
+                raise GraphCaptureError(
+                    f"{where}: split_sizes are on the CPU inside a CUDA graph capture; the captured copy to "
+                    "the GPU would read this call's host memory again on every replay. Pass split sizes as a "
+                    "CUDA tensor (e.g. a static buffer you copy each step's sizes into before replaying)")
             check_now(split_sizes, tokens, where)
             split_sizes = split_sizes.to(x2d.device, non_blocking=True)
         else:

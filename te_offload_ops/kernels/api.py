@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from ..capture import GraphCaptureError, capturing, warm_up_hint
+
 _log = logging.getLogger(__name__)
 
 _CACHE: dict = {}
@@ -206,6 +208,8 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
     call = kernel_call_convention()
     key = (dtype, tile, cluster_n, epilogue, n, k, e, bool(b_n_major), wgrad_m, schedule, call)
     hit = _CACHE.get(key)
+    if hit is None and capturing():
+        raise GraphCaptureError(_first_call_in_capture(key))
     if hit is None:
         with _LOCK:
             hit = _CACHE.get(key)
@@ -230,8 +234,14 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
                     key = key[:-1] + ("python",)
                 _COMPILE_SECONDS[key] = secs
                 _log.info("compiled grouped GEMM %s in %.2f s", key, secs)
+                kern.cache_key = key  # named in errors
                 hit = _CACHE[key] = (kern, compiled)
     return hit
+
+
+def _first_call_in_capture(key) -> str:
+    return (f"grouped GEMM kernel {key} would be compiled and loaded on its first call, inside a CUDA graph "
+            f"capture, where compiling and loading a module are not allowed; {warm_up_hint()}")
 
 
 def compile_times() -> dict:
@@ -258,6 +268,8 @@ def _sm_count(device_index: int) -> int:
 
 
 def _launch(kern, compiled, tensors, num_tokens):
+    if not getattr(kern, "launched", False) and capturing():  # the first call loads the module
+        raise GraphCaptureError(_first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
     # persistent grid: one CTA per SM at most, and no more CTAs than a bound
     # of the tile count that needs no split sizes on the host
     if kern.wgrad_m is not None:  # static tiles: E times the (M, N) blocks
@@ -266,7 +278,9 @@ def _launch(kern, compiled, tensors, num_tokens):
         tile_bound = (-(-num_tokens // kern.bm) + kern.num_experts) * kern.n_tiles
     cn = kern.cluster_n
     num_ctas = min(_sm_count(tensors[0][0].device.index) // cn * cn, -(-tile_bound // cn) * cn)
+    # the capturing stream when a graph is captured: the launch becomes a node of the graph
     stream = torch.cuda.current_stream().cuda_stream
+    kern.launched = True
     if getattr(kern, "call", "python") == "tvm-ffi":  # addresses, ints and the stream handle
         compiled(*(t.data_ptr() for t, _ in tensors), num_tokens, num_ctas, stream)
         return
@@ -455,22 +469,45 @@ def _check_wgrad(dy, x, split_sizes):
 
 _OFFSETS_CACHE: dict = {}  # (device, addresses) -> int64 element offsets on the GPU (and their pinned source)
 _OFFSETS_CACHE_MAX = 256
+# keys whose offsets a captured graph reads: never evicted, or a replay would read freed memory
+_OFFSETS_CAPTURED: set = set()
+
+
+def _build_offsets(offsets: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    host = torch.tensor(offsets, dtype=torch.int64).pin_memory()
+    return host.to(device, non_blocking=True), host
+
+
+def _evict_one_offsets() -> None:
+    for key in _OFFSETS_CACHE:
+        if key not in _OFFSETS_CAPTURED:
+            del _OFFSETS_CACHE[key]
+            return
 
 
 def _main_grad_offsets(bufs, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(lowest-addressed buffer, int64 element offsets of each expert's buffer from it) on ``device``.
 
     Megatron's grad buffers are persistent, so the offsets are built once per set of addresses
-    and copied from pinned memory without a host sync."""
+    and copied from pinned memory without a host sync. Under CUDA graph capture they must have
+    been built by an eager step (building them pins host memory and copies from it); the entry
+    is then kept for as long as the process lives, since the graph reads it on every replay."""
     ptrs = tuple(b.data_ptr() for b in bufs)
     base = min(range(len(bufs)), key=lambda i: ptrs[i])
     key = (device, ptrs)
     hit = _OFFSETS_CACHE.get(key)
+    in_capture = capturing()
+    if hit is None and in_capture:
+        raise GraphCaptureError(
+            f"the main_grad buffers of this wgrad ({len(bufs)} experts on {device}) were not used by an eager "
+            f"step before this CUDA graph capture (their offsets table is built from pinned host memory); "
+            f"{warm_up_hint()}, with the same main_grad buffers")
     if hit is None:
         if len(_OFFSETS_CACHE) >= _OFFSETS_CACHE_MAX:
-            _OFFSETS_CACHE.pop(next(iter(_OFFSETS_CACHE)))
-        host = torch.tensor([(p - ptrs[base]) // 4 for p in ptrs], dtype=torch.int64).pin_memory()
-        hit = _OFFSETS_CACHE[key] = (host.to(device, non_blocking=True), host)
+            _evict_one_offsets()
+        hit = _OFFSETS_CACHE[key] = _build_offsets([(p - ptrs[base]) // 4 for p in ptrs], device)
+    if in_capture:
+        _OFFSETS_CAPTURED.add(key)
     return bufs[base], hit[0]
 
 

@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence
 import torch
 import transformer_engine.pytorch as te
 
+from ..capture import refuse_split_path
 from ..policy import is_storage
 from ._offloadable import OffloadableOp
 from .input_checks import check_input, check_split_sizes
@@ -85,6 +86,7 @@ class GroupedLinear(OffloadableOp, te.ops.GroupedLinear):
         return saved[:prefix] + (buf,) + saved[prefix + self.num_groups :]
 
     def check_inputs(self, input_, extra_inputs) -> None:
+        refuse_split_path(self)  # before TE's split path syncs on split_sizes.tolist() in a capture
         device = self._get_weight_tensors()[0].device
         name = type(self).__name__
         if type(input_) is torch.Tensor:  # quantized inputs are TE's to check

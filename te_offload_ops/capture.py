@@ -1,0 +1,108 @@
+"""CUDA graph capture: what this package does differently, and refuses, while a graph is captured.
+
+The fused Hopper MLP never reads split sizes on the host, so its forward and backward can be
+captured (``torch.cuda.graph`` or TE's ``make_graphed_callables``) and replayed with new routing.
+What cannot be captured is refused here with a :class:`GraphCaptureError` that says what to
+change, raised before any kernel of the call is queued, so the capture ends cleanly:
+
+* TE's unfused ``GroupedLinear`` on its split path (it calls ``split_sizes.tolist()``, a sync);
+* a kernel's first call (compiling and loading the module): run one eager step first;
+* split sizes on the CPU (the copy to the GPU would replay from freed host memory);
+* TE's V1 offload engine, and V2 without ``retain_pinned_cpu_buffers=True`` or before a warm-up
+  step filled its pinned buffers (pinned memory allocated in a capture is freed after it while
+  the graph keeps copying into it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["GraphCaptureError", "capturing", "check_offload_engine", "check_offload_layer_ready",
+           "refuse_split_path"]
+
+_HOW_TO_WARM_UP = ("run one eager forward and backward with the same shapes and settings before capturing "
+                   "(TE's make_graphed_callables does this in its warm-up iterations)")
+
+
+class GraphCaptureError(RuntimeError):
+    """Something this package cannot run under CUDA graph capture; the message says what to change."""
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False where CUDA was never initialized)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def warm_up_hint() -> str:
+    return _HOW_TO_WARM_UP
+
+
+def _te_takes_split_path(op: Any) -> bool:
+    """Whether TE's GroupedLinear would take its split path (host split sizes) for this call."""
+    from transformer_engine.pytorch.ops.basic.grouped_linear import is_op_fuser_grouped_tensor_path_supported
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    recipe = FP8GlobalStateManager.get_fp8_recipe() if FP8GlobalStateManager.is_fp8_enabled() else None
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled() else op._get_weight_tensors()[0].dtype
+    return not is_op_fuser_grouped_tensor_path_supported(recipe, dtype)
+
+
+def refuse_split_path(op: Any) -> None:
+    """Raise if ``op`` (a GroupedLinear run unfused) is captured on TE's split path."""
+    if not capturing() or not _te_takes_split_path(op):
+        return
+    raise GraphCaptureError(
+        f"{type(op).__name__}(num_groups={op.num_groups}, in_features={op.in_features}, "
+        f"out_features={op.out_features}) runs unfused inside a CUDA graph capture: TE's GroupedLinear "
+        "takes its split path here, which reads split_sizes on the host (split_sizes.tolist(), a device "
+        "sync) and cannot be captured. Capture the fused path instead (sm_90, bf16/fp16, no FP8 recipe, "
+        "te_offload_ops GroupedLinear -> ScaledSReLU -> GroupedLinear without bias; "
+        "te_offload_ops.fused.explain_fusion(module) says why these ops did not fuse, and the fused op's "
+        "last_fallback_reasons why a call ran unfused), or run this module outside the graph."
+    )
+
+
+def check_offload_engine() -> None:
+    """Refuse TE offload engines that cannot be captured (called when saving under capture)."""
+    from transformer_engine.pytorch import cpu_offload
+
+    if not cpu_offload.is_cpu_offload_enabled():
+        return
+    if cpu_offload.NVTE_CPU_OFFLOAD_V1:
+        raise GraphCaptureError(
+            "TE's V1 CPU-offload engine (NVTE_CPU_OFFLOAD_V1=1) allocates pinned host buffers on every "
+            "step, which a CUDA graph cannot replay; capture with TE's default (V2) engine, created with "
+            "te.get_cpu_offload_context(..., retain_pinned_cpu_buffers=True)"
+        )
+    sync = cpu_offload.OFFLOAD_SYNCHRONIZER
+    states = getattr(sync, "layer_states", {})
+    if any(not getattr(s, "retain_pinned_cpu_buffers", True) for s in states.values()):
+        raise GraphCaptureError(
+            "TE's CPU-offload context was created without retain_pinned_cpu_buffers=True: it allocates "
+            "pinned host buffers each step and frees them after it, while a captured graph keeps copying "
+            "into the same addresses. Create it with te.get_cpu_offload_context(..., "
+            "retain_pinned_cpu_buffers=True) (te_offload_ops.engines.offload_context passes it on) and "
+            + _HOW_TO_WARM_UP
+        )
+
+
+def check_offload_layer_ready() -> None:
+    """Refuse to offload, under capture, in a V2 layer whose pinned buffers no warm-up step made."""
+    from transformer_engine.pytorch import cpu_offload
+
+    if cpu_offload.NVTE_CPU_OFFLOAD_V1:
+        return
+    sync = cpu_offload.OFFLOAD_SYNCHRONIZER
+    layer = getattr(sync, "num_of_fwds", None)
+    if sync is None or layer is None:
+        return
+    if not getattr(sync, "offload_layer_map", {}).get(layer, True):
+        return  # this layer is not offloaded by the schedule: nothing is copied
+    state = sync.layer_states.get(layer)
+    if state is not None and not state.cpu_tensor_group.tensor_list:
+        raise GraphCaptureError(
+            f"TE's CPU-offload layer {layer} has no pinned host buffers yet, so they would be allocated "
+            "during CUDA graph capture; " + _HOW_TO_WARM_UP + " under the same offload context"
+        )
