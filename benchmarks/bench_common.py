@@ -69,3 +69,29 @@ def measure_pcie(nbytes: int = 1 << 29, reps: int = 5) -> dict:
     del dev, dev2, host, host2
     torch.cuda.empty_cache()
     return {"d2h_GBps": d2h, "h2d_GBps": h2d, "bidirectional_each_GBps": both_gbs}
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (saying so) where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG chart")
+        return None
+    return plt
+
+
+def write_results(out, stem: str, result: dict, markdown, plot) -> str:
+    """``out/stem.{json,md,png}`` from ``result`` (``markdown(result)`` -> text, ``plot(result, path)``);
+    returns the markdown."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown(result)
+    (out / f"{stem}.md").write_text(table)
+    plot(result, out / f"{stem}.png")
+    return table

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_common import cuda_problem, file_stem  # noqa: E402
+from bench_common import cuda_problem, file_stem, write_results  # noqa: E402
 
 TARGET_FRACTION, TARGET_TFLOPS = 0.97, 620.0
 
@@ -263,12 +263,8 @@ def main(argv=None) -> int:
     result = {"benchmark": "graphs", "gpu": gpu, "experts": args.experts, "tokens": args.tokens,
               "hidden": args.hidden, "ffn": args.ffn, "steps": args.steps, "rounds": args.rounds, "rows": rows,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = file_stem("graphs", gpu)
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown(result)
-    (args.out / f"{stem}.md").write_text(table)
-    plot(result, args.out / f"{stem}.png")
+    table = write_results(args.out, stem, result, markdown, plot)
     print("\n" + table)
     return 0
 

@@ -36,6 +36,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from bench_common import write_results  # noqa: E402
+
 VARIANTS = ("plain", "main_grad", "main_grad(red)", "delay", "main_grad+delay", "split_check")
 SETTINGS = VARIANTS[1:-1]  # compared with plain, split-size check off
 SWEEP = [(8, 2048, 2688, 1856), (8, 4096, 2688, 1856), (32, 1024, 2048, 768), (32, 2048, 4096, 1536),
@@ -205,12 +207,8 @@ def main(argv=None) -> int:
               flush=True)
     result = {"benchmark": "megatron_settings", "gpu": gpu, "rounds": args.rounds, "rows": rows,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = "megatron_settings_" + re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_") + ("_sweep" if args.sweep else "")
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown(result)
-    (args.out / f"{stem}.md").write_text(table)
-    plot(result, args.out / f"{stem}.png")
+    table = write_results(args.out, stem, result, markdown, plot)
     print("\n" + table)
     return 0
 

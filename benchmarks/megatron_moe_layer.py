@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
-from bench_common import cuda_problem  # noqa: E402
+from bench_common import cuda_problem, pyplot  # noqa: E402
 
 VARIANTS = {  # name -> (experts, use_transformer_engine_op_fuser, offload_modules)
     "stock-fuser": ("stock", True, ()),
@@ -304,13 +304,8 @@ def markdown(result: dict) -> str:
 
 
 def chart(result: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG chart")
+    plt = pyplot()
+    if plt is None:
         return False
     rows = result["rows"]
     xs = range(len(rows))

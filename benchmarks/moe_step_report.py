@@ -17,6 +17,8 @@ import math
 from pathlib import Path
 from typing import Iterable, Optional
 
+from bench_common import pyplot
+
 MiB = 2**20
 GiB = 2**30
 
@@ -338,13 +340,8 @@ def memory_target_text(shape_result: dict, target_GiB: float) -> dict:
 
 def chart(result: dict, path: Path) -> bool:
     """Step time against peak memory, one point per policy, each with its PCIe bound below it."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG chart")
+    plt = pyplot()
+    if plt is None:
         return False
     shapes = result["shapes"]
     fig, axes = plt.subplots(1, len(shapes), figsize=(8 * len(shapes), 6.5), squeeze=False)

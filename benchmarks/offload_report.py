@@ -6,6 +6,8 @@ import json
 import re
 from pathlib import Path
 
+from bench_common import pyplot
+
 COLUMNS = [  # header, key, format
     ("engine", "engine", "{}"),
     ("policy", "policy", "{}"),
@@ -50,13 +52,8 @@ def markdown(result: dict) -> str:
 
 
 def chart(result: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG chart")
+    plt = pyplot()
+    if plt is None:
         return False
     rows = [r for run in result["runs"] for r in run["rows"]]
     labels = [f"{r['engine']}\n{r['policy']}" for r in rows]
