@@ -60,6 +60,8 @@ class FusedScaledSReLUMLP(FusedOperation):
         reasons = runtime_blockers(input_, split_sizes, probs, weight_dtype=weight_dtype(self.fc1))
         if any(basic_op_kwargs):
             reasons.append("output or grad-input buffers were passed through op kwargs")
+        if basic_op_extra_inputs[2][0] is not split_sizes:  # the kernels use one routing for both layers
+            reasons.append("fc1 and fc2 were given different split_sizes tensors")
         if reasons:
             self._note_fallback(reasons)
             basic_op_ctxs[0].teo_fused = False
