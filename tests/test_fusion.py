@@ -179,3 +179,17 @@ def test_separate_weights_that_happen_to_be_adjacent_are_stacked_not_viewed():
     w = stacked_weight(op)
     assert w.shape == (4, 32, 64) and torch.equal(w.reshape(-1), buf)
     assert w.untyped_storage().data_ptr() != op.weight0.untyped_storage().data_ptr()
+
+
+def test_different_split_sizes_for_fc1_and_fc2_run_unfused(hopper):
+    """The kernels route both layers by one split-sizes tensor: the same tensor object for fc1
+    and fc2 (what Megatron passes) keeps the fused path; another tensor falls back, with the reason.
+    (On this CPU machine the call then fails in TE's unfused GEMM; the decision is what is checked.)"""
+    mlp = te.ops.Sequential(*mlp_ops())
+    x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+    s, p = torch.tensor([2, 2, 2, 2]), torch.rand(8, dtype=torch.bfloat16)
+    for fc2_splits, expect_reason in ((s, False), (s.clone(), True)):
+        with pytest.raises(RuntimeError):
+            mlp(x, s, p, fc2_splits)
+        reasons = mlp._module_groups[0]._forward_ops[0][0].last_fallback_reasons
+        assert ("fc1 and fc2 were given different split_sizes tensors" in reasons) == expect_reason
