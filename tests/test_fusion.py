@@ -189,7 +189,7 @@ def test_different_split_sizes_for_fc1_and_fc2_run_unfused(hopper):
     x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
     s, p = torch.tensor([2, 2, 2, 2]), torch.rand(8, dtype=torch.bfloat16)
     for fc2_splits, expect_reason in ((s, False), (s.clone(), True)):
-        with pytest.raises(RuntimeError):
+        with pytest.raises(Exception):  # TE's unfused GEMM on CPU tensors (which error depends on the machine)
             mlp(x, s, p, fc2_splits)
         reasons = mlp._module_groups[0]._forward_ops[0][0].last_fallback_reasons
         assert ("fc1 and fc2 were given different split_sizes tensors" in reasons) == expect_reason
