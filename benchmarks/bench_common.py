@@ -84,14 +84,17 @@ def pyplot():
     return plt
 
 
-def write_results(out, stem: str, result: dict, markdown, plot) -> str:
-    """``out/stem.{json,md,png}`` from ``result`` (``markdown(result)`` -> text, ``plot(result, path)``);
-    returns the markdown."""
+def write_reports(folder, stem: str, result: dict, markdown, chart) -> list:
+    """``folder/stem.{json,md,png}`` from ``result``: ``markdown(result)`` -> text (also printed),
+    ``chart(result, path)`` -> whether it drew the PNG. Returns the paths written."""
     import json
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"{stem}.json", folder / f"{stem}.md"]
+    paths[0].write_text(json.dumps(result, indent=2) + "\n")
     table = markdown(result)
-    (out / f"{stem}.md").write_text(table)
-    plot(result, out / f"{stem}.png")
-    return table
+    paths[1].write_text(table)
+    print("\n" + table)
+    if chart(result, folder / f"{stem}.png") is not False:
+        paths.append(folder / f"{stem}.png")
+    return paths

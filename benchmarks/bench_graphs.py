@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_common import cuda_problem, file_stem, write_results  # noqa: E402
+from bench_common import cuda_problem, file_stem, write_reports  # noqa: E402
 
 TARGET_FRACTION, TARGET_TFLOPS = 0.97, 620.0
 
@@ -264,8 +263,7 @@ def main(argv=None) -> int:
               "hidden": args.hidden, "ffn": args.ffn, "steps": args.steps, "rounds": args.rounds, "rows": rows,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     stem = file_stem("graphs", gpu)
-    table = write_results(args.out, stem, result, markdown, plot)
-    print("\n" + table)
+    write_reports(args.out, stem, result, markdown, plot)
     return 0
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import re
 import statistics
@@ -36,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_common import write_results  # noqa: E402
+from bench_common import write_reports  # noqa: E402
 
 VARIANTS = ("plain", "main_grad", "main_grad(red)", "delay", "main_grad+delay", "split_check")
 SETTINGS = VARIANTS[1:-1]  # compared with plain, split-size check off
@@ -208,8 +207,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "megatron_settings", "gpu": gpu, "rounds": args.rounds, "rows": rows,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     stem = "megatron_settings_" + re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_") + ("_sweep" if args.sweep else "")
-    table = write_results(args.out, stem, result, markdown, plot)
-    print("\n" + table)
+    write_reports(args.out, stem, result, markdown, plot)
     return 0
 
 

@@ -27,14 +27,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import os
 import re
 import socket
 import statistics
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -42,6 +40,7 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
 from bench_common import cuda_problem, pyplot  # noqa: E402
+from bench_common import write_reports as bench_common_write_reports  # noqa: E402
 
 VARIANTS = {  # name -> (experts, use_transformer_engine_op_fuser, offload_modules)
     "stock-fuser": ("stock", True, ()),
@@ -102,21 +101,25 @@ def problem() -> str | None:
 # Megatron set-up
 
 
-def init_model_parallel(seed: int) -> None:
-    """torch.distributed with one rank and Megatron's model-parallel state of size 1."""
+def init_model_parallel(seed: int) -> bool:
+    """torch.distributed with one rank (unless one is up already) and Megatron's model-parallel
+    state of size 1. Returns whether it created the process group (the caller then destroys it)."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.cuda.set_device(0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    own_group = not torch.distributed.is_initialized()
+    if own_group:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)  # nothing here uses gloo groups
     model_parallel_cuda_manual_seed(seed)
+    return own_group
 
 
 def make_config(args, *, op_fuser: bool, offload_modules: tuple[str, ...]):
@@ -331,15 +334,7 @@ def chart(result: dict, path: Path) -> bool:
 
 def write_reports(result: dict, folder: Path) -> list[Path]:
     stem = "megatron_moe_layer_" + re.sub(r"[^A-Za-z0-9]+", "_", result["gpu"]).strip("_")
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = [folder / f"{stem}.json", folder / f"{stem}.md"]
-    paths[0].write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown(result)
-    paths[1].write_text(table)
-    print("\n" + table)
-    if chart(result, folder / f"{stem}.png"):
-        paths.append(folder / f"{stem}.png")
-    return paths
+    return bench_common_write_reports(folder, stem, result, markdown, chart)
 
 
 def add_speedups(rows: list[dict]) -> None:

@@ -12,11 +12,11 @@ same process and shape: clocks and allocator state differ between processes.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Iterable, Optional
 
+import bench_common
 from bench_common import pyplot
 
 MiB = 2**20
@@ -388,12 +388,4 @@ def finish(result: dict, memory_target_GiB: Optional[float] = None) -> None:
 
 
 def write_reports(result: dict, folder: Path, stem: str) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = [folder / f"{stem}.json", folder / f"{stem}.md"]
-    paths[0].write_text(json.dumps(result, indent=2) + "\n")
-    text = markdown(result)
-    paths[1].write_text(text)
-    print("\n" + text)
-    if chart(result, folder / f"{stem}.png"):
-        paths.append(folder / f"{stem}.png")
-    return paths
+    return bench_common.write_reports(folder, stem, result, markdown, chart)

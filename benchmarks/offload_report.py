@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
+import bench_common
 from bench_common import pyplot
 
 COLUMNS = [  # header, key, format
@@ -84,12 +84,4 @@ def write_reports(result: dict, folder: Path) -> list[Path]:
     stem = "offload_policies_" + re.sub(r"[^A-Za-z0-9]+", "_", result["gpu"]).strip("_")
     if result["config"]["routing"] != "uniform":
         stem += "_" + result["config"]["routing"]
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = [folder / f"{stem}.json", folder / f"{stem}.md"]
-    paths[0].write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown(result)
-    paths[1].write_text(table)
-    print("\n" + table)
-    if chart(result, folder / f"{stem}.png"):
-        paths.append(folder / f"{stem}.png")
-    return paths
+    return bench_common.write_reports(folder, stem, result, markdown, chart)

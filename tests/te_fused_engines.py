@@ -29,6 +29,15 @@ OPS = ("fc1", "act", "fc2")
 LARGE = 256 * 1024  # TE V2 offloads tensors of at least this many elements
 
 
+# per-op offload flags (fc1, activation, fc2) and (activation, recipe) cases the GPU tests run
+POLICIES = {
+    "all": (True, True, True),
+    "keep-fc1": (False, True, True),
+    "keep-act": (True, False, True),
+    "keep-fc2": (True, True, False),
+}
+CASES = {"srelu-mxfp8": ("srelu", "mxfp8"), "swiglu-nvfp4": ("swiglu", "nvfp4")}
+
 @dataclass
 class StepConfig:
     activation: str = "srelu"

@@ -11,17 +11,10 @@ import sys
 import pytest
 import torch
 
-from te_fused_engines import StepConfig, moved_by_kind, policy_problems, run_step
+from te_fused_engines import CASES, POLICIES, StepConfig, moved_by_kind, policy_problems, run_step
 from te_fused_standins import blackwell_standins, clear_te_caches
 from te_offload_ops.engines import active_engine
 
-POLICIES = {
-    "all": (True, True, True),
-    "keep-fc1": (False, True, True),
-    "keep-act": (True, False, True),
-    "keep-fc2": (True, True, False),
-}
-CASES = {"srelu-mxfp8": ("srelu", "mxfp8"), "swiglu-nvfp4": ("swiglu", "nvfp4")}
 
 
 def one_step(cfg: StepConfig, offloaded_layers: list) -> str:

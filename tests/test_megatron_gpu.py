@@ -12,9 +12,9 @@ GroupedLinears with ``delay_wgrad_compute=True``, and calls ``backward_dw`` in b
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,19 +48,11 @@ REL_TOL = 2e-2  # two bf16 computations of the same layer; a wrong or missing te
 def model_parallel():
     """torch.distributed with one rank, and Megatron's model-parallel state of size 1."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    torch.cuda.set_device(0)
-    own_group = not torch.distributed.is_initialized()
-    if own_group:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(port)
-        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)  # nothing here uses gloo groups
-    model_parallel_cuda_manual_seed(1234)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from megatron_moe_layer import init_model_parallel  # the benchmark's set-up, one rank
+
+    own_group = init_model_parallel(1234)
     yield
     parallel_state.destroy_model_parallel()
     if own_group:

@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformer_engine.pytorch.ops.fused import grouped_mlp as te_mlp
 
-from te_fused_engines import StepConfig, moved_by_kind, policy_problems, run_step
+from te_fused_engines import CASES, POLICIES, StepConfig, moved_by_kind, policy_problems, run_step
 from te_fused_standins import blackwell_standins, clear_te_caches, frontend_problem
 from te_offload_ops.engines import active_engine
 
@@ -36,13 +36,6 @@ def _standin_problem():
 
 pytestmark = pytest.mark.skipif(_standin_problem() is not None, reason=_standin_problem() or "")
 
-POLICIES = {
-    "all": (True, True, True),
-    "keep-fc1": (False, True, True),
-    "keep-act": (True, False, True),
-    "keep-fc2": (True, True, False),
-}
-CASES = {"srelu-mxfp8": ("srelu", "mxfp8"), "swiglu-nvfp4": ("swiglu", "nvfp4")}
 
 
 @pytest.fixture
