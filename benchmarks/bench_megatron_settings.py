@@ -6,8 +6,11 @@ runs by up to 10%, so each round times every variant once and medians are taken 
 
 * plain           - the fused op as benchmarked in bench_fused_mlp.py
 * main_grad       - accumulate_into_main_grad=True: wgrads added into fp32 main_grad buffers
-                    (the epilogue loads, adds and stores: TEO_MAIN_GRAD_ADD=rmw, the default)
-* main_grad(red)  - the same, added by fire-and-forget reductions in L2 (TEO_MAIN_GRAD_ADD=red)
+                    the default way (kernels.main_grad_add, kernels.pick_schedule)
+* main_grad(A,S)  - the same with add A (rmw: the epilogue loads, adds and stores; red: 8-byte
+                    fire-and-forget reductions in L2) and schedule S (coop: 128 x BN tiles, both
+                    warpgroups on one tile; ping: 128 x 128, one warpgroup's epilogue under the
+                    other's mainloop): the ablation behind the default
 * delay           - delay_wgrad_compute=True: fwd, bwd, then backward_dw() of both GroupedLinears
 * main_grad+delay - both, as Megatron runs them with its expert-parallel overlap
 * split_check     - plain with the deferred split-size check on (the default); the four above
@@ -37,7 +40,10 @@ sys.path.insert(0, str(HERE))
 
 from bench_common import write_reports  # noqa: E402
 
-VARIANTS = ("plain", "main_grad", "main_grad(red)", "delay", "main_grad+delay", "split_check")
+# main_grad ablation: variant -> (TEO_MAIN_GRAD_ADD, schedule of the main_grad wgrad)
+MAIN_GRAD_WAYS = {"main_grad(rmw,ping)": ("rmw", "pingpong"), "main_grad(rmw,coop)": ("rmw", "cooperative"),
+                  "main_grad(red,ping)": ("red", "pingpong"), "main_grad(red,coop)": ("red", "cooperative")}
+VARIANTS = ("plain", "main_grad", *MAIN_GRAD_WAYS, "delay", "main_grad+delay", "split_check")
 SETTINGS = VARIANTS[1:-1]  # compared with plain, split-size check off
 SWEEP = [(8, 2048, 2688, 1856), (8, 4096, 2688, 1856), (32, 1024, 2048, 768), (32, 2048, 4096, 1536),
          (64, 512, 2048, 768)]
@@ -91,12 +97,18 @@ def measure(E, tokens, H, F, rounds) -> dict:
         for p, q in zip(mlps[v].parameters(), mlps["plain"].parameters()):
             p.data.copy_(q.data)
 
+    from te_offload_ops.kernels import api as kernels_api
+
+    default_way = (kernels_api.main_grad_add(), kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"])
+
     def step(variant):
         mlp = mlps[variant]
         for t in (x, probs, *mlp.parameters()):
             t.grad = None
         os.environ["TEO_CHECK_SPLIT_SIZES"] = "deferred" if variant == "split_check" else "off"
-        os.environ["TEO_MAIN_GRAD_ADD"] = "red" if variant == "main_grad(red)" else "rmw"
+        add, schedule = MAIN_GRAD_WAYS.get(variant, default_way)
+        os.environ["TEO_MAIN_GRAD_ADD"] = add
+        kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"] = schedule
         mlp(x, splits, probs, splits).backward(dy)
         for op in (mlp[0], mlp[2]):
             op.backward_dw()  # a no-op unless the wgrads were delayed
@@ -116,8 +128,10 @@ def measure(E, tokens, H, F, rounds) -> dict:
             for v in ("plain", "split_check")}
     os.environ.pop("TEO_CHECK_SPLIT_SIZES", None)
     os.environ.pop("TEO_MAIN_GRAD_ADD", None)
+    kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"] = default_way[1]
     flop = 6 * 2 * T * H * F
-    row = {"E": E, "tokens_per_expert": tokens, "H": H, "F": F, "paths": paths, "variants": {}}
+    row = {"E": E, "tokens_per_expert": tokens, "H": H, "F": F, "paths": paths, "variants": {},
+           "main_grad_default": {"add": default_way[0], "schedule": default_way[1]}}
     for v in VARIANTS:
         w = statistics.median(wall[v])
         g = statistics.median(gpu[v]) if gpu[v] else float("nan")
@@ -142,18 +156,18 @@ def markdown(result) -> str:
              "the plain fused op of the same round set; these settings run with the split-size check off. *split check*: "
              "the deferred split-size check's cost: back-to-back wall time, and GPU busy time per step from the "
              "profiler (its copy of E sizes to the host), each against plain.", "",
-             "| E | tok/expert | H | F | " + " | ".join(f"{v} ms wall / GPU (x plain)" for v in SETTINGS)
-             + " | plain ms wall / GPU | split check wall / GPU |",
-             "|---|---|---|---|" + "---|" * (len(SETTINGS) + 2)]
+             "| E | tok/expert | H | F | variant | wall ms | GPU ms | wall x plain | GPU x plain |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        cells = []
-        for v in SETTINGS:
+        cfg = f"| {r['E']} | {r['tokens_per_expert']} | {r['H']} | {r['F']} |"
+        way = r.get("main_grad_default")
+        for v in ("plain", *SETTINGS):
             d = r["variants"][v]
-            cells.append(f"{d['wall_ms']:.3f} / {d['gpu_ms']:.3f} ({d['wall_vs_plain']:.3f} / {d['gpu_vs_plain']:.3f})")
-        p = r["variants"]["plain"]
+            name = f"main_grad (default: {way['add']}, {way['schedule']})" if v == "main_grad" and way else v
+            lines.append(f"{cfg} {name} | {d['wall_ms']:.3f} | {d['gpu_ms']:.3f} | {d['wall_vs_plain']:.3f} | "
+                         f"{d['gpu_vs_plain']:.3f} |")
         c = r["split_check_cost"]
-        lines.append(f"| {r['E']} | {r['tokens_per_expert']} | {r['H']} | {r['F']} | " + " | ".join(cells)
-                     + f" | {p['wall_ms']:.3f} / {p['gpu_ms']:.3f} | {c['wall']:+.2%} / {c['gpu_busy']:+.2%} |")
+        lines.append(f"{cfg} split check (vs plain) | {c['wall']:+.2%} | {c['gpu_busy']:+.2%} busy | | |")
     unfused = {f"{r['E']}x{r['tokens_per_expert']}:{v}" for r in result["rows"] for v, p in r["paths"].items() if p != "fused"}
     if unfused:
         lines += ["", "Ran unfused (not comparable): " + ", ".join(sorted(unfused))]

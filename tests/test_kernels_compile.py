@@ -379,15 +379,17 @@ def test_main_grad_wgrad_compiles_and_writes_fp32_in_place(epilogue, schedule):
 
 
 
-def test_main_grad_by_reductions_issues_one_red_per_element_and_no_loads():
-    """The "red" add into main_grad: one fire-and-forget fp32 reduction per accumulator element,
-    no main_grad loads, no stores."""
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+def test_main_grad_by_reductions_issues_one_red_per_pair_and_no_loads(schedule):
+    """The "red" add into main_grad: one fire-and-forget 8-byte fp32 reduction per accumulator
+    column pair, no main_grad loads, no stores."""
     from te_offload_ops.kernels import compile_variant
 
     kern, compiled, _ = compile_variant(torch.bfloat16, 2688, 0, 8, b_n_major=True, epilogue="red_f32",
-                                        wgrad_m=1856, schedule="pingpong", options="--keep-ptx", call="python")
+                                        wgrad_m=1856, schedule=schedule, options="--keep-ptx", call="python")
     ptx = str(compiled.artifacts.PTX)
-    assert len(re.findall(r"red\.relaxed\.gpu\.global\.add\.f32", ptx)) == kern.bm * kern.bn // kern.tile_threads
+    pairs = kern.bm * kern.bn // kern.tile_threads // 2
+    assert len(re.findall(r"red\.relaxed\.gpu\.global\.add\.v2\.f32", ptx)) == pairs
     assert not re.search(r"ld\.global\.v2|st\.global", ptx)
 
 

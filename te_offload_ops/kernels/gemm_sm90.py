@@ -81,6 +81,8 @@ import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -843,10 +845,13 @@ class GroupedGemmSm90:
                             if rc[0] < rows_here:
                                 if rc[1] < cols_here:
                                     if cutlass.const_expr(self.epilogue == "red_f32"):
-                                        at = t_g[(None, h, g), mm, nn].iterator
-                                        for pr in cutlass.range_constexpr(2):
-                                            cute.arch.red(at + pr, acc[(pr, h, g), mm, nn], op="add", dtype="f32",
-                                                          sem="relaxed", scope="gpu")
+                                        # one 8-byte reduction per column pair (red.global.add.v2.f32)
+                                        pair = vector.from_elements(
+                                            ir.VectorType.get([2], cutlass.Float32.mlir_type),
+                                            [acc[(pr, h, g), mm, nn].ir_value() for pr in range(2)],
+                                        )
+                                        cute.arch.red(t_g[(None, h, g), mm, nn].iterator, pair, op="add",
+                                                      dtype="f32", sem="relaxed", scope="gpu")
                                     else:
                                         for pr in cutlass.range_constexpr(2):
                                             if cutlass.const_expr(self.epilogue == "acc_f32"):
