@@ -22,7 +22,8 @@ back, in the shapes and dtypes of the real thing, filled with random bytes (not 
   GEMMs).
 * TE's fused backward (all sm_100 GEMMs and quantization) is replaced by a recorder of what it
   would be handed (:class:`BackwardRecorder`); it returns no gradients.
-* TE's availability checks: ``NVTE_CUTEDSL_FUSED_GROUPED_MLP=1``, compute capability (10, 0),
+* TE's availability checks: ``NVTE_CUTEDSL_FUSED_GROUPED_MLP=1``, compute capability (10, 0) (TE's
+  and this package's selection alike),
   MXFP8/NVFP4 support for ``te.autocast``. The cuDNN frontend version checks stay real (the
   frontend is installed here and on the GPU machine; its kernels are never called).
 
@@ -51,6 +52,7 @@ from transformer_engine.pytorch.tensor.grouped_tensor import GroupedTensor
 from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
 from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer
 
+from te_offload_ops.fused import selection as fused_selection
 from te_offload_ops.fused.te_grouped_mlp import fuse_te_grouped_mlp
 
 ENABLE_ENV = "NVTE_CUTEDSL_FUSED_GROUPED_MLP"
@@ -248,6 +250,9 @@ def blackwell_standins(monkeypatch, *, cpu: bool = False) -> BackwardRecorder:
     gen: dict = {}
     monkeypatch.setenv(ENABLE_ENV, "1")
     monkeypatch.setattr(te_mlp, "get_device_compute_capability", lambda: (10, 0))
+    # our selection asks torch for the capability; on a GPU machine with current_device stood in
+    # (below) torch cannot answer, and either way the stand-ins play a Blackwell GPU
+    monkeypatch.setattr(fused_selection, "_cuda_capability", lambda: (10, 0))
     monkeypatch.setattr(quantization, "_FP8_SUPPORT", (True, ""))
     monkeypatch.setattr(quantization, "_MXFP8_SUPPORT", (True, ""))
     monkeypatch.setattr(quantization, "_NVFP4_SUPPORT", (True, ""))
