@@ -396,9 +396,10 @@ def test_main_grad_by_reductions_issues_one_red_per_pair_and_no_loads(schedule):
 def test_main_grad_add_choice(monkeypatch):
     from te_offload_ops.kernels import main_grad_add
 
-    assert main_grad_add() == "rmw"
-    monkeypatch.setenv("TEO_MAIN_GRAD_ADD", "red")
+    monkeypatch.delenv("TEO_MAIN_GRAD_ADD", raising=False)
     assert main_grad_add() == "red"
+    monkeypatch.setenv("TEO_MAIN_GRAD_ADD", "rmw")
+    assert main_grad_add() == "rmw"
     monkeypatch.setenv("TEO_MAIN_GRAD_ADD", "atomic")
     with pytest.raises(ValueError, match="rmw.*red"):
         main_grad_add()
