@@ -109,7 +109,7 @@ class Step:
             t.grad = None
 
     def body(self):
-        h = self.x * 1.0
+        h = self.x  # the step is the MLPs alone: its FLOPs are the TFLOP/s count's
         for mlp, p in zip(self.stack, self.probs):
             with self.ctx:
                 h = mlp(h, self.splits, p, self.splits)

@@ -23,7 +23,7 @@ back, in the shapes and dtypes of the real thing, filled with random bytes (not 
 * TE's fused backward (all sm_100 GEMMs and quantization) is replaced by a recorder of what it
   would be handed (:class:`BackwardRecorder`); it returns no gradients.
 * TE's availability checks: ``NVTE_CUTEDSL_FUSED_GROUPED_MLP=1``, compute capability (10, 0) (TE's
-  and this package's selection alike),
+  and this package's selection alike), the cuDNN frontend's sm100 dSReLU backward wrapper,
   MXFP8/NVFP4 support for ``te.autocast``. The cuDNN frontend version checks stay real (the
   frontend is installed here and on the GPU machine; its kernels are never called).
 
@@ -253,6 +253,9 @@ def blackwell_standins(monkeypatch, *, cpu: bool = False) -> BackwardRecorder:
     # our selection asks torch for the capability; on a GPU machine with current_device stood in
     # (below) torch cannot answer, and either way the stand-ins play a Blackwell GPU
     monkeypatch.setattr(fused_selection, "_cuda_capability", lambda: (10, 0))
+    # whether the frontend's sm100 dSReLU wrapper imports differs between machines (it does on the
+    # CPU machine, not on the H100's); the recompute choice it feeds must not
+    monkeypatch.setattr(te_mlp, "_grouped_gemm_dsrelu_backward_supported", lambda: True)
     monkeypatch.setattr(quantization, "_FP8_SUPPORT", (True, ""))
     monkeypatch.setattr(quantization, "_MXFP8_SUPPORT", (True, ""))
     monkeypatch.setattr(quantization, "_NVFP4_SUPPORT", (True, ""))
