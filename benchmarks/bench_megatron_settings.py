@@ -8,7 +8,8 @@ runs by up to 10%, so each round times every variant once and medians are taken 
 * main_grad       - accumulate_into_main_grad=True: wgrads added into fp32 main_grad buffers
                     the default way (kernels.main_grad_add, kernels.pick_schedule)
 * main_grad(A,S)  - the same with add A (rmw: the epilogue loads, adds and stores; red: 8-byte
-                    fire-and-forget reductions in L2) and schedule S (coop: 128 x BN tiles, both
+                    fire-and-forget reductions in L2; tma: bulk reduce-adds of staged 128 x 32
+                    boxes) and schedule S (coop: 128 x BN tiles, both
                     warpgroups on one tile; ping: 128 x 128, one warpgroup's epilogue under the
                     other's mainloop): the ablation behind the default
 * delay           - delay_wgrad_compute=True: fwd, bwd, then backward_dw() of both GroupedLinears
@@ -42,7 +43,8 @@ from bench_common import write_reports  # noqa: E402
 
 # main_grad ablation: variant -> (TEO_MAIN_GRAD_ADD, schedule of the main_grad wgrad)
 MAIN_GRAD_WAYS = {"main_grad(rmw,ping)": ("rmw", "pingpong"), "main_grad(rmw,coop)": ("rmw", "cooperative"),
-                  "main_grad(red,ping)": ("red", "pingpong"), "main_grad(red,coop)": ("red", "cooperative")}
+                  "main_grad(red,ping)": ("red", "pingpong"), "main_grad(red,coop)": ("red", "cooperative"),
+                  "main_grad(tma,ping)": ("tma", "pingpong"), "main_grad(tma,coop)": ("tma", "cooperative")}
 VARIANTS = ("plain", "main_grad", *MAIN_GRAD_WAYS, "delay", "main_grad+delay", "split_check")
 SETTINGS = VARIANTS[1:-1]  # compared with plain, split-size check off
 SWEEP = [(8, 2048, 2688, 1856), (8, 4096, 2688, 1856), (32, 1024, 2048, 768), (32, 2048, 4096, 1536),
@@ -75,9 +77,13 @@ def _build(E, H, F, variant):
               accumulate_into_main_grad="main_grad" in variant, delay_wgrad_compute="delay" in variant)
     mlp = te.ops.Sequential(teo.GroupedLinear(E, H, F, **kw), teo.ScaledSReLU(), teo.GroupedLinear(E, F, H, **kw))
     if "main_grad" in variant:
-        for p in mlp.parameters():
-            p.main_grad = torch.zeros(p.shape, device="cuda", dtype=torch.float32)
-            p.grad_added_to_main_grad = False
+        # as in Megatron's grad buffer: one layer's experts one after another, in reverse order
+        for op in (mlp[0], mlp[2]):
+            weights = list(op.parameters())
+            buffer = torch.zeros(len(weights), *weights[0].shape, device="cuda", dtype=torch.float32)
+            for p, g in zip(weights, reversed(buffer.unbind(0))):
+                p.main_grad = g
+                p.grad_added_to_main_grad = False
     return mlp
 
 

@@ -123,3 +123,29 @@ def test_tvm_ffi_compile_failure_falls_back_to_the_python_executor(monkeypatch):
         assert len(calls) == 3  # cached under the Python executor's key
     finally:
         api.clear_cache()
+
+
+def test_main_grad_slots_accepts_evenly_spaced_buffers_in_any_order():
+    """TMA's reduce-adds address the experts' main_grads as slots of one array: one (E, M, N)
+    tensor, or Megatron's experts laid out one after another (its grad buffer reverses order)."""
+    from te_offload_ops.kernels.api import main_grad_slots
+
+    mn, base = 200 * 1000, 1 << 30
+    step = 4 * mn  # bytes
+    assert main_grad_slots([base + i * step for i in range(4)], mn) == (mn, [0, 1, 2, 3])
+    assert main_grad_slots([base + i * step for i in range(4)][::-1], mn) == (mn, [3, 2, 1, 0])
+    # padding between buffers: the stride grows, still whole 16-byte units
+    assert main_grad_slots([base + i * (step + 256) for i in (2, 0, 1)], mn) == ((step + 256) // 4, [2, 0, 1])
+    assert main_grad_slots([base], 6) == (8, [0])  # one expert: its size rounded to 16 bytes
+
+
+@pytest.mark.parametrize("why, ptrs", [
+    ("not 16-byte aligned", [(1 << 30) + 8 + i * 800_000 for i in range(3)]),
+    ("uneven gaps", [(1 << 30), (1 << 30) + 800_000, (1 << 30) + 2_400_000]),
+    ("overlapping slots", [(1 << 30) + i * 400_000 for i in range(3)]),
+    ("one buffer twice", [(1 << 30), (1 << 30), (1 << 30) + 800_000]),
+])
+def test_main_grad_slots_refuses_what_one_tensor_map_cannot_address(why, ptrs):
+    from te_offload_ops.kernels.api import main_grad_slots
+
+    assert main_grad_slots(ptrs, 200_000) is None, why

@@ -393,6 +393,35 @@ def test_main_grad_by_reductions_issues_one_red_per_pair_and_no_loads(schedule):
     assert not re.search(r"ld\.global\.v2|st\.global", ptx)
 
 
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+def test_main_grad_by_tma_reduce_adds_one_bulk_reduction_per_box(schedule):
+    """The "tma" add: the tile leaves as BN / 32 bulk tensor reduce-adds (fp32 boxes of 128 x 32
+    staged in shared memory) into a 3-D (M, N, slot) tensor map; no main_grad loads, no per-element
+    stores or reductions to global memory, nothing spilled."""
+    from te_offload_ops.kernels import compile_variant
+
+    kern, compiled, _ = compile_variant(torch.bfloat16, 2688, 0, 8, b_n_major=True, epilogue="tma_f32",
+                                        wgrad_m=1856, schedule=schedule, options="--keep-ptx", call="python",
+                                        slot_stride=1856 * 2688)
+    ptx = str(compiled.artifacts.PTX)
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add", ptx)) == kern.bn // 32
+    assert not re.search(r"ld\.global\.v2|st\.global|red\.relaxed", ptx)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_tma_epilogue_needs_a_slot_stride():
+    from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
+
+    with pytest.raises(ValueError, match="slot_stride"):
+        GroupedGemmSm90(cutlass.BFloat16, 128, 0, 2, b_n_major=True, epilogue="tma_f32", wgrad_m=64)
+    with pytest.raises(ValueError, match="at least M \\* N"):
+        GroupedGemmSm90(cutlass.BFloat16, 128, 0, 2, b_n_major=True, epilogue="tma_f32", wgrad_m=64,
+                        slot_stride=64 * 128 - 4)
+    with pytest.raises(ValueError, match="slot_stride"):
+        GroupedGemmSm90(cutlass.BFloat16, 128, 0, 2, b_n_major=True, epilogue="red_f32", wgrad_m=64,
+                        slot_stride=64 * 128)
+
+
 def test_main_grad_add_choice(monkeypatch):
     from te_offload_ops.kernels import main_grad_add
 
@@ -400,6 +429,7 @@ def test_main_grad_add_choice(monkeypatch):
     assert main_grad_add() == "red"
     monkeypatch.setenv("TEO_MAIN_GRAD_ADD", "rmw")
     assert main_grad_add() == "rmw"
+    assert main_grad_add("tma") == "tma"
     monkeypatch.setenv("TEO_MAIN_GRAD_ADD", "atomic")
     with pytest.raises(ValueError, match="rmw.*red"):
         main_grad_add()

@@ -99,7 +99,7 @@ _DEFAULT_SCHEDULE = {"plain": "pingpong", "srelu": "pingpong", "dsrelu": "pingpo
                      # the fp32 main_grad add is epilogue work worth hiding (measured: pingpong
                      # 1.093x / 1.075x the plain fused op with rmw / red, cooperative 1.108x / 1.084x)
                      "wgrad_main_grad": "pingpong"}
-_MAIN_GRAD_EPILOGUES = ("acc_f32", "red_f32", "store_f32")  # gemm_sm90.MAIN_GRAD_EPILOGUES, without the DSL import
+_MAIN_GRAD_EPILOGUES = ("acc_f32", "red_f32", "tma_f32", "store_f32")  # gemm_sm90.MAIN_GRAD_EPILOGUES, without the DSL import
 
 
 def pick_schedule(epilogue: str, wgrad: bool = False, schedule: str | None = None, tile=None) -> str:
@@ -144,7 +144,7 @@ def _compile(
     dtype: torch.dtype, n: int, k: int, e: int, b_n_major: bool, epilogue: str, tile,
     options: str | None = None, cluster_n: int = 1, wgrad_m: int | None = None,
     schedule: str = "cooperative", epi_cols: int | None = None, kernel_class=None,
-    call: str = "python",
+    call: str = "python", slot_stride: int | None = None,
 ):
     cutlass, cute, make_ptr, make_fake_stream = _cutlass()
     from .gemm_sm90 import MAIN_GRAD_EPILOGUES, GroupedGemmSm90
@@ -153,6 +153,7 @@ def _compile(
     kern = (kernel_class or GroupedGemmSm90)(
         dt, n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile_mn=tile, cluster_n=cluster_n,
         wgrad_m=wgrad_m, schedule=schedule, epi_cols=epi_cols,
+        **({"slot_stride": slot_stride} if slot_stride is not None else {}),
     )
     gmem = cute.AddressSpace.gmem
     fake = 1 << 20  # any aligned address: only the types matter at compile time
@@ -160,8 +161,9 @@ def _compile(
     args = [
         make_ptr(dt, fake, gmem, assumed_align=16),  # A
         make_ptr(dt, fake, gmem, assumed_align=16),  # B
-        # C / Z / dZ, or the fp32 main_grad base
-        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4) if main_grad else make_ptr(dt, fake, gmem, assumed_align=16),
+        # C / Z / dZ, or the fp32 main_grad base (16-byte aligned for TMA's reduce-adds)
+        make_ptr(cutlass.Float32, fake, gmem, assumed_align=16 if epilogue == "tma_f32" else 4) if main_grad
+        else make_ptr(dt, fake, gmem, assumed_align=16),
         make_ptr(cutlass.Int32, fake, gmem, assumed_align=4),  # split sizes
         make_ptr(dt, fake, gmem, assumed_align=2),  # probs
         make_ptr(dt, fake, gmem, assumed_align=16),  # z (dsrelu input)
@@ -181,7 +183,7 @@ def _compile(
 
 
 def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=None, cluster_n=None,
-                    wgrad_m=None, schedule=None, epi_cols=None, kernel_class=None, call=None):
+                    wgrad_m=None, schedule=None, epi_cols=None, kernel_class=None, call=None, slot_stride=None):
     """Compile one variant without caching; returns (kernel object, compiled, seconds).
 
     Works without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile
@@ -198,16 +200,19 @@ def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=N
     if call not in CALLS:
         raise ValueError(f"call must be one of {CALLS}, got {call!r}")
     return _compile(dtype, n, k, e, bool(b_n_major), epilogue, tile, options, cluster_n, wgrad_m,
-                    schedule, epi_cols, kernel_class, call)
+                    schedule, epi_cols, kernel_class, call, slot_stride)
 
 
-def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, schedule=None):
+def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, schedule=None,
+               slot_stride=None):
     """Compiled kernel for one variant (compiles and caches on first use)."""
     schedule = pick_schedule(epilogue, wgrad_m is not None, schedule, tile)
     tile = tuple(tile) if tile is not None else pick_tile(n, schedule)
     cluster_n = pick_cluster(n, tile)
     call = kernel_call_convention()
     key = (dtype, tile, cluster_n, epilogue, n, k, e, bool(b_n_major), wgrad_m, schedule, call)
+    if slot_stride is not None:  # tma_f32: the buffers' spacing is part of the compiled layout
+        key = key[:-1] + (slot_stride, call)
     hit = _CACHE.get(key)
     if hit is None and capturing():
         raise GraphCaptureError(_first_call_in_capture(key))
@@ -218,7 +223,7 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
                 try:
                     kern, compiled, secs = _compile(
                         dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
-                        wgrad_m=wgrad_m, schedule=schedule, call=call,
+                        wgrad_m=wgrad_m, schedule=schedule, call=call, slot_stride=slot_stride,
                     )
                 except Exception as exc:
                     if call != "tvm-ffi" or os.environ.get(CALL_ENV):
@@ -227,7 +232,7 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
                     # the same kernel, use it from now on (a broken kernel raises here again)
                     kern, compiled, secs = _compile(
                         dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
-                        wgrad_m=wgrad_m, schedule=schedule, call="python",
+                        wgrad_m=wgrad_m, schedule=schedule, call="python", slot_stride=slot_stride,
                     )
                     _TVM_FFI_FAILED.append(repr(exc)[:300])
                     _log.warning("the TVM-FFI kernel call path failed to compile (%s); using the "
@@ -486,8 +491,27 @@ def _evict_one_offsets() -> None:
             return
 
 
-def _main_grad_offsets(bufs, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lowest-addressed buffer, int64 element offsets of each expert's buffer from it) on ``device``.
+def main_grad_slots(ptrs, mn: int) -> tuple[int, list[int]] | None:
+    """(slot stride in elements, each buffer's slot) when E fp32 buffers of ``mn`` elements at
+    byte addresses ``ptrs`` are slots 0..E-1 of one evenly spaced array (in any order), as
+    TMA's reduce-adds need: a 16-byte aligned start, a stride of whole 16-byte units, no
+    overlap. One (E, M, N) tensor and Megatron's experts of one layer (allocated one after
+    another in its grad buffer) are. None otherwise."""
+    base, e = min(ptrs), len(ptrs)
+    rel = [p - base for p in ptrs]
+    if base % 16 or any(r % 16 for r in rel) or len(set(rel)) != e:
+        return None
+    if e == 1:
+        return -(-mn // 4) * 4, [0]
+    step = max(rel) // (e - 1)
+    if step * (e - 1) != max(rel) or step < 4 * mn or any(r % step for r in rel):
+        return None
+    return step // 4, [r // step for r in rel]
+
+
+def _main_grad_offsets(bufs, device, slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lowest-addressed buffer, int64 element offsets of each expert's buffer from it) on ``device``;
+    with ``slots`` (see :func:`main_grad_slots`), the table holds those instead.
 
     Megatron's grad buffers are persistent, so the offsets are built once per set of addresses
     and copied from pinned memory without a host sync. Under CUDA graph capture they must have
@@ -495,7 +519,7 @@ def _main_grad_offsets(bufs, device) -> tuple[torch.Tensor, torch.Tensor]:
     is then kept for as long as the process lives, since the graph reads it on every replay."""
     ptrs = tuple(b.data_ptr() for b in bufs)
     base = min(range(len(bufs)), key=lambda i: ptrs[i])
-    key = (device, ptrs)
+    key = (device, ptrs, slots is not None)
     hit = _OFFSETS_CACHE.get(key)
     in_capture = capturing()
     if hit is None and in_capture:
@@ -506,7 +530,8 @@ def _main_grad_offsets(bufs, device) -> tuple[torch.Tensor, torch.Tensor]:
     if hit is None:
         if len(_OFFSETS_CACHE) >= _OFFSETS_CACHE_MAX:
             _evict_one_offsets()
-        hit = _OFFSETS_CACHE[key] = _build_offsets([(p - ptrs[base]) // 4 for p in ptrs], device)
+        table = slots if slots is not None else [(p - ptrs[base]) // 4 for p in ptrs]
+        hit = _OFFSETS_CACHE[key] = _build_offsets(table, device)
     if in_capture:
         _OFFSETS_CAPTURED.add(key)
     return bufs[base], hit[0]
@@ -537,14 +562,16 @@ def _vector_aligned(bufs) -> bool:
     return all(g.data_ptr() % 8 == 0 for g in bufs)
 
 
-MAIN_GRAD_ADD_ENV = "TEO_MAIN_GRAD_ADD"  # "red" (default) or "rmw": how the kernel adds into main_grad
-MAIN_GRAD_ADDS = {"rmw": "acc_f32", "red": "red_f32"}
+MAIN_GRAD_ADD_ENV = "TEO_MAIN_GRAD_ADD"  # "red" (default), "rmw" or "tma": how the kernel adds into main_grad
+MAIN_GRAD_ADDS = {"rmw": "acc_f32", "red": "red_f32", "tma": "tma_f32"}
 
 
 def main_grad_add(choice: str | None = None) -> str:
     """How the wgrad kernel adds into main_grad: "red" (8-byte fire-and-forget reductions done in
-    L2: no load round trips in the epilogue) or "rmw" (loads, adds, stores). Both give the same
-    bits (each element gets one add per kernel). On an H100, E=8 x 2048, H=2688, F=1856, fwd+bwd GPU
+    L2: no load round trips in the epilogue), "rmw" (loads, adds, stores) or "tma" (TMA bulk
+    reduce-adds of staged 128 x 32 boxes, for buffers evenly spaced as :func:`main_grad_slots`
+    describes, else "red"; compile-checked, not yet run on a GPU). All give the same bits (each
+    element gets one add per kernel). On an H100, E=8 x 2048, H=2688, F=1856, fwd+bwd GPU
     time over the plain fused op: red 1.075x, rmw 1.093x, both under the pingpong schedule, which
     beat cooperative for each (benchmarks/results/megatron_settings_*). The argument, else
     $TEO_MAIN_GRAD_ADD, else "red"."""
@@ -580,10 +607,13 @@ def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool 
             for g in bufs:
                 g.zero_()
         return
-    kern, compiled = get_kernel(dy.dtype, k, 0, e, b_n_major=True,
-                                epilogue=MAIN_GRAD_ADDS[main_grad_add(add)] if accumulate else "store_f32", tile=tile,
-                                wgrad_m=n, schedule=schedule)
-    base, offsets = _main_grad_offsets(bufs, dy.device)
+    epilogue = MAIN_GRAD_ADDS[main_grad_add(add)] if accumulate else "store_f32"
+    layout = main_grad_slots([g.data_ptr() for g in bufs], n * k) if epilogue == "tma_f32" else None
+    if epilogue == "tma_f32" and layout is None:  # buffers TMA cannot address as one array
+        epilogue = MAIN_GRAD_ADDS["red"]
+    kern, compiled = get_kernel(dy.dtype, k, 0, e, b_n_major=True, epilogue=epilogue, tile=tile, wgrad_m=n,
+                                schedule=schedule, slot_stride=layout[0] if layout else None)
+    base, offsets = _main_grad_offsets(bufs, dy.device, layout[1] if layout else None)
     dy, x = _aligned(dy), _aligned(x)
     _launch(
         kern, compiled,

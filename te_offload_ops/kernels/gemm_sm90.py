@@ -86,12 +86,15 @@ from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-EPILOGUES = ("plain", "srelu", "dsrelu", "acc_f32", "red_f32", "store_f32")
+EPILOGUES = ("plain", "srelu", "dsrelu", "acc_f32", "red_f32", "tma_f32", "store_f32")
 # weight-gradient epilogues that write fp32 main_grad buffers (Megatron's wgrad fusion):
 # acc_f32 adds the tile into them (main_grad += dW) by loads and stores, red_f32 by fire-and-forget
 # reductions done in L2 (no load round trips in the epilogue; each element still gets exactly one
-# addition, so the result is the same), store_f32 overwrites (overwrite_main_grad)
-MAIN_GRAD_EPILOGUES = ("acc_f32", "red_f32", "store_f32")
+# addition, so the result is the same), tma_f32 by TMA bulk reduce-adds of 128 x 32 fp32 boxes
+# staged in shared memory (whole lines reduced in L2; needs the experts' buffers evenly spaced:
+# ``slot_stride``), store_f32 overwrites (overwrite_main_grad)
+MAIN_GRAD_EPILOGUES = ("acc_f32", "red_f32", "tma_f32", "store_f32")
+_TMA_COLS = 32  # a tma_f32 box is 128 bytes wide: one 128-byte swizzle atom
 SCHEDULES = ("cooperative", "pingpong")
 
 _WG = 128  # threads per warpgroup
@@ -129,6 +132,7 @@ class GroupedGemmSm90:
         wgrad_m: int | None = None,
         schedule: str = "cooperative",
         epi_cols: int | None = None,
+        slot_stride: int | None = None,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(f"unknown epilogue {epilogue!r}")
@@ -148,6 +152,13 @@ class GroupedGemmSm90:
         self.tile_threads = _WG if self.pingpong else 2 * _WG
         if epilogue in MAIN_GRAD_EPILOGUES and wgrad_m is None:
             raise ValueError(f"the {epilogue} epilogue belongs to the weight-gradient form (wgrad_m)")
+        if (epilogue == "tma_f32") != (slot_stride is not None):
+            raise ValueError("slot_stride (elements between the experts' main_grad buffers) goes with the "
+                             f"tma_f32 epilogue and only with it, got {slot_stride!r} for {epilogue!r}")
+        if slot_stride is not None and (slot_stride % 4 or wgrad_m is None or slot_stride < wgrad_m * n):
+            raise ValueError(f"slot_stride must be a multiple of 4 elements (16 bytes) and at least M * N, "
+                             f"got {slot_stride} for M={wgrad_m}, N={n}")
+        self.slot_stride = slot_stride
         if wgrad_m is not None:
             # K is each expert's token count, read on the GPU
             if epilogue not in ("plain", *MAIN_GRAD_EPILOGUES) or not b_n_major or k != 0:
@@ -180,7 +191,9 @@ class GroupedGemmSm90:
         # warpgroup under pingpong (their epilogues may overlap)
         # main-grad epilogues go from registers straight to global memory: no staging
         self.n_out = {"plain": 1, "srelu": 2, "dsrelu": 2}.get(epilogue, 0)
-        if epi_cols is None:  # main-grad epilogues: 64 columns = two load rounds per pingpong tile
+        if epilogue == "tma_f32":
+            epi_cols = _TMA_COLS
+        elif epi_cols is None:  # main-grad epilogues: 64 columns = two load rounds per pingpong tile
             epi_cols = _EPI_COLS if self.n_out in (0, 1) else _EPI_COLS_TWO_OUTPUTS
         if epi_cols not in (32, 64) or bn % epi_cols:
             raise ValueError(f"epilogue chunks must be 32 or 64 columns and tile BN={bn}, got {epi_cols}")
@@ -190,6 +203,9 @@ class GroupedGemmSm90:
         self.epi_bufs = 2 if self.pingpong else 1
         budget = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 2048
         budget -= self.epi_bufs * self.n_out * self.epi_elems * elem
+        # tma_f32: one fp32 (BM, 32) box per warpgroup sharing a tile, staged for the TMA unit
+        self.box_elems = bm * _TMA_COLS if epilogue == "tma_f32" else 0
+        budget -= self.epi_bufs * self.box_elems * 4 + (1024 if self.box_elems else 0)  # + alignment
         self.stages = max(2, min(8, budget // stage_bytes))
 
     # ------------------------------------------------------------------ host
@@ -215,7 +231,10 @@ class GroupedGemmSm90:
             # (M, T) and (N, T) views of the row-major token matrices: MN-major
             m_a = cute.make_tensor(p_a, cute.make_layout((m, num_tokens), stride=(1, m)))
             m_b = cute.make_tensor(p_b, cute.make_layout((n, num_tokens), stride=(1, n)))
-            if cutlass.const_expr(self.epilogue in MAIN_GRAD_EPILOGUES):
+            if cutlass.const_expr(self.epilogue == "tma_f32"):
+                # p_c: the fp32 buffer of slot 0; expert e's (M, N) main_grad is slot p_off[e]
+                m_c = cute.make_tensor(p_c, cute.make_layout((m, n, e), stride=(n, 1, self.slot_stride)))
+            elif cutlass.const_expr(self.epilogue in MAIN_GRAD_EPILOGUES):
                 # p_c: fp32 base; expert e's (M, N) main_grad starts p_off[e] elements past it
                 m_c = cute.make_tensor(p_c, cute.make_layout((m, n), stride=(n, 1)))
             else:
@@ -271,6 +290,19 @@ class GroupedGemmSm90:
             (bn, bk),
         )
 
+        if cutlass.const_expr(self.epilogue == "tma_f32"):
+            # the staged box in TMA's 128-byte swizzle: bank-conflict-free writes, whole-line reads
+            box_layout = sm90_utils.make_smem_layout_epi(
+                cutlass.Float32, LayoutEnum.ROW_MAJOR, (bm, _TMA_COLS), self.epi_bufs
+            )
+            tma_c, g_c = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), m_c, cute.slice_(box_layout, (None, None, 0)),
+                (bm, _TMA_COLS),
+            )
+            box_cosize = cute.cosize(box_layout)
+        else:  # unused stand-ins of the same kinds
+            box_layout, tma_c, g_c, box_cosize = sb_layout, tma_b, g_b, 8
+
         @cute.struct
         class Smem:
             bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
@@ -283,11 +315,12 @@ class GroupedGemmSm90:
             epi: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, max(8, self.epi_bufs * self.n_out * self.epi_elems)], 128
             ]
+            box: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, box_cosize], 1024]
 
         self.smem_struct = Smem
         self.kernel(
             tma_a, g_a, tma_a1, g_a1, tma_b, g_b, m_c, m_split, m_prob, m_z, m_act, m_part,
-            tiled_mma, sa_layout, sb_layout,
+            tiled_mma, sa_layout, sb_layout, tma_c, g_c, box_layout,
         ).launch(
             grid=[num_ctas, 1, 1], block=[_THREADS, 1, 1], cluster=[self.cluster_n, 1, 1],
             min_blocks_per_mp=1, stream=stream,
@@ -427,6 +460,9 @@ class GroupedGemmSm90:
         tiled_mma: cute.TiledMma,
         sa_layout: cute.ComposedLayout,
         sb_layout: cute.ComposedLayout,
+        tma_c: cute.CopyAtom,
+        g_c: cute.Tensor,
+        box_layout: cute.ComposedLayout,
     ):
         bm, bn, bk = self.bm, self.bn, self.bk
         dtype = self.dtype
@@ -446,6 +482,8 @@ class GroupedGemmSm90:
             if cutlass.const_expr(self.cluster_n > 1):
                 cpasync.prefetch_descriptor(tma_a1)
             cpasync.prefetch_descriptor(tma_b)
+            if cutlass.const_expr(self.epilogue == "tma_f32"):
+                cpasync.prefetch_descriptor(tma_c)
 
         if cutlass.const_expr(self.wgrad_m is not None):
             n_work = cutlass.Int32(self.num_experts * (self.wgrad_tiles // self.cluster_n))
@@ -497,7 +535,7 @@ class GroupedGemmSm90:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self._consume(
                 tidx - _WG, wg - 1, rank, cluster, num_clusters, n_work, m_split, pipe, sa, sb, st,
-                tiled_mma, m_c, m_prob, m_z, m_act, m_part,
+                tiled_mma, m_c, m_prob, m_z, m_act, m_part, tma_c, g_c, box_layout,
             )
 
     @cute.jit
@@ -553,7 +591,7 @@ class GroupedGemmSm90:
     @cute.jit
     def _consume(
         self, ctid, cwg, rank, cluster, num_clusters, n_work, m_split, pipe, sa, sb, st,
-        tiled_mma, m_c, m_prob, m_z, m_act, m_part,
+        tiled_mma, m_c, m_prob, m_z, m_act, m_part, tma_c, g_c, box_layout,
     ):
         bm, bn = self.bm, self.bn
         dtype = self.dtype
@@ -644,7 +682,11 @@ class GroupedGemmSm90:
                     pipe.consumer_release(rel)
                     rel.advance()
 
-                if cutlass.const_expr(self.epilogue in MAIN_GRAD_EPILOGUES):
+                if cutlass.const_expr(self.epilogue == "tma_f32"):
+                    if rows_here > 0:  # a phantom tile (padding of a cluster pair) adds nothing
+                        self._epilogue_main_grad_tma(expert, row0 - expert * self.wgrad_m, n_blk, acc, c_id,
+                                                     etid, cwg, st, tma_c, g_c, box_layout, m_part)
+                elif cutlass.const_expr(self.epilogue in MAIN_GRAD_EPILOGUES):
                     self._epilogue_main_grad(expert, row0 - expert * self.wgrad_m, n_blk, rows_here,
                                              cols_here, acc, c_id, thr_mma, m_c, m_part)
                 else:
@@ -860,6 +902,48 @@ class GroupedGemmSm90:
                                                 new[pr, i] = acc[(pr, h, g), mm, nn]
                                         cute.autovec_copy(new[None, i], t_g[(None, h, g), mm, nn])
                             i += 1
+
+    @cute.jit
+    def _epilogue_main_grad_tma(self, expert, m_row0, n_blk, acc, c_id, etid, cwg, st, tma_c, g_c,
+                                box_layout, m_slot):
+        """Weight-gradient tile -> expert ``expert``'s fp32 main_grad by TMA reduce-adds.
+
+        32 columns at a time: the threads write their accumulator elements into the staged
+        (BM, 32) box at their (row, col) (the layout's swizzle places them), then one warp hands
+        the box to the TMA unit, which adds it into main_grad line by line in L2. The box's global
+        tensor is the experts' buffers as (M, N, slots), so TMA clips the tile at M and N; the
+        warp waits until TMA has read the box before anyone writes the next chunk into it."""
+        bm, bn, cols = self.bm, self.bn, self.epi_cols
+        shp = acc.shape
+        if cutlass.const_expr(cute.size(shp[2]) != 1):
+            raise ValueError("the tma_f32 epilogue expects one MMA tile across BN")
+        buf = cwg if cutlass.const_expr(self.pingpong) else 0
+        boxes = st.box.get_tensor(box_layout.outer, swizzle=box_layout.inner)  # (BM, 32, buffers)
+        box = boxes[None, None, buf]
+        slot = cutlass.Int32(m_slot[expert])
+        # this tile's row of (BM, 32) boxes in the expert's (M, N) slot
+        g_boxes = cute.local_tile(g_c[None, None, slot], (bm, cols), (m_row0 // bm, None))
+        t_s, t_g = cpasync.tma_partition(
+            tma_c, 0, cute.make_layout(1), cute.group_modes(boxes, 0, 2), cute.group_modes(g_boxes, 0, 2),
+        )
+        bar_id, n_threads = self._bar(_EPI_BARRIER, cwg)
+        n_half = cute.size(shp[0][1])
+        grp_per_chunk = cols // 8
+        for ch in cutlass.range_constexpr(bn // cols):
+            for mm in cutlass.range_constexpr(cute.size(shp[1])):
+                for h in cutlass.range_constexpr(n_half):
+                    for g in cutlass.range_constexpr(ch * grp_per_chunk, (ch + 1) * grp_per_chunk):
+                        for pr in cutlass.range_constexpr(2):
+                            crd = ((pr, h, g), mm, 0)
+                            rc = c_id[crd]
+                            box[rc[0], rc[1] - ch * cols] = acc[crd]
+            cute.arch.fence_proxy("async.shared", space="cta")  # visible to the TMA unit
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
+            if etid < 32:  # one warp (the DSL elects its issuing thread)
+                cute.copy(tma_c, t_s[None, buf], t_g[None, n_blk * (bn // cols) + ch])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
 
     @cute.jit
     def _chunk(self, t, row0, col0):
