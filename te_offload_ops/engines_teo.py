@@ -287,7 +287,8 @@ class TeoEngine:
     def enter_layer(self) -> int:
         """A layer's forward begins; layer 0 again begins a new step. Returns the layer."""
         if self._fwd_layer is None or self._fwd_layer == self.model_layers - 1:
-            self._end_step()  # a forward whose backward never ran leaves its buffers here
+            self._end_step()  # a forward whose backward never ran (or raised) leaves its buffers here
+            self._finish_queued = False
             self._fwd_layer = 0
         else:
             self._fwd_layer += 1
