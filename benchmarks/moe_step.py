@@ -7,7 +7,8 @@ softmax router, TE's moe_permute_with_probs / moe_unpermute, and
 te.ops.Sequential(GroupedLinear, ScaledSReLU, GroupedLinear). A step is forward, backward and an
 AdamW step, with grads kept in preallocated buffers.
 
-For each engine (TE V2, TE V1; one process each, as TE picks the engine at import) and policy
+For each engine (TE V2, TE V1, and this package's "teo" schedule on TE's marks; one process each,
+as TE picks its engine at import) and policy
 ("MLP n/L": only the grouped MLP of the first n layers inside the offload context; "layer n/L":
 whole layers) it reports step time and tokens/s, peak memory above the static floor over the whole
 step, bytes offloaded, peak freed / bytes offloaded, the PCIe bound from bandwidth measured in the
@@ -51,10 +52,12 @@ SHAPES = {
 SHAPE_KEYS = ("hidden", "heads", "ffn", "experts", "topk")
 
 # The environment each engine's process needs before TE is imported. An engine of this package
-# (e.g. "teo" from te_offload_ops.engines.offload_context) is one more entry here.
+# (te_offload_ops.engines.offload_context) is one more entry here: "teo" reads TE's marks with
+# V2's semantics, so its process runs TE in V2 mode.
 ENGINE_ENV = {
     "v2": {"NVTE_CPU_OFFLOAD_V1": "0"},
     "v1": {"NVTE_CPU_OFFLOAD_V1": "1"},
+    "teo": {"NVTE_CPU_OFFLOAD_V1": "0"},
 }
 TE_ENGINES = ("v2", "v1")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -157,7 +160,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention", choices=["sdpa", "te"], default="sdpa",
                    help="torch SDPA on contiguous q, k, v, or TE's DotProductAttention")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    p.add_argument("--engines", default="v2,v1", help=f"comma-separated, from {', '.join(ENGINE_ENV)}")
+    p.add_argument("--engines", default="v2,v1,teo", help=f"comma-separated, from {', '.join(ENGINE_ENV)}")
     p.add_argument("--policies", help="comma-separated mlp:N / layer:N (N = layers offloaded, or 'all'); "
                                       "default: a quarter, half, three quarters, L-1 and L for the MLP, "
                                       "a quarter to three quarters for whole layers")
@@ -217,6 +220,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _empty_host_cache() -> None:
     import torch
+
+    if "te_offload_ops.engines_teo" in sys.modules:  # teo's pool holds its pinned buffers for reuse
+        sys.modules["te_offload_ops.engines_teo"].free_pinned_buffers()
 
     empty = getattr(torch._C, "_host_emptyCache", None)  # torch's pinned-memory cache
     if empty is not None:

@@ -1,9 +1,11 @@
-"""TE's CPU-offload engines behind one call, with a count of the bytes each one moves.
+"""CPU-offload engines behind one call, with a count of the bytes each one moves.
 
-``offload_context("v2" | "v1" | "none", num_layers=..., model_layers=...)`` returns TE's context and
-synchronization function (``te.get_cpu_offload_context``) plus an :class:`OffloadCounter` that
-adds up, per key of your choosing, the bytes the engine decided to copy to CPU. TE picks V1 or V2
-when it is imported (``NVTE_CPU_OFFLOAD_V1=1`` selects V1), so one process runs one of them.
+``offload_context("v2" | "v1" | "teo" | "none", num_layers=..., model_layers=...)`` returns a
+context and synchronization function plus an :class:`OffloadCounter` that adds up, per key of
+your choosing, the bytes the engine decided to copy to CPU. "v2" and "v1" are TE's
+(``te.get_cpu_offload_context``); TE picks one when it is imported (``NVTE_CPU_OFFLOAD_V1=1``
+selects V1), so one process runs one of them. "teo" is this package's schedule on TE's marks
+(``engines_teo``), in any process.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch import cpu_offload
 
-ENGINES = ("none", "v2", "v1")
+ENGINES = ("none", "v2", "v1", "teo")
 
 
 def active_engine() -> str:
@@ -77,6 +79,7 @@ def offload_context(
     model_layers: int,
     classify: Optional[Callable[[torch.Tensor], Hashable]] = None,
     retain_pinned_cpu_buffers: bool = False,
+    prefetch: Optional[int] = None,
 ):
     """Returns ``(context, sync_function, counter)`` for ``engine`` over ``model_layers`` layers.
 
@@ -84,14 +87,25 @@ def offload_context(
     ``retain_pinned_cpu_buffers`` (V2 only) keeps the pinned host buffers from step to step, which
     CUDA graph capture needs (see ``te_offload_ops.capture``). The counter counts what the engine
     chose to offload while Python ran: under a graph, the capture, not the replays.
+    ``prefetch`` ("teo" only, default 1): how many layers ahead of backward reloads start.
+    "teo" accepts ``num_layers == model_layers``; its pinned buffers are always kept for reuse.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if retain_pinned_cpu_buffers and engine == "v1":
-        raise ValueError("retain_pinned_cpu_buffers is an option of TE's V2 engine; V1 has no such option")
+    if retain_pinned_cpu_buffers and engine in ("v1", "teo"):
+        raise ValueError(f"retain_pinned_cpu_buffers is an option of TE's V2 engine; {engine} has no such option"
+                         + (" (it always reuses its pinned buffers)" if engine == "teo" else ""))
+    if prefetch is not None and engine != "teo":
+        raise ValueError(f"prefetch is an option of the teo engine, not of {engine!r}")
     counter = OffloadCounter(classify)
     if engine == "none":
         return contextlib.nullcontext(), (lambda t: t), counter
+    if engine == "teo":
+        from .engines_teo import make_teo_context
+
+        ctx, sync = make_teo_context(num_layers, model_layers, prefetch=1 if prefetch is None else prefetch,
+                                     counter=counter)
+        return ctx, sync, counter
     if engine != active_engine():
         raise RuntimeError(
             f"this process runs TE's {active_engine()} engine; {engine} needs "

@@ -7,6 +7,7 @@ marks it leaves on each tensor at the moment the op fuser hands the tensors to a
   ``nn.Parameter`` and has no ``_TE_do_not_offload`` attribute.
 * TE V1 (``NVTE_CPU_OFFLOAD_V1=1``) offloads only tensors carrying ``activation_offloading``.
 * Megatron-style saved-tensor-hook engines offload what has no ``_TE_do_not_offload``.
+* This package's "teo" engine (``engines_teo``) moves what :func:`keep_reason` allows: V2's rule.
 
 So weights get ``mark_not_offload`` (never moved: they stay resident anyway and would only waste
 PCIe), activations of an op with ``offload=False`` get ``mark_not_offload`` too, and the other
@@ -30,6 +31,7 @@ __all__ = [
     "V1_OFFLOAD_ATTR",
     "data_tensors",
     "is_storage",
+    "keep_reason",
     "mark_saved_tensors",
     "save_for_backward",
 ]
@@ -38,6 +40,29 @@ __all__ = [
 KEEP_ATTR = "_TE_do_not_offload"
 V1_OFFLOAD_ATTR = "activation_offloading"
 _V1_FORCE_CLEAR_ATTR = "needs_force_clear"
+# TE V2 leaves smaller saved tensors where they are (cpu_offload.py, _check_if_offload).
+MIN_OFFLOAD_NUMEL = 256 * 1024
+# The device whose saved tensors may move; a seam for CPU tests of engines, CUDA otherwise.
+OFFLOAD_DEVICE_TYPE = "cuda"
+
+
+def keep_reason(t: torch.Tensor) -> Optional[str]:
+    """Why an engine that reads the marks as TE V2 does keeps saved tensor ``t`` where it is, or None.
+
+    The same rule as V2's: a CUDA tensor of >= 256 Ki elements that is not an ``nn.Parameter``
+    and has no ``_TE_do_not_offload`` may move. Layout (contiguity, views) is the engine's business.
+    """
+    if t.numel() < MIN_OFFLOAD_NUMEL:
+        return f"fewer than {MIN_OFFLOAD_NUMEL} elements ({t.numel()})"
+    if isinstance(t, torch.nn.Parameter):
+        return "an nn.Parameter (a weight)"
+    if getattr(t, KEEP_ATTR, False):
+        return f"marked {KEEP_ATTR} (a weight, or an op with offload=False)"
+    if isinstance(t, torch._subclasses.FakeTensor):
+        return "a fake tensor"
+    if t.device.type != OFFLOAD_DEVICE_TYPE:
+        return f"on {t.device.type}, not {OFFLOAD_DEVICE_TYPE}"
+    return None
 
 
 def is_storage(obj: Any) -> bool:

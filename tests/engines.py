@@ -1,7 +1,8 @@
 """Test helpers: build grouped SReLU MLP stacks and run one training step under an offload engine.
 
 Engines: "none", "v2" (TE's default), "v1" (needs NVTE_CPU_OFFLOAD_V1=1 before TE is imported,
-so tests run it in a subprocess through engine_worker.py), and "spy" (offload_spy.SpyEngine).
+so tests run it in a subprocess through engine_worker.py), "teo" (this package's schedule,
+te_offload_ops.engines_teo) and "spy" (offload_spy.SpyEngine).
 Each step reports the bytes the engine moved per (op name, tensor kind).
 """
 

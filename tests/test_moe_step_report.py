@@ -23,7 +23,7 @@ def test_full_run_defaults_cover_both_shapes_and_the_issue_policies():
     args = moe_step.parse_args([])
     assert list(args.shapes) == ["base", "moe-heavy"]
     assert args.shapes["base"] == {"hidden": 2688, "heads": 21, "ffn": 1856, "experts": 8, "topk": 2}
-    assert (args.layers, args.batch, args.seq, args.engines) == (8, 2, 4096, ["v2", "v1"])
+    assert (args.layers, args.batch, args.seq, args.engines) == (8, 2, 4096, ["v2", "v1", "teo"])
     assert [p.label(8) for p in args.policies] == [
         "MLP 2/8", "MLP 4/8", "MLP 6/8", "MLP 7/8", "MLP 8/8", "layer 2/8", "layer 4/8", "layer 6/8"]
     assert args.caps == {}
@@ -74,6 +74,7 @@ def test_caps_one_for_all_or_per_shape_and_back():
 def test_engines_are_one_environment_entry_each():
     assert moe_step.ENGINE_ENV["v1"] == {"NVTE_CPU_OFFLOAD_V1": "1"}
     assert moe_step.ENGINE_ENV["v2"] == {"NVTE_CPU_OFFLOAD_V1": "0"}
+    assert moe_step.ENGINE_ENV["teo"] == {"NVTE_CPU_OFFLOAD_V1": "0"}  # teo reads the marks as V2 does
 
 
 def test_rows_where_te_schedules_fall_short_are_marked():

@@ -1,0 +1,501 @@
+"""teo: this package's CPU-offload schedule, a saved-tensor-hook engine on TE's marks.
+
+``engines.offload_context("teo", num_layers=n, model_layers=L)`` returns ``(context, sync,
+counter)`` used as TE's pair is: ``with context: y = layer(x)`` then ``y = sync(y)`` per layer.
+What moves is what TE V2 would move (``policy.keep_reason``: the marks the policy and TE's own
+modules leave); when it moves is this module's own schedule:
+
+* forward: each saved tensor of the first ``n`` layers starts its copy to pinned host memory the
+  moment it is saved (on a copy stream, after the event TE's ``start_offload`` recorded, or one
+  recorded then); the GPU memory is handed back to the allocator at once with ``record_stream``,
+  so it is reused as soon as the copy is done, without the compute stream ever waiting;
+* backward: when layer ``i``'s backward begins (``sync`` hooks it, as TE's does), layers ``i`` to
+  ``i - prefetch`` start reloading on a second stream; a saved tensor's first use makes the
+  compute stream wait for its own reload only. Layer ``L - 1``, when offloaded, reloads at once;
+* host buffers come from a pool shared by every teo context and reused from step to step (they go
+  back to it when the backward ends; ``free_pinned_buffers`` empties it);
+* no host synchronization anywhere: streams wait on events.
+
+Deliberately kept on the GPU (documented limits): tensor subclasses other than TE's
+``QuantizedTensor`` (e.g. ``GroupedTensor``: its bytes live in several buffers whose layout this
+engine does not take apart; TE's own ops hand grouped storages to autograd as plain tensors), and
+non-contiguous tensors with gaps between their elements (TE V2 keeps those too; dense permutations
+such as a transpose do move, with their strides restored). Quantized tensors move part by part, as
+V2 moves them. Refused under CUDA graph capture (the pool's buffers and the per-step events are
+not capture-safe).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from transformer_engine.pytorch import cpu_offload
+from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
+
+from . import capture, policy
+
+__all__ = ["PinnedBufferPool", "TeoEngine", "default_pool", "free_pinned_buffers", "layers_to_reload",
+           "make_teo_context", "plan_saved"]
+
+
+# ---------------------------------------------------------------------------------------------
+# What to do with one saved tensor (pure: no copies, testable without a GPU)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Keep:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Move:
+    start: int  # first byte of the tensor's storage it needs
+    nbytes: int
+
+
+@dataclass
+class Parts:
+    """A QuantizedTensor taken apart as V2 does: a detached copy emptied by prepare_for_saving."""
+
+    shell: Any
+    tensors: list  # the parts, in prepare_for_saving order (None kept as None)
+    plans: list
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one range of its storage without gaps or overlaps."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def byte_span(t: torch.Tensor) -> Optional[Move]:
+    """The bytes of ``t``'s storage that hold its elements, if they form one range; else None."""
+    if not _is_dense(t):
+        return None
+    itemsize = t.element_size()
+    return Move(t.storage_offset() * itemsize, t.numel() * itemsize)
+
+
+def plan_saved(t: torch.Tensor) -> Keep | Move | Parts:
+    """What the engine does with saved tensor ``t`` of an offloaded layer."""
+    reason = policy.keep_reason(t)
+    if reason is not None:
+        return Keep(reason)
+    if isinstance(t, QuantizedTensor):
+        shell = t.detach()
+        tensors, _ = shell.prepare_for_saving()
+        return Parts(shell, list(tensors), [None if p is None else plan_saved(p) for p in tensors])
+    if type(t) is not torch.Tensor:
+        return Keep(f"a {type(t).__name__}, a tensor subclass this engine does not take apart")
+    span = byte_span(t)
+    if span is None:
+        return Keep(f"non-contiguous with gaps (shape {tuple(t.shape)}, stride {t.stride()})")
+    return span
+
+
+def layers_to_reload(layer: int, prefetch: int, offloaded_layers: int) -> list[int]:
+    """Layers whose reload starts when layer ``layer``'s backward begins: itself, then ``prefetch`` more."""
+    return [j for j in range(layer, layer - prefetch - 1, -1) if 0 <= j < offloaded_layers]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pinned host buffers reused across steps
+# ---------------------------------------------------------------------------------------------
+
+_CLASSES_PER_OCTAVE = 8  # buffer sizes step by 2^(1/8): at most ~9% of a buffer is unused
+_MIN_CLASS_BYTES = 64 * 1024
+# A new buffer is this many classes larger than needed, so that a tensor a little larger next step
+# (per-expert slices under new routing) still fits the buffer it had.
+_HEADROOM_CLASSES = 1
+
+
+def size_class(nbytes: int) -> int:
+    """The index of the pool's size class for ``nbytes`` (a geometric series of sizes, so that
+    slightly different sizes, e.g. per-expert slices under new routing, share buffers)."""
+    if nbytes <= _MIN_CLASS_BYTES:
+        return 0
+    k = math.ceil(_CLASSES_PER_OCTAVE * math.log2(nbytes / _MIN_CLASS_BYTES))
+    while class_bytes(k) < nbytes:  # float rounding
+        k += 1
+    while k > 0 and class_bytes(k - 1) >= nbytes:
+        k -= 1
+    return k
+
+
+def class_bytes(k: int) -> int:
+    """Bytes of a buffer of size class ``k`` (whole 512-byte blocks)."""
+    size = math.ceil(_MIN_CLASS_BYTES * 2 ** (k / _CLASSES_PER_OCTAVE))
+    return -(-size // 512) * 512
+
+
+@dataclass
+class HostBuffer:
+    tensor: torch.Tensor  # uint8, pinned
+    size_class: int
+    ready: Any = None  # the event after the last GPU work that reads or writes it
+
+
+def _pinned_bytes(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class PinnedBufferPool:
+    """Pinned host buffers by size class; a buffer handed back is given out again, so a steady
+    sequence of steps allocates pinned memory in its first step only."""
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor] = _pinned_bytes):
+        self._allocate = allocate
+        self._free: dict[int, list[HostBuffer]] = defaultdict(list)
+        self.allocations = 0  # pinned buffers allocated so far
+        self.allocated_bytes = 0  # their bytes (those dropped by clear() included)
+        self.in_use = 0
+
+    def acquire(self, nbytes: int) -> HostBuffer:
+        """A buffer of at least ``nbytes``: a free one of its size class or up to an octave above."""
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be positive, got {nbytes}")
+        k = size_class(nbytes)
+        for larger in range(k, k + _CLASSES_PER_OCTAVE + 1):
+            bucket = self._free.get(larger)
+            if bucket:
+                self.in_use += 1
+                return bucket.pop()
+        k += _HEADROOM_CLASSES
+        buf = HostBuffer(self._allocate(class_bytes(k)), k)
+        self.allocations += 1
+        self.allocated_bytes += class_bytes(k)
+        self.in_use += 1
+        return buf
+
+    def release(self, buf: HostBuffer, ready: Any) -> None:
+        """Give ``buf`` back; whoever takes it next waits for ``ready`` (an event) on the GPU first."""
+        buf.ready = ready
+        self.in_use -= 1
+        self._free[buf.size_class].append(buf)
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(b.tensor.numel() for bucket in self._free.values() for b in bucket)
+
+    def clear(self) -> None:
+        """Drop the free buffers (those in use come back later and stay until the next clear)."""
+        self._free.clear()
+
+
+_DEFAULT_POOL: Optional[PinnedBufferPool] = None
+
+
+def default_pool() -> PinnedBufferPool:
+    """The pool every teo context shares unless given its own."""
+    global _DEFAULT_POOL
+    if _DEFAULT_POOL is None:
+        _DEFAULT_POOL = PinnedBufferPool()
+    return _DEFAULT_POOL
+
+
+def free_pinned_buffers() -> None:
+    """Drop the default pool's free buffers and return torch's cached pinned memory to the system."""
+    if _DEFAULT_POOL is not None:
+        _DEFAULT_POOL.clear()
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _HostCopy:
+    """One byte range of a GPU storage, copied to a host buffer (and back in backward)."""
+
+    host: HostBuffer
+    nbytes: int
+    start: int  # where the range begins in the source storage (for views of it saved later)
+    storage_ptr: int
+    storage_ref: StorageWeakRef
+    copied: Any  # event: the D2H copy is done
+    gpu: Optional[torch.Tensor] = None  # uint8 reload, while reloaded
+    reloaded: Any = None  # event: the H2D copy is done
+    waited: bool = False  # the compute stream waited for `reloaded`
+
+
+@dataclass
+class _LayerCopies:
+    copies: list = field(default_factory=list)
+    reloaded: bool = False
+
+
+@dataclass(frozen=True)
+class _Moved:
+    """What autograd holds instead of an offloaded tensor."""
+
+    step: int
+    layer: int
+    index: int
+    byte_offset: int  # of the tensor in its host copy
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+
+
+@dataclass
+class _PartsHandle:
+    shell: Any
+    handles: list
+
+
+class TeoEngine:
+    """Pack/unpack hooks and the schedule behind one teo context (one model's layers)."""
+
+    def __init__(self, num_layers: int, model_layers: int, *, prefetch: int = 1,
+                 counter: Any = None, pool: Optional[PinnedBufferPool] = None):
+        for name, value in (("num_layers", num_layers), ("model_layers", model_layers), ("prefetch", prefetch)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if model_layers < 1:
+            raise ValueError(f"model_layers must be >= 1, got {model_layers}")
+        if not 0 <= num_layers <= model_layers:
+            raise ValueError(f"num_layers must be in 0..model_layers={model_layers}, got {num_layers}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 layers, got {prefetch}")
+        self.num_layers, self.model_layers, self.prefetch = num_layers, model_layers, prefetch
+        self.counter = counter
+        self.pool = pool if pool is not None else default_pool()
+        self._d2h: Optional[torch.cuda.Stream] = None
+        self._h2d: Optional[torch.cuda.Stream] = None
+        self._step = 0
+        self._fwd_layer: Optional[int] = None
+        self._layers: dict[int, _LayerCopies] = {}
+        self._finish_queued = False
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def enter_layer(self) -> int:
+        """A layer's forward begins; layer 0 again begins a new step. Returns the layer."""
+        if self._fwd_layer is None or self._fwd_layer == self.model_layers - 1:
+            self._end_step()  # a forward whose backward never ran (or raised) leaves its buffers here
+            self._finish_queued = False
+            self._fwd_layer = 0
+        else:
+            self._fwd_layer += 1
+        return self._fwd_layer
+
+    def _end_step(self) -> None:
+        """The step's host copies go back to the pool (a reuse waits for their last GPU use)."""
+        if not self._layers:
+            return
+        for layer in list(self._layers):
+            self._release_reload(layer)
+            for c in self._layers[layer].copies:
+                self.pool.release(c.host, c.reloaded if c.reloaded is not None else c.copied)
+        self._layers.clear()
+        self._step += 1
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if capture.capturing():
+            raise capture.GraphCaptureError(_CAPTURE_MESSAGE)
+        layer = self._fwd_layer
+        if layer is None or layer >= self.num_layers or not isinstance(t, torch.Tensor):
+            return t
+        return self._pack(plan_saved(t), t, t)
+
+    def _pack(self, plan, t: torch.Tensor, owner: torch.Tensor) -> Any:
+        if isinstance(plan, Keep):
+            return t
+        if isinstance(plan, Parts):
+            return _PartsHandle(plan.shell, [None if p is None else self._pack(pl, p, owner)
+                                             for p, pl in zip(plan.tensors, plan.plans)])
+        return self._offload(t, plan, owner)
+
+    def _offload(self, t: torch.Tensor, span: Move, owner: torch.Tensor) -> _Moved:
+        layer = self._layers.setdefault(self._fwd_layer, _LayerCopies())
+        storage = t.untyped_storage()
+        ptr, itemsize = storage.data_ptr(), t.element_size()
+        found = None
+        for i, c in enumerate(layer.copies):  # saved twice, or a view of a range already copied
+            if (c.storage_ptr == ptr and c.start <= span.start and span.start + span.nbytes <= c.start + c.nbytes
+                    and (span.start - c.start) % itemsize == 0 and not c.storage_ref.expired()):
+                found = i
+                break
+        if found is None:
+            layer.copies.append(self._copy_to_host(t, storage, span))
+            found = len(layer.copies) - 1
+            self._count(t, owner, span.nbytes)
+        return _Moved(self._step, self._fwd_layer, found, span.start - layer.copies[found].start,
+                      tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def _count(self, t: torch.Tensor, owner: torch.Tensor, nbytes: int) -> None:
+        if self.counter is None:
+            return
+        if t is owner:
+            self.counter.add(t)
+        else:  # a part of a quantized tensor: its bytes, under the tensor autograd saved
+            self.counter.bytes[self.counter.classify(owner)] += nbytes
+
+    def _streams(self):
+        if self._d2h is None:
+            self._d2h, self._h2d = torch.cuda.Stream(), torch.cuda.Stream()
+        return self._d2h, self._h2d
+
+    def _copy_to_host(self, t: torch.Tensor, storage, span: Move) -> _HostCopy:
+        d2h, _ = self._streams()
+        ready = getattr(t, "start_reload_event", None)  # TE's start_offload: ready before it was saved
+        if ready is None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+        host = self.pool.acquire(span.nbytes)
+        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, span.start, (span.nbytes,), (1,))
+        d2h.wait_event(ready)
+        if host.ready is not None:
+            d2h.wait_event(host.ready)  # last step's reload from this buffer
+        with torch.cuda.stream(d2h):
+            host.tensor[: span.nbytes].copy_(src, non_blocking=True)
+        # The allocator may hand this memory out again once the copy stream is past the copy;
+        # the caller's references decide when it is freed, not this engine.
+        src.record_stream(d2h)
+        copied = torch.cuda.Event()
+        copied.record(d2h)
+        return _HostCopy(host, span.nbytes, span.start, storage.data_ptr(), StorageWeakRef(storage), copied)
+
+    # -- backward --------------------------------------------------------------------------
+
+    def backward_boundary(self, layer: int) -> None:
+        """Layer ``layer``'s backward begins: drop later layers' reloads, reload this one and prefetch."""
+        if not self._finish_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+            self._finish_queued = True
+        for done in [j for j in self._layers if j > layer]:
+            self._release_reload(done)
+        for j in layers_to_reload(layer, self.prefetch, self.num_layers):
+            self._reload(j)
+
+    def finish_backward(self) -> None:
+        """The backward is over: its reloads are dropped and its host buffers go back to the pool,
+        as TE's engines do (so a second backward through the same graph is refused)."""
+        self._finish_queued = False
+        self._end_step()
+
+    def _reload(self, layer: int) -> None:
+        copies = self._layers.get(layer)
+        if copies is None or copies.reloaded or not copies.copies:
+            return
+        _, h2d = self._streams()
+        # Reloads are allocated on the compute stream, whose earlier kernels may still use the
+        # memory the allocator hands out: the copy stream starts after them.
+        h2d.wait_stream(torch.cuda.current_stream())
+        for c in copies.copies:
+            c.gpu = torch.empty(c.nbytes, dtype=torch.uint8, device="cuda")
+            h2d.wait_event(c.copied)
+            with torch.cuda.stream(h2d):
+                c.gpu.copy_(c.host.tensor[: c.nbytes], non_blocking=True)
+            c.reloaded = torch.cuda.Event()
+            c.reloaded.record(h2d)
+            c.waited = False
+        copies.reloaded = True
+
+    def _release_reload(self, layer: int) -> None:
+        copies = self._layers.get(layer)
+        if copies is None or not copies.reloaded:
+            return
+        stream = torch.cuda.current_stream()
+        for c in copies.copies:
+            if not c.waited:  # never used: its memory must not be reused before the copy ends
+                stream.wait_event(c.reloaded)
+            c.gpu = None
+        copies.reloaded = False  # the host copy stays valid until the next step (retain_graph)
+
+    def unpack(self, handle: Any) -> Any:
+        if isinstance(handle, _PartsHandle):
+            handle.shell.restore_from_saved([None if h is None else self.unpack(h) for h in handle.handles])
+            return handle.shell
+        if not isinstance(handle, _Moved):
+            return handle
+        if handle.step != self._step:
+            raise RuntimeError(
+                f"teo offload: a tensor saved in step {handle.step} is used after that step ended (its backward "
+                "finished, or the next forward began) and its host buffer went back to the pool. teo runs one "
+                f"forward then one backward per step (model_layers={self.model_layers} context entries make a "
+                "step); a second backward through the same graph (retain_graph=True) is not supported")
+        self._reload(handle.layer)  # no-op when prefetched
+        c = self._layers[handle.layer].copies[handle.index]
+        if not c.waited:
+            torch.cuda.current_stream().wait_event(c.reloaded)
+            c.waited = True
+        return torch.empty(0, dtype=handle.dtype, device=c.gpu.device).set_(
+            c.gpu.untyped_storage(), handle.byte_offset // handle.dtype.itemsize, handle.shape, handle.stride)
+
+
+_CAPTURE_MESSAGE = (
+    "the teo offload engine cannot run under CUDA graph capture: it takes pinned host buffers from a "
+    "pool and records events per step, which a replayed graph would not redo. Capture with TE's V2 "
+    "engine (te_offload_ops.engines.offload_context('v2', ..., retain_pinned_cpu_buffers=True)) or run "
+    "the offloaded layers outside the graph")
+
+
+class TeoContext:
+    """The context and synchronization function of one teo engine, used as TE's pair is."""
+
+    def __init__(self, engine: TeoEngine):
+        self.engine = engine
+        self._layer: Optional[int] = None
+        self._inside = False
+        self._hooks = None
+        self._previous_te_sync = None
+
+    def __enter__(self):
+        if capture.capturing():
+            raise capture.GraphCaptureError(_CAPTURE_MESSAGE)
+        if self._inside:
+            raise RuntimeError("teo offload context entered again before its sync function was called")
+        self._inside = True
+        self._layer = self.engine.enter_layer()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.engine.pack, self.engine.unpack)
+        self._hooks.__enter__()
+        # TE's modules mark their weights and start offloads only while an engine is on: show
+        # them this one (V2 semantics), as TE's own context does.
+        self._previous_te_sync = cpu_offload.OFFLOAD_SYNCHRONIZER
+        cpu_offload.OFFLOAD_SYNCHRONIZER = self.engine
+        return self
+
+    def __exit__(self, *exc):
+        cpu_offload.OFFLOAD_SYNCHRONIZER = self._previous_te_sync
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+        self._inside = False
+        return False
+
+    def sync(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Marks the end of the layer just run: its backward begins where ``tensor``'s grad arrives."""
+        if self._inside:
+            raise RuntimeError("teo offload sync function called inside its context; call it after the layer")
+        if self._layer is None:
+            raise RuntimeError("teo offload sync function called before the context was ever entered")
+        if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad or tensor.grad_fn is None:
+            raise ValueError(
+                "teo offload sync function needs the layer's output, a tensor with a grad_fn (requires_grad "
+                f"and not a leaf); got {type(tensor).__name__} with requires_grad="
+                f"{getattr(tensor, 'requires_grad', None)}")
+        layer, engine = self._layer, self.engine
+        tensor.grad_fn.register_prehook(lambda _grads: engine.backward_boundary(layer))
+        return tensor
+
+
+def make_teo_context(num_layers: int, model_layers: int, *, prefetch: int = 1, counter: Any = None,
+                     pool: Optional[PinnedBufferPool] = None):
+    """``(context, sync_function)`` of a new teo engine (see the module docstring)."""
+    ctx = TeoContext(TeoEngine(num_layers, model_layers, prefetch=prefetch, counter=counter, pool=pool))
+    return ctx, ctx.sync

@@ -1,0 +1,191 @@
+"""GPU: the teo offload engine is exact, moves what the policy allows (never weights), frees what it
+moves, reuses its pinned buffers and never synchronizes with the host."""
+
+import pytest
+import torch
+
+from conftest import requires_gpu
+from engines import Config, make_inputs, make_stack, run_step
+from test_gpu_engines import POLICIES, _assert_moves_follow_policy, _assert_same, _check_path
+from te_offload_ops import engines_teo
+from te_offload_ops.engines import offload_context
+
+LAYERS = 3
+
+
+def _union_bytes(ranges) -> int:
+    """Bytes covered by (start, nbytes) ranges: views of one saved range are copied once."""
+    total, end = 0, -1
+    for start, n in sorted(ranges):
+        if start + n > end:
+            total += start + n - max(start, end)
+            end = start + n
+    return total
+
+
+def expected_bytes(recorder, layer: int) -> int:
+    """What an engine with V2's rule moves for ``layer``: its large activations that no op kept
+    (an op that keeps a tensor another op saved keeps it for both)."""
+    kept = {(e.data_ptr, e.nbytes) for e in recorder.entries if e.kept}
+    return _union_bytes({(e.data_ptr, e.nbytes) for e in recorder.entries
+                         if e.op.startswith(f"L{layer}.") and e.kind == "activation"
+                         and e.numel >= 256 * 1024 and (e.data_ptr, e.nbytes) not in kept})
+
+
+def _moved_by_layer(moved: dict) -> dict[int, int]:
+    out = {}
+    for key, n in moved.items():
+        op = key[0] if isinstance(key, tuple) else key.split("|")[0]
+        layer = int(op.split(".")[0][1:])
+        out[layer] = out.get(layer, 0) + n
+    return out
+
+
+@requires_gpu
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("num_layers", [1, LAYERS - 1, LAYERS])
+def test_exact_and_moves_what_the_policy_allows(num_layers, policy, path):
+    cfg = Config(layers=LAYERS, offload=POLICIES[policy])
+    stack, inputs = make_stack(cfg), make_inputs(cfg)
+    base = run_step(stack, inputs, "none")
+    run = run_step(stack, inputs, "teo", offload_layers=num_layers)
+    _check_path(stack, path)
+    _assert_same(base, run)  # outputs and every grad bitwise equal
+    _assert_moves_follow_policy(run["moved"], cfg.offload, run["recorder"].entries, list(range(num_layers)))
+    by_layer = _moved_by_layer(run["moved"])
+    expected = {i: expected_bytes(run["recorder"], i) for i in range(num_layers)}
+    print(f"{policy} n={num_layers}: moved per layer {by_layer}, expected {expected}")
+    assert all(by_layer.get(i, 0) == 0 for i in range(num_layers, LAYERS)), by_layer
+    assert {i: by_layer.get(i, 0) for i in range(num_layers)} == expected
+    assert sum(expected.values()) > 0
+
+
+@requires_gpu
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_prefetch_distance_keeps_results_exact(prefetch, path):
+    cfg = Config(layers=LAYERS)
+    stack, inputs = make_stack(cfg), make_inputs(cfg)
+    base = run_step(stack, inputs, "none")
+    x, probs, dy, splits = inputs
+    ctx, sync, counter = offload_context("teo", num_layers=LAYERS, model_layers=LAYERS, prefetch=prefetch)
+    for p in [x, *probs, *(q for mlp in stack for q in mlp.parameters())]:
+        p.grad = None
+    h = x * 1.0
+    for i, mlp in enumerate(stack):
+        with ctx:
+            h = mlp(h, splits, probs[i], splits)
+        h = sync(h)
+    out = h.detach().clone()
+    h.backward(dy)
+    torch.cuda.synchronize()
+    assert counter.total > 0
+    assert torch.equal(out, base["out"]) and torch.equal(x.grad, base["grads"]["x"])
+    assert all(torch.equal(p.grad, base["grads"][f"probs{i}"]) for i, p in enumerate(probs))
+
+
+@requires_gpu
+@pytest.mark.parametrize("num_layers", [LAYERS - 1, LAYERS])
+def test_memory_freed_matches_bytes_moved(num_layers, path):
+    """At the end of forward (copies done) >= 95% of the moved bytes are free; at the forward's peak,
+    >= 95% of what the layers before the last moved (the last layer's own saves are alive at its peak
+    under either engine)."""
+    cfg = Config(layers=LAYERS, experts=4, hidden=1024, ffn=768, splits=(1024, 0, 3000, 72))
+    stack, inputs = make_stack(cfg), make_inputs(cfg)
+    base = run_step(stack, inputs, "none")
+    run = run_step(stack, inputs, "teo", offload_layers=num_layers)
+    _check_path(stack, path)
+    by_layer = _moved_by_layer(run["moved"])
+    moved = sum(by_layer.values())
+    before_last = sum(n for layer, n in by_layer.items() if layer < LAYERS - 1)
+    end_of_forward = (base["fwd_mem"] - run["fwd_mem"]) / moved
+    peak = (base["fwd_peak"] - run["fwd_peak"]) / before_last
+    print(f"n={num_layers}: moved {moved / 2**20:.1f} MiB ({before_last / 2**20:.1f} before the last layer); "
+          f"freed at end of forward {end_of_forward:.2%} of it, at the peak {peak:.2%} of the earlier layers'")
+    assert end_of_forward >= 0.95
+    assert peak >= 0.95
+
+
+@requires_gpu
+def test_pinned_pool_does_not_grow_in_steady_state(path):
+    cfg = Config(layers=LAYERS)
+    stack, inputs = make_stack(cfg), make_inputs(cfg)
+    pool = engines_teo.default_pool()
+    allocations = []
+    for _ in range(3):  # a new context per step, as the benchmark's fallback does: the pool is shared
+        run_step(stack, inputs, "teo", offload_layers=LAYERS)
+        assert pool.in_use == 0  # every buffer went back when the backward ended
+        allocations.append(pool.allocations)
+    ctx, sync, _ = offload_context("teo", num_layers=LAYERS, model_layers=LAYERS)
+    for _ in range(2):  # and one context reused from step to step
+        _plain_step(stack, inputs, ctx, sync)
+        allocations.append(pool.allocations)
+    print(f"pinned allocations after each step: {allocations}, {pool.allocated_bytes / 2**20:.1f} MiB")
+    assert allocations[1:] == [allocations[0]] * 4
+
+
+def _plain_step(stack, inputs, ctx, sync):
+    """Forward and backward with no host synchronization of its own."""
+    x, probs, dy, splits = inputs
+    h = x * 1.0
+    for i, mlp in enumerate(stack):
+        with ctx:
+            h = mlp(h, splits, probs[i], splits)
+        h = sync(h)
+    h.backward(dy)
+
+
+@requires_gpu
+def test_no_host_synchronization(path):
+    """A warm step under torch.cuda.set_sync_debug_mode("error"): any synchronizing call raises."""
+    cfg = Config(layers=LAYERS)
+    stack, inputs = make_stack(cfg), make_inputs(cfg)
+    none_ctx, none_sync, _ = offload_context("none", num_layers=0, model_layers=LAYERS)
+    ctx, sync, counter = offload_context("teo", num_layers=LAYERS, model_layers=LAYERS)
+    _plain_step(stack, inputs, none_ctx, none_sync)  # compile and warm up
+    _plain_step(stack, inputs, ctx, sync)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        try:
+            _plain_step(stack, inputs, none_ctx, none_sync)
+        except RuntimeError as exc:
+            pytest.skip(f"the {path} MLP step synchronizes by itself, without offload: {str(exc).splitlines()[0]}")
+        counter.bytes.clear()
+        _plain_step(stack, inputs, ctx, sync)  # raises on a synchronizing call
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert counter.total > 0
+
+
+class _SavesViews(torch.autograd.Function):
+    """Saves one buffer five ways: itself twice, a row range, its transpose, and a column slice."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x, x, x[1:], x.t(), x[:, : x.shape[1] // 2])
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b, rows, xt, cols = ctx.saved_tensors
+        assert rows.shape == (a.shape[0] - 1, a.shape[1]) and xt.stride() == (1, a.shape[1])
+        out = g * (a + b) + g * xt.t()
+        out[1:] += rows
+        out[:, : cols.shape[1]] += cols
+        return out
+
+
+@requires_gpu
+def test_views_and_tensors_saved_twice_are_copied_once():
+    x = torch.randn(1024, 512, device="cuda", requires_grad=True)  # 512 Ki elements
+    g = torch.randn(1024, 512, device="cuda")
+    ref = torch.autograd.grad(_SavesViews.apply(x * 1.0), x, g)[0]
+    ctx, sync, counter = offload_context("teo", num_layers=1, model_layers=1)
+    with ctx:
+        y = _SavesViews.apply(x * 1.0)
+    y = sync(y)
+    got = torch.autograd.grad(y, x, g)[0]
+    assert torch.equal(got, ref)
+    # x twice, its rows and its transpose: one copy of x; the column slice has gaps and stays
+    assert counter.total == x.numel() * x.element_size()
