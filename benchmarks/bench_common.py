@@ -30,6 +30,20 @@ def file_stem(benchmark: str, gpu: str, *suffixes: str) -> str:
     return "_".join(parts)
 
 
+def active_bytes(peak: bool = False) -> int:
+    """GPU memory in use as the caching allocator sees it: blocks held by tensors plus blocks freed
+    while a side stream still uses them (``record_stream``: an offload copy in flight), which
+    ``memory_allocated`` already counts as free. For engines whose copies the compute stream
+    waits for (TE V2, V1) the two agree; for one that hands memory back at once (teo) only this
+    is honest. ``peak``: the most since ``torch.cuda.reset_peak_memory_stats()``."""
+    import torch
+
+    if not peak:
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda")  # an allocation makes the allocator retire finished stream uses
+    return torch.cuda.memory_stats()["active_bytes.all." + ("peak" if peak else "current")]
+
+
 def measure_pcie(nbytes: int = 1 << 29, reps: int = 5) -> dict:
     """GB/s host<->device with pinned memory: each direction alone, then both at once."""
     import torch

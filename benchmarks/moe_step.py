@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
-from bench_common import cuda_problem, file_stem, measure_pcie  # noqa: E402
+from bench_common import active_bytes, cuda_problem, file_stem, measure_pcie  # noqa: E402
 from moe_step_report import (  # noqa: E402
     GiB, MiB, cap_candidates, finish, policy_label, predicted_batch, search_cap, write_reports,
 )
@@ -253,7 +253,7 @@ class StepBench:
         gc.collect()
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts) / MiB  # noqa: E731
         state = [t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.is_cuda]
-        self.floor_MiB = torch.cuda.memory_allocated() / MiB
+        self.floor_MiB = active_bytes() / MiB
         parts = {"params_MiB": nbytes(self.params), "grads_MiB": nbytes([p.grad for p in self.params]),
                  "optimizer_MiB": nbytes(state)}
         self.floor = {"floor_MiB": self.floor_MiB, **parts, "other_MiB": self.floor_MiB - sum(parts.values())}
@@ -305,9 +305,10 @@ class StepBench:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         samples = [self._step(x, dy, batch, policy, held or self._context(policy)) for _ in range(count)]
-        peak = torch.cuda.max_memory_allocated() / MiB
+        # active, not allocated: memory an engine handed back while its copy still reads it counts
+        peak = active_bytes(peak=True) / MiB
         inputs_MiB = 2 * x.numel() * x.element_size() / MiB
-        left = torch.cuda.memory_allocated() / MiB - inputs_MiB  # what the engine keeps between steps
+        left = active_bytes() / MiB - inputs_MiB  # what the engine keeps between steps
         return samples, peak, left
 
     def _recover(self) -> None:

@@ -88,19 +88,31 @@ def byte_span(t: torch.Tensor) -> Optional[Move]:
 
 
 def plan_saved(t: torch.Tensor) -> Keep | Move | Parts:
-    """What the engine does with saved tensor ``t`` of an offloaded layer."""
+    """What the engine does with saved tensor ``t`` of an offloaded layer: what TE V2 would move.
+
+    Beyond the policy's marks (``policy.keep_reason``) that means V2's layout rules too: a
+    non-contiguous tensor stays, unless TE asked for its base to move (``offload_base_tensor``,
+    TE's interleaved q, k, v views), in which case the base's bytes move."""
     reason = policy.keep_reason(t)
     if reason is not None:
         return Keep(reason)
+    if t.layout != torch.strided or t.is_conj() or t.is_neg():
+        # raw bytes would lose what the layout or the lazy conj/neg bit says
+        return Keep(f"layout {t.layout}, conj {t.is_conj()}, neg {t.is_neg()}: not plain strided bytes")
     if isinstance(t, QuantizedTensor):
         shell = t.detach()
         tensors, _ = shell.prepare_for_saving()
         return Parts(shell, list(tensors), [None if p is None else plan_saved(p) for p in tensors])
     if type(t) is not torch.Tensor:
         return Keep(f"a {type(t).__name__}, a tensor subclass this engine does not take apart")
-    span = byte_span(t)
+    if getattr(t, "offload_base_tensor", False) and t._base is not None:
+        span = byte_span(t._base)
+    elif not t.is_contiguous():
+        return Keep(f"non-contiguous (shape {tuple(t.shape)}, stride {t.stride()}): TE V2 keeps these too")
+    else:
+        span = byte_span(t)
     if span is None:
-        return Keep(f"non-contiguous with gaps (shape {tuple(t.shape)}, stride {t.stride()})")
+        return Keep(f"its base has gaps (shape {tuple(t._base.shape)}, stride {t._base.stride()})")
     return span
 
 
@@ -325,17 +337,18 @@ class TeoEngine:
         layer = self._layers.setdefault(self._fwd_layer, _LayerCopies())
         storage = t.untyped_storage()
         ptr, itemsize = storage.data_ptr(), t.element_size()
+        at = t.storage_offset() * itemsize  # the tensor's first byte (span may be its base's)
         found = None
         for i, c in enumerate(layer.copies):  # saved twice, or a view of a range already copied
             if (c.storage_ptr == ptr and c.start <= span.start and span.start + span.nbytes <= c.start + c.nbytes
-                    and (span.start - c.start) % itemsize == 0 and not c.storage_ref.expired()):
+                    and (at - c.start) % itemsize == 0 and not c.storage_ref.expired()):
                 found = i
                 break
         if found is None:
             layer.copies.append(self._copy_to_host(t, storage, span))
             found = len(layer.copies) - 1
             self._count(t, owner, span.nbytes)
-        return _Moved(self._step, self._fwd_layer, found, span.start - layer.copies[found].start,
+        return _Moved(self._step, self._fwd_layer, found, at - layer.copies[found].start,
                       tuple(t.shape), tuple(t.stride()), t.dtype)
 
     def _count(self, t: torch.Tensor, owner: torch.Tensor, nbytes: int) -> None:
@@ -346,17 +359,20 @@ class TeoEngine:
         else:  # a part of a quantized tensor: its bytes, under the tensor autograd saved
             self.counter.bytes[self.counter.classify(owner)] += nbytes
 
-    def _streams(self):
-        if self._d2h is None:
-            self._d2h, self._h2d = torch.cuda.Stream(), torch.cuda.Stream()
+    def _streams(self, device=None):
+        if self._d2h is None:  # on the model's device, which need not be the current one
+            self._d2h, self._h2d = torch.cuda.Stream(device=device), torch.cuda.Stream(device=device)
         return self._d2h, self._h2d
 
     def _copy_to_host(self, t: torch.Tensor, storage, span: Move) -> _HostCopy:
-        d2h, _ = self._streams()
+        d2h, _ = self._streams(t.device)
         ready = getattr(t, "start_reload_event", None)  # TE's start_offload: ready before it was saved
         if ready is None:
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream())
+            ready.record(torch.cuda.current_stream(t.device))
+        # from a 512-byte boundary of the storage: a reloaded view keeps its address's alignment
+        start = span.start - span.start % 512
+        span = Move(start, span.start + span.nbytes - start)
         host = self.pool.acquire(span.nbytes)
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, span.start, (span.nbytes,), (1,))
         d2h.wait_event(ready)
@@ -402,6 +418,8 @@ class TeoEngine:
             h2d.wait_event(c.copied)
             with torch.cuda.stream(h2d):
                 c.gpu.copy_(c.host.tensor[: c.nbytes], non_blocking=True)
+            # freed before the copy ends (an unused prefetch, a backward that raised): not reused until it does
+            c.gpu.record_stream(h2d)
             c.reloaded = torch.cuda.Event()
             c.reloaded.record(h2d)
             c.waited = False
@@ -411,11 +429,8 @@ class TeoEngine:
         copies = self._layers.get(layer)
         if copies is None or not copies.reloaded:
             return
-        stream = torch.cuda.current_stream()
         for c in copies.copies:
-            if not c.waited:  # never used: its memory must not be reused before the copy ends
-                stream.wait_event(c.reloaded)
-            c.gpu = None
+            c.gpu = None  # record_stream in _reload keeps its memory until the copy is done
         copies.reloaded = False  # the host copy stays valid until the next step (retain_graph)
 
     def unpack(self, handle: Any) -> Any:
@@ -459,6 +474,12 @@ class TeoContext:
     def __enter__(self):
         if capture.capturing():
             raise capture.GraphCaptureError(_CAPTURE_MESSAGE)
+        current_node = getattr(torch._C, "_current_autograd_node", None)
+        if current_node is not None and current_node() is not None:
+            raise RuntimeError(
+                "teo offload context entered during a backward pass (activation recomputation?): teo counts "
+                "one forward then one backward per step and cannot offload a recomputed layer; keep "
+                "recomputed layers outside its context or use TE's V2 engine")
         if self._inside:
             raise RuntimeError("teo offload context entered again before its sync function was called")
         self._inside = True
@@ -484,7 +505,9 @@ class TeoContext:
             raise RuntimeError("teo offload sync function called inside its context; call it after the layer")
         if self._layer is None:
             raise RuntimeError("teo offload sync function called before the context was ever entered")
-        if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad or tensor.grad_fn is None:
+        if isinstance(tensor, torch.Tensor) and not tensor.requires_grad:
+            return tensor  # a frozen layer: nothing of it was saved for a backward
+        if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
             raise ValueError(
                 "teo offload sync function needs the layer's output, a tensor with a grad_fn (requires_grad "
                 f"and not a leaf); got {type(tensor).__name__} with requires_grad="

@@ -155,6 +155,8 @@ def run_step(stack, inputs, engine: str, offload_layers: int | None = None) -> d
         torch.cuda.synchronize()
         fwd_mem = torch.cuda.memory_allocated() - base_mem
         fwd_peak = torch.cuda.max_memory_allocated() - base_mem
+        # also counts blocks freed while an offload copy still reads them (record_stream)
+        fwd_active_peak = torch.cuda.memory_stats()["active_bytes.all.peak"] - base_mem
         out = h.detach().clone()
         h.backward(dy)
         delayed = [op for op in linears(stack) if op.need_backward_dw()]
@@ -171,6 +173,7 @@ def run_step(stack, inputs, engine: str, offload_layers: int | None = None) -> d
             for e, w in enumerate(_expert_grads(op)):
                 grads[f"L{i}.{j}.weight{e}"] = w
     return {"out": out, "grads": grads, "moved": dict(moved), "fwd_mem": fwd_mem, "fwd_peak": fwd_peak,
+            "fwd_active_peak": fwd_active_peak,
             "recorder": recorder, "grads_before_dw": grads_before_dw}
 
 

@@ -88,7 +88,10 @@ def test_prefetch_distance_keeps_results_exact(prefetch, path):
 def test_memory_freed_matches_bytes_moved(num_layers, path):
     """At the end of forward (copies done) >= 95% of the moved bytes are free; at the forward's peak,
     >= 95% of what the layers before the last moved (the last layer's own saves are alive at its peak
-    under either engine)."""
+    under either engine). The peak asserted is memory_allocated's, which counts a block as free once
+    the engine drops it (record_stream), copy in flight or not: it checks that the engine lets go of
+    what it moves. The allocator's active peak (blocks still read by a copy count) is printed; the
+    benchmark reports that one."""
     cfg = Config(layers=LAYERS, experts=4, hidden=1024, ffn=768, splits=(1024, 0, 3000, 72))
     stack, inputs = make_stack(cfg), make_inputs(cfg)
     base = run_step(stack, inputs, "none")
@@ -99,8 +102,10 @@ def test_memory_freed_matches_bytes_moved(num_layers, path):
     before_last = sum(n for layer, n in by_layer.items() if layer < LAYERS - 1)
     end_of_forward = (base["fwd_mem"] - run["fwd_mem"]) / moved
     peak = (base["fwd_peak"] - run["fwd_peak"]) / before_last
+    active = (base["fwd_active_peak"] - run["fwd_active_peak"]) / before_last
     print(f"n={num_layers}: moved {moved / 2**20:.1f} MiB ({before_last / 2**20:.1f} before the last layer); "
-          f"freed at end of forward {end_of_forward:.2%} of it, at the peak {peak:.2%} of the earlier layers'")
+          f"freed at end of forward {end_of_forward:.2%} of it, at the peak {peak:.2%} of the earlier layers' "
+          f"(active peak: {active:.2%})")
     assert end_of_forward >= 0.95
     assert peak >= 0.95
 
