@@ -315,7 +315,10 @@ class GroupedGemmSm90:
             epi: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, max(8, self.epi_bufs * self.n_out * self.epi_elems)], 128
             ]
-            box: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, box_cosize], 1024]
+            # 1024-byte aligned for the swizzle only where used: elsewhere that padding would cost a stage
+            box: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float32, box_cosize], 1024 if self.epilogue == "tma_f32" else 16
+            ]
 
         self.smem_struct = Smem
         self.kernel(
@@ -930,20 +933,23 @@ class GroupedGemmSm90:
         n_half = cute.size(shp[0][1])
         grp_per_chunk = cols // 8
         for ch in cutlass.range_constexpr(bn // cols):
-            for mm in cutlass.range_constexpr(cute.size(shp[1])):
-                for h in cutlass.range_constexpr(n_half):
-                    for g in cutlass.range_constexpr(ch * grp_per_chunk, (ch + 1) * grp_per_chunk):
-                        for pr in cutlass.range_constexpr(2):
-                            crd = ((pr, h, g), mm, 0)
-                            rc = c_id[crd]
-                            box[rc[0], rc[1] - ch * cols] = acc[crd]
-            cute.arch.fence_proxy("async.shared", space="cta")  # visible to the TMA unit
-            cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
-            if etid < 32:  # one warp (the DSL elects its issuing thread)
-                cute.copy(tma_c, t_s[None, buf], t_g[None, n_blk * (bn // cols) + ch])
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
+            # a box wholly past N (the last n-block's tail) has nothing to add: the same for every
+            # thread of the tile, so the barriers stay balanced
+            if n_blk * bn + ch * cols < self.n:
+                for mm in cutlass.range_constexpr(cute.size(shp[1])):
+                    for h in cutlass.range_constexpr(n_half):
+                        for g in cutlass.range_constexpr(ch * grp_per_chunk, (ch + 1) * grp_per_chunk):
+                            for pr in cutlass.range_constexpr(2):
+                                crd = ((pr, h, g), mm, 0)
+                                rc = c_id[crd]
+                                box[rc[0], rc[1] - ch * cols] = acc[crd]
+                cute.arch.fence_proxy("async.shared", space="cta")  # visible to the TMA unit
+                cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
+                if etid < 32:  # one warp (the DSL elects its issuing thread)
+                    cute.copy(tma_c, t_s[None, buf], t_g[None, n_blk * (bn // cols) + ch])
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
 
     @cute.jit
     def _chunk(self, t, row0, col0):
