@@ -588,7 +588,8 @@ def profile_markdown(p: dict) -> list[str]:
         for part, d in (("fwd", "d2h"), ("bwd", "h2d")):
             e = row.get(part, {})
             c = e.get(d, {})
-            cells += [f"{_f(e.get('start_ms'))}-{_f(e.get('end_ms'))}", f"{_f(e.get('busy_ms'))} / {_f(e.get('idle_ms'))}",
+            cells += [f"{_f(e.get('start_ms'))}-{_f(e.get('end_ms'))}" if "start_ms" in e else "-",
+                      f"{_f(e.get('busy_ms'))} / {_f(e.get('idle_ms'))}",
                       _f(c.get("MiB"), ".1f"), f"{_f(c.get('start_ms'))}-{_f(c.get('end_ms'))}" if c else "-",
                       _f(c.get("overlap_compute_ms"))]
         lines.append("| " + " | ".join(cells) + " |")
@@ -601,7 +602,8 @@ def markdown(result: dict) -> str:
              "a phase launched. Idle: the compute stream's gaps inside the step; host = the op after the gap "
              "was not yet launched when the stream ran dry; wait = it was launched but started when another "
              "stream's work ended; launch latency = under "
-             f"{LAUNCH_LATENCY_US:g} us. Copies' overlap: time any copy of that direction ran beside a "
+             f"{LAUNCH_LATENCY_US:g} us. A gap counts toward the phase of the op that ends it (the gap before the "
+             "optimizer's first kernel is the optimizer's); \"tail\": after the compute stream's last op. Copies' overlap: time any copy of that direction ran beside a "
              "compute-stream kernel.", ""]
     for engine, bw in result.get("pcie", {}).items():
         lines.append(f"- {engine} process: pinned copies alone reach D2H {bw['d2h_GBps']:.1f} GB/s, "
@@ -610,6 +612,8 @@ def markdown(result: dict) -> str:
     for shape in result["shapes"]:
         lines += [f"## {shape['name']}: {shape['layers']} layers, {shape['batch']} x {shape['seq']} tokens, "
                   f"MLP path {shape.get('path')}", ""]
+        for engine, error in shape.get("failed", {}).items():
+            lines += [f"- {engine}: could not build and run the model: {error}", ""]
         for p in shape["profiles"]:
             lines += profile_markdown(p)
     return "\n".join(lines) + "\n"
