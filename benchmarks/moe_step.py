@@ -16,11 +16,18 @@ same process, and the most tokens per step that fit under a memory cap with and 
 (predicted from the measured peak per sequence, then confirmed by runs under the cap). It writes
 JSON, markdown and a PNG (step time against peak memory) into --out; --memory-target names the
 fastest measured policy whose peak meets it.
+
+With --profile POLICY[,...] it measures nothing of the above: for each engine and the policies
+named it runs a few steps after warm-up under torch.profiler and writes where the time goes
+(benchmarks/step_profile.py: phases, compute-stream busy and idle time with causes, copies by
+direction with their overlap, per-layer offload and reload against compute) into
+moe_step_profile_<GPU>[_unfused].{json,md,png}; --trace keeps the chrome traces.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -38,7 +45,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
+import step_profile  # noqa: E402
 from bench_common import active_bytes, cuda_problem, file_stem, measure_pcie  # noqa: E402
+from bench_common import write_reports as write_profile_reports  # noqa: E402
 from moe_step_report import (  # noqa: E402
     GiB, MiB, cap_candidates, finish, policy_label, predicted_batch, search_cap, write_reports,
 )
@@ -103,6 +112,18 @@ def parse_policies(text: str, layers: int) -> list[Policy]:
             out.append(Policy(scope, count))
     if not out:
         raise ValueError("no policies given")
+    return out
+
+
+def parse_profile_policies(text: str, layers: int) -> list[Policy]:
+    """ "none,mlp:2" -> policies to profile: those of --policies, and "none" (no offload)."""
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    rest = [s for s in items if s != "none"]
+    out = [NO_OFFLOAD] if "none" in items else []
+    if rest:
+        out += parse_policies(",".join(rest), layers)
+    if not out:
+        raise ValueError("--profile: no policies given (none, mlp:N or layer:N)")
     return out
 
 
@@ -179,6 +200,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-cap", action="store_true", help="skip the tokens-under-a-cap search")
     p.add_argument("--memory-target", type=float, help="GiB: name the fastest measured policy whose peak meets it")
     p.add_argument("--out", type=Path, default=HERE / "results", help="folder for JSON, markdown, PNG")
+    p.add_argument("--profile", metavar="POLICY[,POLICY...]",
+                   help="instead of the measurements: profile these policies (none, mlp:N, layer:N) of each "
+                        "engine under torch.profiler and write moe_step_profile_<GPU>[_unfused].{json,md,png}")
+    p.add_argument("--profile-steps", type=int, default=3, help="profiled steps per engine and policy (after warm-up)")
+    p.add_argument("--trace", action="store_true", help="with --profile: keep each chrome trace (.json.gz) in --out")
     p.add_argument("--child", choices=list(ENGINE_ENV), help=argparse.SUPPRESS)
     p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -206,7 +232,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not args.engines or any(e not in ENGINE_ENV for e in args.engines):
         p.error(f"--engines takes {', '.join(ENGINE_ENV)}, got {args.engines}")
+    if args.profile_steps <= 0:
+        p.error(f"--profile-steps must be positive, got {args.profile_steps}")
+    if args.trace and not args.profile:
+        p.error("--trace needs --profile")
     try:
+        args.profile = parse_profile_policies(args.profile, args.layers) if args.profile else None
         args.policies = parse_policies(args.policies, args.layers) if args.policies else default_policies(args.layers)
         args.caps = parse_caps(args.memory_cap, list(args.shapes))
     except ValueError as exc:
@@ -238,6 +269,7 @@ class StepBench:
         from moe_model import LayerShape, build_stack, compute_path
 
         self.torch, self.args, self.engine, self.name = torch, args, engine, name
+        self.mark = lambda phase: contextlib.nullcontext()  # step_profile.phase_mark while profiling
         self.L, self.seq = args.layers, args.seq
         self.hidden = shape["hidden"]
         self.dtype = getattr(torch, DTYPES[args.dtype])
@@ -281,15 +313,18 @@ class StepBench:
         counter.bytes.clear()
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         ev[0].record()
-        # a copy, so that the engine can free what it offloads: the model does not keep the embedding's output
-        out = forward_stack(self.stack, x.clone(), batch, "layer" if policy.scope == "none" else policy.scope,
-                            ctx, sync)
+        with self.mark("forward"):
+            # a copy, so that the engine can free what it offloads: the model does not keep the embedding's output
+            out = forward_stack(self.stack, x.clone(), batch, "layer" if policy.scope == "none" else policy.scope,
+                                ctx, sync)
         ev[1].record()
-        out.backward(dy)
-        del out
+        with self.mark("backward"):
+            out.backward(dy)
+            del out
         ev[2].record()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=False)
+        with self.mark("optimizer"):
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=False)
         ev[3].record()
         torch.cuda.synchronize()
         fwd, bwd, opt = (ev[i].elapsed_time(ev[i + 1]) for i in range(3))
@@ -356,6 +391,33 @@ class StepBench:
                 return retry
         return row
 
+    def profile(self, policy: Policy, trace_path: Path) -> dict:
+        """Warm-up steps, then --profile-steps steps under torch.profiler; their breakdown (or the error)."""
+        a, torch = self.args, self.torch
+        entry = {"engine": self.engine, "policy": policy.label(self.L), "scope": policy.scope, "layers": policy.layers}
+        x, dy = self._inputs(a.batch)
+        context = self._context(policy)
+        step = lambda: self._step(x, dy, a.batch, policy, context)  # noqa: E731
+        try:
+            for _ in range(a.warmup):
+                step()
+            self.mark = step_profile.phase_mark
+            try:
+                names = step_profile.profile_steps(step, list(self.stack), a.profile_steps, trace_path)
+            finally:
+                self.mark = lambda phase: contextlib.nullcontext()
+            entry.update(step_profile.analyze_trace(trace_path, names))
+        except Exception as exc:  # noqa: BLE001 (an engine that cannot run a policy is a result)
+            entry["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            self._recover()
+        finally:
+            if not a.trace:
+                trace_path.unlink(missing_ok=True)
+        if "error" not in entry:
+            entry["trace"] = trace_path.name if a.trace else None
+        torch.cuda.synchronize()
+        return entry
+
     def cap_trial(self, policy: Policy, batch: int, cap_GiB: float, reuse: bool) -> dict:
         torch = self.torch
         torch.cuda.empty_cache()
@@ -402,6 +464,29 @@ def _progress(engine: str, name: str, i: int, n: int, row: dict) -> None:
           + (f"  ({'; '.join(row['notes'])})" if row["notes"] else ""), flush=True)
 
 
+def profile_stem(gpu: str, unfused: bool) -> str:
+    return file_stem("moe_step_profile", gpu, "unfused" if unfused else "")
+
+
+def profile_policy(bench: StepBench, args, policy: Policy) -> dict:
+    import torch
+
+    label = policy.label(args.layers)
+    trace = args.out / (f"{profile_stem(torch.cuda.get_device_name(), args.unfused)}_{bench.name}_{bench.engine}_"
+                        f"{label.replace(' ', '').replace('/', 'of')}.trace.json.gz")
+    t0 = time.perf_counter()
+    entry = bench.profile(policy, trace)
+    head = f"[{bench.engine} {bench.name} profile] {label:10s}"
+    if entry.get("error"):
+        print(f"{head} did not run: {entry['error']}", flush=True)
+        return entry
+    m = entry["mean"]
+    idle = ", ".join(f"{p} {v:.2f}" for p, v in m.get("idle_total_ms", {}).items())
+    print(f"{head} GPU {m['gpu_ms']:.1f} ms, compute busy {m['compute_busy_ms']:.1f} ms; idle ms: {idle} "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return entry
+
+
 def run_child(args) -> None:
     import torch
 
@@ -423,6 +508,12 @@ def run_child(args) -> None:
             continue
         print(f"[{engine} {name}] built in {time.perf_counter() - t0:.0f} s: MLP {bench.path}, "
               f"static floor {bench.floor_MiB:.0f} MiB", flush=True)
+        if args.profile:
+            out["shapes"][name] = {"path": bench.path, "profiles": [profile_policy(bench, args, p) for p in args.profile]}
+            del bench
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
         plan = [NO_OFFLOAD] + args.policies
         rows = []
         for i, policy in enumerate(plan, 1):
@@ -471,6 +562,26 @@ def merge(args, children: list[dict]) -> dict:
     }
 
 
+def merge_profiles(args, children: list[dict]) -> dict:
+    shapes = []
+    for name, shape in args.shapes.items():
+        runs = [c["shapes"][name] for c in children if name in c["shapes"]]
+        profiles = [p for r in runs for p in r.get("profiles", [])]
+        failed = {c["engine"]: c["shapes"][name]["error"] for c in children if "error" in c["shapes"].get(name, {})}
+        shapes.append({"name": name, "shape": shape, "layers": args.layers, "batch": args.batch, "seq": args.seq,
+                       "dtype": args.dtype, "path": next((r["path"] for r in runs if "path" in r), None),
+                       "profiles": profiles, "failed": failed})
+    return {
+        "benchmark": "moe_step_profile", "gpu": children[0]["gpu"],
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "config": {"engines": args.engines, "policies": [p.label(args.layers) for p in args.profile],
+                   "warmup": args.warmup, "profile_steps": args.profile_steps, "unfused": args.unfused,
+                   "quick": args.quick, "trace": args.trace},
+        "pcie": {c["engine"]: c["pcie"] for c in children},
+        "shapes": shapes,
+    }
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -485,7 +596,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"MoE step: shapes {', '.join(args.shapes)}, L={args.layers}, {args.batch} x {args.seq} tokens, "
           f"engines {', '.join(args.engines)}, policies {', '.join(p.label(args.layers) for p in args.policies)}"
-          + (", MLP unfused" if args.unfused else ""), flush=True)
+          + (", MLP unfused" if args.unfused else "")
+          + (f"; profiling {', '.join(p.label(args.layers) for p in args.profile)}" if args.profile else ""), flush=True)
     start = time.perf_counter()
     children, failed, caps, how = [], [], dict(args.caps), {}
     for engine in args.engines:
@@ -509,6 +621,12 @@ def main(argv=None) -> int:
         children.append(child)
     if not children:
         return 1
+    if args.profile:
+        result = merge_profiles(args, children)
+        paths = write_profile_reports(args.out, profile_stem(result["gpu"], args.unfused), result,
+                                      step_profile.markdown, step_profile.chart)
+        print(f"\nwrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - start:.0f} s")
+        return 1 if failed else 0
     result = merge(args, children)
     finish(result, args.memory_target)
     stem = file_stem("moe_step", result["gpu"], "unfused" if args.unfused else "", "quick" if args.quick else "")
