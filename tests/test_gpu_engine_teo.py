@@ -194,3 +194,65 @@ def test_views_and_tensors_saved_twice_are_copied_once():
     assert torch.equal(got, ref)
     # x twice, its rows and its transpose: one copy of x; the column slice has gaps and stays
     assert counter.total == x.numel() * x.element_size()
+
+
+def _grads_of(stack, inputs):
+    x, probs, _, _ = inputs
+    return [t.grad.clone() for t in [x, *probs, *(q for mlp in stack for q in mlp.parameters())]]
+
+
+def _zero_grads(stack, inputs):
+    x, probs, _, _ = inputs
+    for t in [x, *probs, *(q for mlp in stack for q in mlp.parameters())]:
+        t.grad = None
+
+
+@requires_gpu
+def test_slow_copies_and_reused_memory_keep_steps_exact(monkeypatch, path):
+    """Cross-stream ordering under stress: every offload and reload copy is queued behind a ~1 ms
+    sleep on its copy stream (so the compute stream runs far ahead), and after each forward the
+    compute stream fills large fresh allocations with NaN (so a block handed out before its copy
+    finished, or a pinned buffer overwritten while read, would poison the result). Three steps back
+    to back with one context and no host synchronization: each bitwise equal to no offload."""
+    cfg = Config(layers=LAYERS)
+    stack, inputs = make_stack(cfg), make_inputs(cfg)
+    none_ctx, none_sync, _ = offload_context("none", num_layers=0, model_layers=LAYERS)
+    _zero_grads(stack, inputs)
+    _plain_step(stack, inputs, none_ctx, none_sync)
+    ref = _grads_of(stack, inputs)
+
+    to_host, to_gpu = engines_teo.TeoEngine._copy_to_host, engines_teo.TeoEngine._reload
+
+    def slow_to_host(self, t, storage, span):
+        d2h, _ = self._streams(t.device)
+        with torch.cuda.stream(d2h):
+            torch.cuda._sleep(1_000_000)
+        return to_host(self, t, storage, span)
+
+    def slow_reload(self, layer):
+        if self._h2d is not None:
+            with torch.cuda.stream(self._h2d):
+                torch.cuda._sleep(1_000_000)
+        return to_gpu(self, layer)
+
+    monkeypatch.setattr(engines_teo.TeoEngine, "_copy_to_host", slow_to_host)
+    monkeypatch.setattr(engines_teo.TeoEngine, "_reload", slow_reload)
+    ctx, sync, counter = offload_context("teo", num_layers=LAYERS, model_layers=LAYERS)
+    x, probs, dy, splits = inputs
+    results = []
+    for _ in range(3):
+        _zero_grads(stack, inputs)
+        h = x * 1.0
+        for i, mlp in enumerate(stack):
+            with ctx:
+                h = mlp(h, splits, probs[i], splits)
+            h = sync(h)
+        poison = [torch.full((64, 2**20), float("nan"), device="cuda") for _ in range(4)]  # 1 GiB
+        del poison
+        h.backward(dy)
+        results.append(_grads_of(stack, inputs))  # clones queued on the compute stream, no sync
+    torch.cuda.synchronize()
+    assert counter.total > 0
+    for step, got in enumerate(results):
+        for i, (a, b) in enumerate(zip(got, ref)):
+            assert torch.equal(a, b), (step, i)
