@@ -76,3 +76,35 @@ def test_fused_matches_unfused_and_fp32_reference(case, dtype, monkeypatch):
         ours_err, theirs_err = rel_err(ours, ref), rel_err(theirs, ref)
         # As accurate as TE's own bf16/fp16 path, to within rounding noise.
         assert ours_err <= 1.5 * theirs_err + 2e-3, (name, ours_err, theirs_err)
+
+
+@pytest.mark.parametrize("order", ["reversed", "ascending"])
+def test_weights_in_a_padded_buffer_are_read_in_place(order):
+    """Megatron's DDP moves each parameter into its buffer (``param.data`` = a view), a module's
+    parameters last first and padded apart: the fused op reads them there (no stacked copy) and
+    gives the same bits as with TE's own packed weights."""
+    from te_offload_ops.fused.expert_weights import expert_weights
+    from te_offload_ops.kernels import api
+
+    cfg = Config(layers=1, experts=4, hidden=256, ffn=384, splits=(300, 0, 650, 74))
+    stack, inputs = make_stack(cfg), make_inputs(cfg)
+    base = run_step(stack, inputs, "none")
+    pad = 64
+    for op in (stack[0][0], stack[0][2]):
+        ws = [getattr(op, f"weight{i}") for i in range(op.num_groups)]
+        n, k = ws[0].shape
+        buf = torch.zeros(len(ws) * (n * k + pad), dtype=ws[0].dtype, device="cuda")
+        slots = range(len(ws))[::-1] if order == "reversed" else range(len(ws))
+        for slot, w in zip(slots, ws):
+            view = buf[slot * (n * k + pad): slot * (n * k + pad) + n * k].view(n, k)
+            view.copy_(w.data)
+            w.data = view
+        w, rev = expert_weights(op)
+        assert rev == (order == "reversed") and w.data_ptr() == buf.data_ptr() and w.stride(0) == n * k + pad
+    got = run_step(stack, inputs, "none")
+    assert forward_plan(stack[0]) == ["FusedScaledSReLUMLP"]
+    assert any(isinstance(key[-2], tuple) and key[-2][0] == "b" and key[-2][2] == (order == "reversed")
+               for key in api.compile_times()), "no kernel for the padded weight layout ran"
+    assert torch.equal(got["out"], base["out"])
+    for name, g in base["grads"].items():
+        assert torch.equal(got["grads"][name], g), name

@@ -422,6 +422,30 @@ def test_tma_epilogue_needs_a_slot_stride():
                         slot_stride=64 * 128)
 
 
+@pytest.mark.parametrize("epilogue, b_n_major", [("srelu", False), ("dsrelu", True), ("plain", True)])
+def test_weights_in_reverse_order_with_padding_compile(epilogue, b_n_major):
+    """Megatron's DDP buffer: the experts' weights last first, padded apart. The forward and dgrad
+    kernels read them in place (a padded expert stride, expert e at slot E - 1 - e)."""
+    from te_offload_ops.kernels import compile_variant
+
+    n, k = (1856, 2688) if not b_n_major else (2688, 1856)
+    kern, compiled, _ = compile_variant(torch.bfloat16, n, k, 8, b_n_major=b_n_major, epilogue=epilogue,
+                                        options="--keep-ptx", call="python", b_layout=(n * k + 64, True))
+    assert kern.b_reversed and kern.b_stride == n * k + 64
+    ptx = str(compiled.artifacts.PTX)
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_weight_layout_checks():
+    from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
+
+    with pytest.raises(ValueError, match="b_stride must be at least"):
+        GroupedGemmSm90(cutlass.BFloat16, 128, 64, 2, b_n_major=False, b_stride=128 * 64 - 8)
+    with pytest.raises(ValueError, match="not wgrad"):
+        GroupedGemmSm90(cutlass.BFloat16, 128, 0, 2, b_n_major=True, wgrad_m=64, b_reversed=True)
+
+
 def test_main_grad_add_choice(monkeypatch):
     from te_offload_ops.kernels import main_grad_add
 

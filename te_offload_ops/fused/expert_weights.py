@@ -27,20 +27,40 @@ def _grouped_data(w: torch.Tensor) -> torch.Tensor:
     return w.detach() if data is None else data
 
 
-def stacked_weight(op) -> torch.Tensor:
-    """The (E, out, in) weight tensor: a view when the experts' weights tile one buffer."""
+def expert_weights(op) -> tuple[torch.Tensor, bool]:
+    """The experts' weights as the kernels read them, without a copy where their layout allows:
+    ``(w, reversed)`` with ``w`` an (E, out, in) tensor, each expert's matrix contiguous and the
+    experts a fixed number of elements apart in one storage; ``reversed``: ``w[j]`` is expert
+    ``E - 1 - j`` (Megatron's DDP buffer lays a module's parameters out last first). TE's own
+    packed buffer, one grouped weight, and such buffers with padding between parameters are read
+    in place; anything else (separately allocated weights) is stacked into a new tensor."""
     E, n, k = op.num_groups, op.out_features, op.in_features
     if op.single_grouped_weight:
-        return _grouped_data(op.weight).view(E, n, k)
-    ws = weight_params(op)
+        return _grouped_data(op.weight).view(E, n, k), False
+    ws = [w.detach() for w in weight_params(op)]
     w0 = ws[0]
-    step = n * k * w0.element_size()
+    size = w0.element_size()
     storage = w0.untyped_storage()
-    # adjacent addresses are not enough: separately allocated weights can sit back to back in
-    # the caching allocator; a view must stay inside one storage
-    tiled = (storage.nbytes() >= w0.storage_offset() * w0.element_size() + E * step
-             and all(w.is_contiguous() and w.dtype == w0.dtype and w.data_ptr() == w0.data_ptr() + i * step
-                     and w.untyped_storage().data_ptr() == storage.data_ptr() for i, w in enumerate(ws)))
-    if tiled:
-        return w0.detach().as_strided((E, n, k), (n * k, k, 1))
-    return torch.stack([w.detach() for w in ws])
+    same = all(w.is_contiguous() and w.dtype == w0.dtype and w.untyped_storage().data_ptr() == storage.data_ptr()
+               for w in ws)
+    if same and E > 1:
+        step = ws[1].data_ptr() - w0.data_ptr()  # bytes from one expert to the next, either sign
+        evenly = step != 0 and abs(step) % size == 0 and all(
+            w.data_ptr() == w0.data_ptr() + i * step for i, w in enumerate(ws))
+        if evenly and abs(step) >= n * k * size:
+            first = w0 if step > 0 else ws[-1]  # the lowest address
+            # adjacent addresses are not enough: separately allocated weights can sit back to
+            # back in the caching allocator; a view must stay inside one storage
+            end = first.storage_offset() * size + (E - 1) * abs(step) + n * k * size
+            if storage.nbytes() >= end:
+                return first.as_strided((E, n, k), (abs(step) // size, k, 1)), step < 0
+    if E == 1:
+        return w0.view(1, n, k), False
+    return torch.stack(ws), False
+
+
+def stacked_weight(op) -> torch.Tensor:
+    """The (E, out, in) weight tensor in expert order: a view when the experts' weights tile one
+    buffer in that order, else a copy."""
+    w, reversed_order = expert_weights(op)
+    return w.flip(0) if reversed_order else w

@@ -20,7 +20,7 @@ from transformer_engine.pytorch.ops.op import FusedOperation
 from .. import policy
 from ..capture import GraphCaptureError, capturing
 from ..ops.input_checks import check_input, check_scales, check_split_sizes
-from .expert_weights import stacked_weight, weight_dtype, weight_params
+from .expert_weights import expert_weights, weight_dtype, weight_params
 from .selection import runtime_blockers
 from .split_check import check_now, resolve_in_backward, start_check
 from .weight_grads import check_main_grad, weight_grads
@@ -124,8 +124,12 @@ class FusedScaledSReLUMLP(FusedOperation):
         else:
             check = start_check(split_sizes, tokens, where)
         probs_flat = probs.reshape(-1)
-        act, z = kernels.grouped_gemm_srelu_fwd(x2d, stacked_weight(fc1), split_sizes, probs_flat)
-        y = kernels.grouped_gemm(act, stacked_weight(fc2), split_sizes)
+        w1, rev1 = expert_weights(fc1)  # one at a time: where they must be stacked, a copy each
+        act, z = kernels.grouped_gemm_srelu_fwd(x2d, w1, split_sizes, probs_flat, reversed_experts=rev1)
+        del w1
+        w2, rev2 = expert_weights(fc2)
+        y = kernels.grouped_gemm(act, w2, split_sizes, reversed_experts=rev2)
+        del w2
         if not any(ctx.requires_grad for ctx in ctxs):
             if check is not None:
                 self._pending_checks.append(check)
@@ -168,12 +172,15 @@ class FusedScaledSReLUMLP(FusedOperation):
         z, probs = ctx_act.saved_tensors
         dy = dy.contiguous()
 
-        dz, dprobs, act = kernels.grouped_gemm_dsrelu_bwd(dy, stacked_weight(fc2), split_sizes, z, probs)
+        w2, rev2 = expert_weights(fc2)
+        dz, dprobs, act = kernels.grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, reversed_experts=rev2)
+        del w2
         dw2 = weight_grads(fc2, dy, act, split_sizes, temporaries=[act])
         del act
         dx = None
         if ctx1.input_requires_grad:
-            dx = kernels.grouped_gemm(dz, stacked_weight(fc1), split_sizes, trans_b=True)
+            w1, rev1 = expert_weights(fc1)
+            dx = kernels.grouped_gemm(dz, w1, split_sizes, trans_b=True, reversed_experts=rev1)
         dw1 = weight_grads(fc1, dz, x, split_sizes, temporaries=[dz])
         dprobs = dprobs.view(ctx_act.probs_shape) if ctx_act.probs_require_grad else None
         return dx, [dw1, (), dw2], [(None,), (dprobs,), (None,)]

@@ -144,7 +144,7 @@ def _compile(
     dtype: torch.dtype, n: int, k: int, e: int, b_n_major: bool, epilogue: str, tile,
     options: str | None = None, cluster_n: int = 1, wgrad_m: int | None = None,
     schedule: str = "cooperative", epi_cols: int | None = None, kernel_class=None,
-    call: str = "python", slot_stride: int | None = None,
+    call: str = "python", slot_stride: int | None = None, b_layout: tuple = (None, False),
 ):
     cutlass, cute, make_ptr, make_fake_stream = _cutlass()
     from .gemm_sm90 import MAIN_GRAD_EPILOGUES, GroupedGemmSm90
@@ -154,6 +154,7 @@ def _compile(
         dt, n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile_mn=tile, cluster_n=cluster_n,
         wgrad_m=wgrad_m, schedule=schedule, epi_cols=epi_cols,
         **({"slot_stride": slot_stride} if slot_stride is not None else {}),
+        **({"b_stride": b_layout[0], "b_reversed": b_layout[1]} if b_layout != (None, False) else {}),
     )
     gmem = cute.AddressSpace.gmem
     fake = 1 << 20  # any aligned address: only the types matter at compile time
@@ -183,7 +184,8 @@ def _compile(
 
 
 def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=None, cluster_n=None,
-                    wgrad_m=None, schedule=None, epi_cols=None, kernel_class=None, call=None, slot_stride=None):
+                    wgrad_m=None, schedule=None, epi_cols=None, kernel_class=None, call=None, slot_stride=None,
+                    b_layout=(None, False)):
     """Compile one variant without caching; returns (kernel object, compiled, seconds).
 
     Works without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile
@@ -200,12 +202,13 @@ def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=N
     if call not in CALLS:
         raise ValueError(f"call must be one of {CALLS}, got {call!r}")
     return _compile(dtype, n, k, e, bool(b_n_major), epilogue, tile, options, cluster_n, wgrad_m,
-                    schedule, epi_cols, kernel_class, call, slot_stride)
+                    schedule, epi_cols, kernel_class, call, slot_stride, tuple(b_layout))
 
 
 def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, schedule=None,
-               slot_stride=None):
-    """Compiled kernel for one variant (compiles and caches on first use)."""
+               slot_stride=None, b_layout=(None, False)):
+    """Compiled kernel for one variant (compiles and caches on first use). ``b_layout``: (elements
+    between the experts' weights or None for N * K, whether they lie in reverse expert order)."""
     schedule = pick_schedule(epilogue, wgrad_m is not None, schedule, tile)
     tile = tuple(tile) if tile is not None else pick_tile(n, schedule)
     cluster_n = pick_cluster(n, tile)
@@ -213,6 +216,9 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
     key = (dtype, tile, cluster_n, epilogue, n, k, e, bool(b_n_major), wgrad_m, schedule, call)
     if slot_stride is not None:  # tma_f32: the buffers' spacing is part of the compiled layout
         key = key[:-1] + (slot_stride, call)
+    b_layout = tuple(b_layout)
+    if b_layout != (None, False):  # weights laid out other than one packed (E, N, K) tensor
+        key = key[:-1] + (("b", *b_layout), call)
     hit = _CACHE.get(key)
     if hit is None and capturing():
         raise GraphCaptureError(_first_call_in_capture(key))
@@ -224,6 +230,7 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
                     kern, compiled, secs = _compile(
                         dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
                         wgrad_m=wgrad_m, schedule=schedule, call=call, slot_stride=slot_stride,
+                        b_layout=b_layout,
                     )
                 except Exception as exc:
                     if call != "tvm-ffi" or os.environ.get(CALL_ENV):
@@ -233,6 +240,7 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
                     kern, compiled, secs = _compile(
                         dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
                         wgrad_m=wgrad_m, schedule=schedule, call="python", slot_stride=slot_stride,
+                        b_layout=b_layout,
                     )
                     _TVM_FFI_FAILED.append(repr(exc)[:300])
                     _log.warning("the TVM-FFI kernel call path failed to compile (%s); using the "
@@ -361,17 +369,33 @@ def _splits_i32(split_sizes: torch.Tensor, device) -> torch.Tensor:
     return s.contiguous()
 
 
-def grouped_gemm(a, b, split_sizes, *, trans_b=False, tile=None, schedule=None):
+def _expert_weights(b: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """``b`` as the kernel reads it, and the elements between experts (None: packed). Each expert's
+    matrix must be row-contiguous; the experts may sit any whole number of 16-byte units apart
+    (at least one matrix: a padded parameter buffer, as Megatron's), read in place. Anything else
+    is copied into one packed tensor."""
+    e, rows, cols = b.shape
+    if (b.stride(2) == 1 and b.stride(1) == cols and b.stride(0) >= rows * cols and b.stride(0) % 8 == 0
+            and b.data_ptr() % 16 == 0):
+        return b, (None if b.stride(0) == rows * cols or e == 1 else b.stride(0))
+    return _aligned(b), None
+
+
+def grouped_gemm(a, b, split_sizes, *, trans_b=False, tile=None, schedule=None, reversed_experts=False):
     """c[rows of e] = a[rows of e] @ b[e].T  (b: (E, N, K)); with ``trans_b``
-    b is (E, K, N) and c = a_e @ b[e].  Returns c (T, N) in a.dtype."""
+    b is (E, K, N) and c = a_e @ b[e].  Returns c (T, N) in a.dtype.
+
+    ``reversed_experts``: b[j] holds expert E - 1 - j's weight (weights laid out in reverse
+    expert order, read in place). The experts of b may be any multiple of 8 elements apart."""
     e, n, k = _check(a, b, split_sizes, trans_b)
     t = a.shape[0]
     c = torch.empty(t, n, dtype=a.dtype, device=a.device)
     if t == 0:
         return c
+    b, b_stride = _expert_weights(b)
     kern, compiled = get_kernel(a.dtype, n, k, e, b_n_major=trans_b, epilogue="plain", tile=tile,
-                                schedule=schedule)
-    a, b = _aligned(a), _aligned(b)
+                                schedule=schedule, b_layout=(b_stride, reversed_experts))
+    a = _aligned(a)
     s = _splits_i32(split_sizes, a.device)
     _launch(
         kern, compiled,
@@ -382,11 +406,11 @@ def grouped_gemm(a, b, split_sizes, *, trans_b=False, tile=None, schedule=None):
     return c
 
 
-def grouped_gemm_srelu_fwd(x, w1, split_sizes, probs, *, tile=None, schedule=None):
+def grouped_gemm_srelu_fwd(x, w1, split_sizes, probs, *, tile=None, schedule=None, reversed_experts=False):
     """z = x_e @ w1[e].T (w1: (E, N, K)), act = relu(z)^2 * probs[:, None].
 
     Returns (act, z), both (T, N) in x.dtype.  act is computed from the fp32
-    accumulator (not from the rounded z)."""
+    accumulator (not from the rounded z). ``reversed_experts``: see :func:`grouped_gemm`."""
     e, n, k = _check(x, w1, split_sizes, False)
     t = x.shape[0]
     z = torch.empty(t, n, dtype=x.dtype, device=x.device)
@@ -395,9 +419,10 @@ def grouped_gemm_srelu_fwd(x, w1, split_sizes, probs, *, tile=None, schedule=Non
         return act, z
     if probs.shape != (t,):
         raise ValueError("probs must be (T,)")
+    w1, b_stride = _expert_weights(w1)
     kern, compiled = get_kernel(x.dtype, n, k, e, b_n_major=False, epilogue="srelu", tile=tile,
-                                schedule=schedule)
-    x, w1 = _aligned(x), _aligned(w1)
+                                schedule=schedule, b_layout=(b_stride, reversed_experts))
+    x = _aligned(x)
     p = probs.to(x.dtype).contiguous()
     s = _splits_i32(split_sizes, x.device)
     _launch(
@@ -409,13 +434,14 @@ def grouped_gemm_srelu_fwd(x, w1, split_sizes, probs, *, tile=None, schedule=Non
     return act, z
 
 
-def grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, *, tile=None, schedule=None):
+def grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, *, tile=None, schedule=None, reversed_experts=False):
     """dact = dy_e @ w2[e] (w2: (E, H, F), i.e. (E, K, N)); then
     dz = dact * probs * 2 relu(z), dprobs[t] = sum_f dact[t, f] relu(z[t, f])^2,
     act = relu(z)^2 * probs.  Returns (dz, dprobs, act); dprobs has probs.dtype.
 
     dprobs is reduced in fp32 deterministically: each n-block writes its own
-    partial row sum and the partials are added by one torch reduction."""
+    partial row sum and the partials are added by one torch reduction. ``reversed_experts``: see
+    :func:`grouped_gemm`."""
     e, n, k = _check(dy, w2, split_sizes, True)
     t = dy.shape[0]
     dz = torch.empty(t, n, dtype=dy.dtype, device=dy.device)
@@ -424,9 +450,10 @@ def grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, *, tile=None, schedul
         return dz, torch.zeros(0, dtype=probs.dtype, device=dy.device), act
     if z.shape != (t, n) or probs.shape != (t,):
         raise ValueError("z must be (T, N) and probs (T,)")
+    w2, b_stride = _expert_weights(w2)
     kern, compiled = get_kernel(dy.dtype, n, k, e, b_n_major=True, epilogue="dsrelu", tile=tile,
-                                schedule=schedule)
-    dy, w2, zc = _aligned(dy), _aligned(w2), _aligned(z.to(dy.dtype))
+                                schedule=schedule, b_layout=(b_stride, reversed_experts))
+    dy, zc = _aligned(dy), _aligned(z.to(dy.dtype))
     p = probs.to(dy.dtype).contiguous()
     s = _splits_i32(split_sizes, dy.device)
     part = torch.empty(kern.n_tiles, t, dtype=torch.float32, device=dy.device)

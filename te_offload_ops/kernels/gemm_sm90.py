@@ -133,6 +133,8 @@ class GroupedGemmSm90:
         schedule: str = "cooperative",
         epi_cols: int | None = None,
         slot_stride: int | None = None,
+        b_stride: int | None = None,
+        b_reversed: bool = False,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(f"unknown epilogue {epilogue!r}")
@@ -159,6 +161,15 @@ class GroupedGemmSm90:
             raise ValueError(f"slot_stride must be a multiple of 4 elements (16 bytes) and at least M * N, "
                              f"got {slot_stride} for M={wgrad_m}, N={n}")
         self.slot_stride = slot_stride
+        # the experts' weights (B) as the caller lays them out: b_stride elements apart (default
+        # N * K, one packed tensor), in reverse expert order where b_reversed (Megatron's DDP
+        # buffer puts later parameters first): expert e reads slot E - 1 - e
+        if (b_stride is not None or b_reversed) and wgrad_m is not None:
+            raise ValueError("b_stride and b_reversed describe the weights of the forward/dgrad form, not wgrad")
+        self.b_stride = n * k if b_stride is None else b_stride
+        if self.b_stride < n * k or self.b_stride % 8:
+            raise ValueError(f"b_stride must be at least N * K = {n * k} and a multiple of 8 (16 bytes), got {b_stride}")
+        self.b_reversed = bool(b_reversed)
         if wgrad_m is not None:
             # K is each expert's token count, read on the GPU
             if epilogue not in ("plain", *MAIN_GRAD_EPILOGUES) or not b_n_major or k != 0:
@@ -242,9 +253,9 @@ class GroupedGemmSm90:
         else:
             m_a = cute.make_tensor(p_a, cute.make_layout((num_tokens, k), stride=(k, 1)))
             if cutlass.const_expr(self.b_n_major):
-                m_b = cute.make_tensor(p_b, cute.make_layout((n, k, e), stride=(1, n, n * k)))
+                m_b = cute.make_tensor(p_b, cute.make_layout((n, k, e), stride=(1, n, self.b_stride)))
             else:
-                m_b = cute.make_tensor(p_b, cute.make_layout((n, k, e), stride=(k, 1, n * k)))
+                m_b = cute.make_tensor(p_b, cute.make_layout((n, k, e), stride=(k, 1, self.b_stride)))
             m_c = cute.make_tensor(p_c, cute.make_layout((num_tokens, n), stride=(n, 1)))
         m_split = cute.make_tensor(p_split, cute.make_layout((e,)))
         m_prob = cute.make_tensor(p_prob, cute.make_layout((num_tokens,)))
@@ -558,7 +569,8 @@ class GroupedGemmSm90:
             if cutlass.const_expr(self.wgrad_m is not None):
                 g_b_tile = cute.local_tile(cute.domain_offset((0, a_col), g_b), (bn, bk), (n_blk, None))
             else:
-                g_b_tile = cute.local_tile(g_b[None, None, expert], (bn, bk), (n_blk, None))
+                slot = (self.num_experts - 1 - expert) if cutlass.const_expr(self.b_reversed) else expert
+                g_b_tile = cute.local_tile(g_b[None, None, slot], (bn, bk), (n_blk, None))
             t_sa, t_ga = cpasync.tma_partition(
                 tma_a, rank, cute.make_layout(self.cluster_n),
                 cute.group_modes(sa, 0, 2), cute.group_modes(g_a_tile, 0, 2),
