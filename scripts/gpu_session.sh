@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One phase of a GPU session on the device machine, each under the 10-minute limit of one call.
+# Logs and results go to $OUT (the device tool's output folder; ./device-out elsewhere); the
+# summary lines (pytest's tail, the benchmarks' result lines) are printed at the end.
+#
+#   phase te     (call 1, carry .dev/te, after `bash .dev/te/setup.sh`): TE-only tests, ~2 min
+#   phase new    (call 2, carry .dev/cute, after `bash .dev/cute/setup.sh`): the GPU tests of code
+#                never run on a GPU, then the Megatron-settings benchmark, ~7 min
+#   phase main   the main job: moe_step quick (v2, teo), the unfused profile, CUDA graphs, ~6 min
+#   phase suite1 tests/test_kernels_gpu.py and the fused-path files, ~5 min
+#   phase suite2 the rest of the suite, ~8 min
+set -uo pipefail
+OUT=${OUT:-device-out}
+mkdir -p "$OUT/results"
+export PYTHONUNBUFFERED=1
+phase=${1:?usage: gpu_session.sh te|new|main|suite1|suite2}
+log="$OUT/$phase.log"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
+
+run() {  # run SECONDS CMD...: one step of the phase, cut at SECONDS, its exit status logged
+    local limit=$1
+    shift
+    echo "=== $* (limit ${limit}s)" | tee -a "$log"
+    timeout "$limit" "$@" >>"$log" 2>&1
+    echo "=== exit $?" | tee -a "$log"
+}
+
+pytest_() { run "$1" python3 -m pytest -q -ra -p no:cacheprovider "${@:2}"; }
+
+case "$phase" in
+te)
+    pytest_ 200 tests/test_te_fused_mlp.py tests/test_te_fused_mlp_gpu.py tests/test_engine_teo.py \
+        tests/test_step_profile.py
+    ;;
+new)
+    pytest_ 150 tests/test_gpu_megatron_settings.py -k "main_grad_adds or tma"
+    pytest_ 60 tests/test_gpu_fused.py -k padded_buffer
+    pytest_ 150 -s tests/test_gpu_engine_teo.py
+    pytest_ 150 -s tests/test_step_profile_gpu.py
+    run 240 python3 benchmarks/bench_megatron_settings.py --rounds 9 --out "$OUT/results"
+    ;;
+main)
+    run 200 python3 benchmarks/moe_step.py --quick --engines v2,teo --out "$OUT/results"
+    run 120 python3 benchmarks/moe_step.py --quick --unfused --profile none,mlp:2 --engines v2,teo \
+        --out "$OUT/results"
+    run 150 python3 benchmarks/bench_graphs.py --rounds 5 --steps 8 --out "$OUT/results"
+    ;;
+suite1)
+    pytest_ 560 tests/test_kernels_gpu.py tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py
+    ;;
+suite2)
+    pytest_ 560 tests --ignore=tests/test_kernels_gpu.py --ignore=tests/test_gpu_fused.py \
+        --ignore=tests/test_gpu_megatron_settings.py --ignore=tests/test_te_fused_mlp.py \
+        --ignore=tests/test_te_fused_mlp_gpu.py --ignore=tests/test_gpu_engine_teo.py \
+        --ignore=tests/test_step_profile_gpu.py
+    ;;
+*)
+    echo "unknown phase $phase" >&2
+    exit 2
+    ;;
+esac
+echo "--- summary ($log)"
+grep -E "^=== |passed|failed|error|FAILED|ERROR|x plain|target|graphed|^\[" "$log" | grep -v "^=== exit 0" | tail -60
