@@ -149,3 +149,23 @@ def test_main_grad_slots_refuses_what_one_tensor_map_cannot_address(why, ptrs):
     from te_offload_ops.kernels.api import main_grad_slots
 
     assert main_grad_slots(ptrs, 200_000) is None, why
+
+
+@pytest.mark.parametrize("stride0, offset, expect", [
+    (32 * 64, 0, None),            # TE's packed buffer: as is
+    (32 * 64 + 8, 0, 32 * 64 + 8),  # padded by 16 bytes: read in place with that stride
+    (32 * 64 + 4, 0, "copy"),       # padding not whole 16-byte units: packed copy
+    (32 * 64, 4, "copy"),           # start 8 bytes off a 16-byte boundary: packed copy
+])
+def test_expert_weights_read_in_place_or_packed(stride0, offset, expect):
+    from te_offload_ops.kernels.api import _expert_weights
+
+    buf = torch.randn(4 * stride0 + offset + 64, dtype=torch.bfloat16)
+    buf = buf[(-buf.data_ptr() // 2) % 8:]  # start the test's buffer on a 16-byte boundary
+    b = buf.as_strided((4, 32, 64), (stride0, 64, 1), offset)
+    got, b_stride = _expert_weights(b)
+    if expect == "copy":
+        assert b_stride is None and got.is_contiguous() and got.data_ptr() != b.data_ptr()
+    else:
+        assert b_stride == expect and got.data_ptr() == b.data_ptr()
+    assert torch.equal(got, b)

@@ -3,8 +3,10 @@
 All entry points take plain torch tensors, allocate their outputs, never read
 ``split_sizes`` on the host (no device sync) and launch on the current CUDA
 stream.  Compiled kernels are cached per
-``(dtype, tile, cluster, epilogue, N, K, E, B major, wgrad M, schedule, call convention)``; the first call of a key compiles
-(see :func:`compile_times`).
+``(dtype, tile, cluster, epilogue, N, K, E, B major, wgrad M, schedule, call convention)``, with
+the main_grad slot stride (``tma`` add) or the weights' layout (padded or reversed experts) before
+the call convention where they differ from the default; the first call of a key compiles (see
+:func:`compile_times`).
 """
 
 from __future__ import annotations
