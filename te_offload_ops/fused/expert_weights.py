@@ -7,7 +7,12 @@ holds all experts back to back. The kernels want one (E, out, in) tensor.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+_log = logging.getLogger(__name__)
+_STACKED_NOTED: set = set()  # ops whose weights were said to be stacked (once each)
 
 
 def weight_params(op) -> list[torch.Tensor]:
@@ -56,6 +61,10 @@ def expert_weights(op) -> tuple[torch.Tensor, bool]:
                 return first.as_strided((E, n, k), (abs(step) // size, k, 1)), step < 0
     if E == 1:
         return w0.view(1, n, k), False
+    if id(op) not in _STACKED_NOTED:
+        _STACKED_NOTED.add(id(op))
+        _log.info("%s: its %d expert weights are not evenly spaced in one storage; each fused GEMM stacks "
+                  "them into a copy (%d MB)", type(op).__name__, E, E * n * k * size >> 20)
     return torch.stack(ws), False
 
 
