@@ -258,11 +258,22 @@ def _row_cells(row: dict) -> list[str]:
     return cells
 
 
+def _max_batch_cell(s: dict) -> str:
+    """The search's answer: exact when the next batch up failed, a bound otherwise."""
+    if s["bracketed"]:
+        return f"{s['batch']}"
+    if s["batch"] > 0:
+        return f"{s['batch']} (at least)"
+    fails = [t["batch"] for t in s.get("trials", []) if not t["fits"]]
+    tried = len(s.get("trials", []))
+    return (f"< {min(fails)} (none fit in {tried} trials)" if fails else "- (not searched)")
+
+
 def _cap_cells(s: dict, floor_MiB: float) -> list[str]:
     cells = []
     for header, key, fmt in CAP_COLUMNS:
         if header == "max seqs":
-            cells.append(f"{s['batch']}" + ("" if s["bracketed"] else " (at least)"))
+            cells.append(_max_batch_cell(s))
         elif header == "peak GiB":
             cells.append("-" if s.get("peak_above_MiB") is None else f"{(floor_MiB + s['peak_above_MiB']) / 1024:.1f}")
         else:

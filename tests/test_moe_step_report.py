@@ -184,6 +184,15 @@ def test_cap_search_reports_at_least_when_its_budget_runs_out():
     assert len(calls) == 1 and not bracketed and best == calls[0]
 
 
+def test_max_batch_cell_says_exact_bound_or_none_found():
+    trial = lambda b, ok: {"batch": b, "fits": ok}  # noqa: E731
+    assert rep._max_batch_cell({"batch": 3, "bracketed": True, "trials": [trial(3, True), trial(4, False)]}) == "3"
+    assert rep._max_batch_cell({"batch": 3, "bracketed": False, "trials": [trial(3, True)]}) == "3 (at least)"
+    # a search whose budget ended before anything fit says so, not "0 (at least)"
+    assert rep._max_batch_cell({"batch": 0, "bracketed": False, "trials": [trial(4, False), trial(3, False)]}) \
+        == "< 3 (none fit in 2 trials)"
+
+
 def test_cap_candidates_no_offload_the_best_fast_one_and_the_best_overall():
     rows = [_row("none", 0, 60.0, 5000, 0), _row("mlp", 2, 62.0, 4700, 300), _row("mlp", 6, 63.0, 4100, 850),
             _row("layer", 4, 100.0, 2800, 2200), _row("mlp", 8, 0, 0, 0, error="ValueError")]
