@@ -109,6 +109,20 @@ def attach_main_grads(stack, seed: int = 7) -> None:
             p.teo_main_grad_init = p.main_grad.clone()
 
 
+def relay_expert_weights(op, order, pad: int = 0) -> torch.Tensor:
+    """Moves op's expert weights into one new buffer on their device, expert ``order[j]`` at slot j,
+    ``pad`` elements between slots, as Megatron's distributed optimizer does (``param.data`` = a
+    view of its buffer). Returns the buffer."""
+    ws = [getattr(op, f"weight{i}") for i in range(op.num_groups)]
+    n, k = ws[0].shape
+    buf = torch.zeros(len(ws) * (n * k + pad), dtype=ws[0].dtype, device=ws[0].device)
+    for slot, e in enumerate(order):
+        view = buf[slot * (n * k + pad): slot * (n * k + pad) + n * k].view(n, k)
+        view.copy_(ws[e].data)
+        ws[e].data = view
+    return buf
+
+
 def make_stack(cfg: Config) -> list[te.ops.Sequential]:
     torch.manual_seed(cfg.seed)
     return [make_mlp(cfg) for _ in range(cfg.layers)]

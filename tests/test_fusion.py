@@ -120,22 +120,10 @@ def test_single_grouped_weight_is_seen_as_one_stacked_tensor(single_param):
     assert torch.equal(stacked_weight(per_expert)[3], per_expert.weight3)
 
 
-def _relay_weights(op, order, pad: int = 0):
-    """Moves op's expert weights into one new buffer, expert ``order[j]`` at slot j, ``pad``
-    elements between slots, as Megatron's DDP does (``param.data`` = a view of its buffer)."""
-    ws = [getattr(op, f"weight{i}") for i in range(op.num_groups)]
-    n, k = ws[0].shape
-    buf = torch.zeros(len(ws) * (n * k + pad), dtype=ws[0].dtype)
-    for slot, e in enumerate(order):
-        view = buf[slot * (n * k + pad): slot * (n * k + pad) + n * k].view(n, k)
-        view.copy_(ws[e].data)
-        ws[e].data = view
-    return buf
-
-
 def test_expert_weights_are_read_in_place_in_either_order():
     """TE's packed buffer, and Megatron's DDP buffer (a module's parameters last first, padded),
     are read in place; separately allocated or unevenly spaced weights are stacked."""
+    from engines import relay_expert_weights
     from te_offload_ops.fused.expert_weights import expert_weights, stacked_weight
 
     op = mlp_ops()[0]
@@ -143,13 +131,13 @@ def test_expert_weights_are_read_in_place_in_either_order():
     w, rev = expert_weights(op)
     assert not rev and w.data_ptr() == op.weight0.data_ptr() and w.stride() == (32 * 64, 64, 1)
 
-    buf = _relay_weights(op, order=[3, 2, 1, 0], pad=64)  # reverse order, padded
+    buf = relay_expert_weights(op, order=[3, 2, 1, 0], pad=64)  # reverse order, padded
     w, rev = expert_weights(op)
     assert rev and w.data_ptr() == buf.data_ptr() and w.stride() == (32 * 64 + 64, 64, 1)
     assert all(torch.equal(w[j], values[3 - j]) for j in range(4))
     assert all(torch.equal(a, b) for a, b in zip(stacked_weight(op), values))
 
-    _relay_weights(op, order=[0, 2, 1, 3])  # one buffer, but not evenly in either order: a copy
+    relay_expert_weights(op, order=[0, 2, 1, 3])  # one buffer, but not evenly in either order: a copy
     w, rev = expert_weights(op)
     assert not rev and w.is_contiguous() and w.data_ptr() != op.weight0.data_ptr()
     assert all(torch.equal(w[e], values[e]) for e in range(4))

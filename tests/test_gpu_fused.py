@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engines import Config, forward_plan, fused_path_problem, make_inputs, make_stack, run_step
+from engines import Config, forward_plan, fused_path_problem, make_inputs, make_stack, relay_expert_weights, run_step
 from te_offload_ops.fused.selection import DISABLE_ENV
 
 pytestmark = pytest.mark.skipif(fused_path_problem() is not None, reason=fused_path_problem() or "")
@@ -90,14 +90,9 @@ def test_weights_in_a_padded_buffer_are_read_in_place(order, pad):
     stack, inputs = make_stack(cfg), make_inputs(cfg)
     base = run_step(stack, inputs, "none")
     for op in (stack[0][0], stack[0][2]):
-        ws = [getattr(op, f"weight{i}") for i in range(op.num_groups)]
-        n, k = ws[0].shape
-        buf = torch.zeros(len(ws) * (n * k + pad), dtype=ws[0].dtype, device="cuda")
-        slots = range(len(ws))[::-1] if order == "reversed" else range(len(ws))
-        for slot, w in zip(slots, ws):
-            view = buf[slot * (n * k + pad): slot * (n * k + pad) + n * k].view(n, k)
-            view.copy_(w.data)
-            w.data = view
+        n, k = op.out_features, op.in_features
+        experts = list(range(op.num_groups))
+        buf = relay_expert_weights(op, experts[::-1] if order == "reversed" else experts, pad)
         w, rev = expert_weights(op)
         assert rev == (order == "reversed") and w.data_ptr() == buf.data_ptr() and w.stride(0) == n * k + pad
     got = run_step(stack, inputs, "none")
