@@ -67,7 +67,9 @@ ENGINE_ENV = {
     "v2": {"NVTE_CPU_OFFLOAD_V1": "0"},
     "v1": {"NVTE_CPU_OFFLOAD_V1": "1"},
     "teo": {"NVTE_CPU_OFFLOAD_V1": "0"},
+    "teo-p1": {"NVTE_CPU_OFFLOAD_V1": "0"},  # teo with a fixed one-layer prefetch, not peak-neutral
 }
+ENGINE_OPTIONS = {"teo-p1": ("teo", {"prefetch": 1})}  # benchmark names -> offload_context's engine, options
 TE_ENGINES = ("v2", "v1")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 FUSION_ENV = "TEO_FUSED_SRELU_MLP"
@@ -303,7 +305,8 @@ class StepBench:
 
         if policy.scope == "none":
             return offload_context("none", num_layers=0, model_layers=self.L)
-        return offload_context(self.engine, num_layers=policy.layers, model_layers=self.L)
+        engine, options = ENGINE_OPTIONS.get(self.engine, (self.engine, {}))
+        return offload_context(engine, num_layers=policy.layers, model_layers=self.L, **options)
 
     def _step(self, x, dy, batch: int, policy: Policy, context) -> dict:
         from moe_model import forward_stack

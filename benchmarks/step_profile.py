@@ -527,6 +527,8 @@ def _mean_tree(items: list):
             nums = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
             if nums and len(nums) == sum(v is not None for v in vals):
                 out[k] = sum(nums) / len(items)
+            elif all(v is None for v in vals):  # e.g. an overlap fraction of copies that never ran
+                out[k] = None
             elif all(isinstance(v, dict) or v is None for v in vals):
                 out[k] = _mean_tree([v or {} for v in vals])
         return out

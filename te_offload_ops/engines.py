@@ -87,7 +87,9 @@ def offload_context(
     ``retain_pinned_cpu_buffers`` (V2 only) keeps the pinned host buffers from step to step, which
     CUDA graph capture needs (see ``te_offload_ops.capture``). The counter counts what the engine
     chose to offload while Python ran: under a graph, the capture, not the replays.
-    ``prefetch`` ("teo" only, default 1): how many layers ahead of backward reloads start.
+    ``prefetch`` ("teo" only): None (default) reloads each layer as early as it fits under the
+    step's no-offload peak less what was offloaded; an int k starts layers i..i-k when layer i's
+    backward begins (more overlap, more memory at the peak).
     "teo" accepts ``num_layers == model_layers``; its pinned buffers are always kept for reuse.
     """
     if engine not in ENGINES:
@@ -103,7 +105,7 @@ def offload_context(
     if engine == "teo":
         from .engines_teo import make_teo_context
 
-        ctx, sync = make_teo_context(num_layers, model_layers, prefetch=1 if prefetch is None else prefetch,
+        ctx, sync = make_teo_context(num_layers, model_layers, prefetch=prefetch,
                                      counter=counter)
         return ctx, sync, counter
     if engine != active_engine():

@@ -9,9 +9,15 @@ modules leave); when it moves is this module's own schedule:
   moment it is saved (on a copy stream, after the event TE's ``start_offload`` recorded, or one
   recorded then); the GPU memory is handed back to the allocator at once with ``record_stream``,
   so it is reused as soon as the copy is done, without the compute stream ever waiting;
-* backward: when layer ``i``'s backward begins (``sync`` hooks it, as TE's does), layers ``i`` to
-  ``i - prefetch`` start reloading on a second stream; a saved tensor's first use makes the
-  compute stream wait for its own reload only. Layer ``L - 1``, when offloaded, reloads at once;
+* backward: reloads run on a second stream; a saved tensor's first use makes the compute stream
+  wait for its own reload only. By default (``prefetch=None``) the schedule never raises the
+  step's peak: a layer's reload starts as soon as enough of the layers after it have finished
+  their backward for its bytes to fit under the no-offload peak less what was offloaded (see
+  :func:`reloads_at_backward_start` and :func:`reloads_at_region_end`). A layer's "region" is
+  what ran inside its context (the MoE MLP, or the whole layer); when the region's backward is
+  over its reloads are dropped and the next reload starts, so a layer's MLP reloads under the
+  backward of the next layer's attention. ``prefetch=k`` instead starts layers ``i`` to ``i - k``
+  when layer ``i``'s backward begins (more overlap, more memory at the peak);
 * host buffers come from a pool shared by every teo context and reused from step to step (they go
   back to it when the backward ends; ``free_pinned_buffers`` empties it);
 * no host synchronization anywhere: streams wait on events.
@@ -40,7 +46,8 @@ from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 from . import capture, policy
 
 __all__ = ["PinnedBufferPool", "TeoEngine", "default_pool", "free_pinned_buffers", "layers_to_reload",
-           "make_teo_context", "plan_saved"]
+           "make_teo_context", "peak_neutral_lead", "plan_saved", "reloads_at_backward_start",
+           "reloads_at_region_end", "watch_region"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,6 +126,91 @@ def plan_saved(t: torch.Tensor) -> Keep | Move | Parts:
 def layers_to_reload(layer: int, prefetch: int, offloaded_layers: int) -> list[int]:
     """Layers whose reload starts when layer ``layer``'s backward begins: itself, then ``prefetch`` more."""
     return [j for j in range(layer, layer - prefetch - 1, -1) if 0 <= j < offloaded_layers]
+
+
+def peak_neutral_lead(num_layers: int, model_layers: int) -> int:
+    """How many layers ahead of its backward an offloaded layer may be back on the GPU without
+    raising the step's peak: L - 1 - n (the peak, at the start of backward, holds the L - n
+    layers not offloaded; each layer whose backward is over frees room for one reload). TE V2's
+    default schedule uses the same distance, with its reloads at layer starts."""
+    return max(model_layers - 1 - num_layers, 0)
+
+
+def reloads_at_backward_start(layer: int, prefetch: Optional[int], num_layers: int, model_layers: int) -> list[int]:
+    """Offloaded layers whose reload starts when layer ``layer``'s backward begins.
+
+    ``prefetch=k``: ``layer`` and the ``k`` layers below it. ``prefetch=None`` (peak-neutral):
+    ``layer`` itself (needed now) and the layer ``peak_neutral_lead`` below it, where TE V2 would
+    start it (normally already started by :func:`reloads_at_region_end`)."""
+    if prefetch is not None:
+        return layers_to_reload(layer, prefetch, num_layers)
+    lead = peak_neutral_lead(num_layers, model_layers)
+    return [j for j in dict.fromkeys((layer, layer - lead)) if 0 <= j < num_layers]
+
+
+def reloads_at_region_end(layer: int, prefetch: Optional[int], num_layers: int, model_layers: int) -> list[int]:
+    """Offloaded layers whose reload starts when the backward of ``layer``'s region is over and its
+    memory has gone back (peak-neutral schedule only): the layer ``peak_neutral_lead + 1`` below."""
+    if prefetch is not None:
+        return []
+    j = layer - peak_neutral_lead(num_layers, model_layers) - 1
+    return [j] if 0 <= j < num_layers else []
+
+
+# ---------------------------------------------------------------------------------------------
+# When a region's backward is over (autograd hooks; no GPU needed)
+# ---------------------------------------------------------------------------------------------
+
+_NO_SEQUENCE = 2**64 - 1  # AccumulateGrad nodes have no sequence number
+
+
+def next_sequence_nr() -> Optional[int]:
+    """A number below that of every autograd node created from now on in this thread (None when
+    grad mode is off: nothing will be recorded)."""
+    if not torch.is_grad_enabled():
+        return None
+    return torch.empty(0, requires_grad=True).view(0).grad_fn._sequence_nr()
+
+
+def watch_region(output_fn, since: int, on_end: Callable[[], None]) -> int:
+    """Call ``on_end`` once, when the backward of the region that produced ``output_fn`` is over
+    and autograd has released what the region saved: the nodes reachable from ``output_fn`` that
+    were created after sequence number ``since``. Post-hooks count the region's nodes; prehooks on
+    the nodes just outside it (which run after the region's last node has released its saved
+    tensors) call ``on_end`` once all have run. If no such node runs later (the region's inputs
+    are leaves, or a partial ``autograd.grad``), ``on_end`` is not called. Returns the region's
+    node count."""
+    inside, outside, stack, seen = [], [], [output_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None:
+            continue
+        seq = fn._sequence_nr()
+        if seq in seen or seq == _NO_SEQUENCE:
+            continue
+        seen.add(seq)
+        if seq <= since:
+            outside.append(fn)
+            continue
+        inside.append(fn)
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    if not inside:
+        return 0
+    state = {"pending": len(inside), "fired": False}
+
+    def ran(*_):
+        state["pending"] -= 1
+
+    def next_begins(*_):
+        if state["pending"] <= 0 and not state["fired"]:
+            state["fired"] = True
+            on_end()
+
+    for fn in inside:
+        fn.register_hook(ran)
+    for fn in outside:
+        fn.register_prehook(next_begins)
+    return len(inside)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,17 +365,19 @@ class _PartsHandle:
 class TeoEngine:
     """Pack/unpack hooks and the schedule behind one teo context (one model's layers)."""
 
-    def __init__(self, num_layers: int, model_layers: int, *, prefetch: int = 1,
+    def __init__(self, num_layers: int, model_layers: int, *, prefetch: Optional[int] = None,
                  counter: Any = None, pool: Optional[PinnedBufferPool] = None):
         for name, value in (("num_layers", num_layers), ("model_layers", model_layers), ("prefetch", prefetch)):
+            if name == "prefetch" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if model_layers < 1:
             raise ValueError(f"model_layers must be >= 1, got {model_layers}")
         if not 0 <= num_layers <= model_layers:
             raise ValueError(f"num_layers must be in 0..model_layers={model_layers}, got {num_layers}")
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0 layers, got {prefetch}")
+        if prefetch is not None and prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 layers (or None: peak-neutral), got {prefetch}")
         self.num_layers, self.model_layers, self.prefetch = num_layers, model_layers, prefetch
         self.counter = counter
         self.pool = pool if pool is not None else default_pool()
@@ -396,7 +490,14 @@ class TeoEngine:
             self._finish_queued = True
         for done in [j for j in self._layers if j > layer]:
             self._release_reload(done)
-        for j in layers_to_reload(layer, self.prefetch, self.num_layers):
+        for j in reloads_at_backward_start(layer, self.prefetch, self.num_layers, self.model_layers):
+            self._reload(j)
+
+    def region_backward_done(self, layer: int) -> None:
+        """The backward of what ran in layer ``layer``'s context is over and autograd released its
+        saved tensors: its reloads go back to the allocator, and the next reload may start."""
+        self._release_reload(layer)
+        for j in reloads_at_region_end(layer, self.prefetch, self.num_layers, self.model_layers):
             self._reload(j)
 
     def finish_backward(self) -> None:
@@ -470,6 +571,7 @@ class TeoContext:
         self._inside = False
         self._hooks = None
         self._previous_te_sync = None
+        self._since: Optional[int] = None  # autograd nodes after this one ran in the context
 
     def __enter__(self):
         if capture.capturing():
@@ -484,6 +586,7 @@ class TeoContext:
             raise RuntimeError("teo offload context entered again before its sync function was called")
         self._inside = True
         self._layer = self.engine.enter_layer()
+        self._since = next_sequence_nr() if self.engine.num_layers else None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.engine.pack, self.engine.unpack)
         self._hooks.__enter__()
         # TE's modules mark their weights and start offloads only while an engine is on: show
@@ -514,10 +617,12 @@ class TeoContext:
                 f"{getattr(tensor, 'requires_grad', None)}")
         layer, engine = self._layer, self.engine
         tensor.grad_fn.register_prehook(lambda _grads: engine.backward_boundary(layer))
+        if self._since is not None:
+            watch_region(tensor.grad_fn, self._since, lambda: engine.region_backward_done(layer))
         return tensor
 
 
-def make_teo_context(num_layers: int, model_layers: int, *, prefetch: int = 1, counter: Any = None,
+def make_teo_context(num_layers: int, model_layers: int, *, prefetch: Optional[int] = None, counter: Any = None,
                      pool: Optional[PinnedBufferPool] = None):
     """``(context, sync_function)`` of a new teo engine (see the module docstring)."""
     ctx = TeoContext(TeoEngine(num_layers, model_layers, prefetch=prefetch, counter=counter, pool=pool))

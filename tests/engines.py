@@ -142,11 +142,17 @@ def named_ops(stack) -> dict[str, torch.nn.Module]:
     return {f"L{i}.{name}": op for i, mlp in enumerate(stack) for name, op in zip(OP_NAMES, mlp)}
 
 
-def run_step(stack, inputs, engine: str, offload_layers: int | None = None) -> dict:
-    """Forward + backward of the whole stack; returns output, grads, memory and bytes moved."""
+def run_step(stack, inputs, engine: str, offload_layers: int | None = None, keep_grads: bool = False) -> dict:
+    """Forward + backward of the whole stack; returns output, grads, memory and bytes moved.
+
+    ``keep_grads``: grads from an earlier step stay allocated and are zeroed (as Megatron's
+    main_grad buffers stay), so the step's peak is about activations, not grads being allocated."""
     x, probs, dy, splits = inputs
     for p in [x, *probs, *(q for mlp in stack for q in mlp.parameters())]:
-        p.grad = None
+        if keep_grads and p.grad is not None:
+            p.grad.zero_()
+        else:
+            p.grad = None
         if hasattr(p, "teo_main_grad_init"):
             p.main_grad.copy_(p.teo_main_grad_init)
             p.grad_added_to_main_grad = False
@@ -178,6 +184,7 @@ def run_step(stack, inputs, engine: str, offload_layers: int | None = None) -> d
         for op in delayed:  # as Megatron does after the backward (or overlapped with comms)
             op.backward_dw()
         torch.cuda.synchronize()
+    step_active_peak = torch.cuda.memory_stats()["active_bytes.all.peak"] - base_mem  # forward and backward
     moved = spy.bytes_moved if spy else counter.bytes
     grads = {"x": x.grad, **{f"probs{i}": p.grad for i, p in enumerate(probs)}}
     for i, mlp in enumerate(stack):
@@ -187,7 +194,7 @@ def run_step(stack, inputs, engine: str, offload_layers: int | None = None) -> d
             for e, w in enumerate(_expert_grads(op)):
                 grads[f"L{i}.{j}.weight{e}"] = w
     return {"out": out, "grads": grads, "moved": dict(moved), "fwd_mem": fwd_mem, "fwd_peak": fwd_peak,
-            "fwd_active_peak": fwd_active_peak,
+            "fwd_active_peak": fwd_active_peak, "step_active_peak": step_active_peak,
             "recorder": recorder, "grads_before_dw": grads_before_dw}
 
 

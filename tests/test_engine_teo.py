@@ -1,6 +1,8 @@
 """CPU: the teo offload engine's decisions, schedule, pinned pool and refusals (copies need a GPU:
 tests/test_gpu_engine_teo.py)."""
 
+import weakref
+
 import pytest
 import torch
 from transformer_engine.pytorch import cpu_offload
@@ -10,7 +12,9 @@ from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
 from te_offload_ops import capture, engines_teo, policy
 from te_offload_ops.engines import OffloadCounter, offload_context
 from te_offload_ops.engines_teo import (Keep, Move, Parts, PinnedBufferPool, TeoEngine, class_bytes,
-                                        layers_to_reload, plan_saved, size_class)
+                                        layers_to_reload, next_sequence_nr, peak_neutral_lead, plan_saved,
+                                        reloads_at_backward_start, reloads_at_region_end, size_class,
+                                        watch_region)
 
 BIG = policy.MIN_OFFLOAD_NUMEL  # elements: the smallest tensor V2's rule moves
 
@@ -30,7 +34,7 @@ def test_teo_is_selected_through_offload_context():
     ctx, sync, counter = offload_context("teo", num_layers=4, model_layers=4, classify=counter_classify)
     assert isinstance(ctx, engines_teo.TeoContext) and sync == ctx.sync
     assert isinstance(counter, OffloadCounter) and ctx.engine.counter is counter
-    assert (ctx.engine.num_layers, ctx.engine.model_layers, ctx.engine.prefetch) == (4, 4, 1)
+    assert (ctx.engine.num_layers, ctx.engine.model_layers, ctx.engine.prefetch) == (4, 4, None)  # peak-neutral
     assert ctx.engine.pool is engines_teo.default_pool()
     assert offload_context("teo", num_layers=1, model_layers=4, prefetch=3)[0].engine.prefetch == 3
 
@@ -39,7 +43,7 @@ def test_teo_is_selected_through_offload_context():
     ({"num_layers": 5, "model_layers": 4}, ValueError, "num_layers must be in 0..model_layers=4, got 5"),
     ({"num_layers": -1, "model_layers": 4}, ValueError, "got -1"),
     ({"num_layers": 0, "model_layers": 0}, ValueError, "model_layers must be >= 1, got 0"),
-    ({"num_layers": 1, "model_layers": 4, "prefetch": -1}, ValueError, "prefetch must be >= 0 layers, got -1"),
+    ({"num_layers": 1, "model_layers": 4, "prefetch": -1}, ValueError, "prefetch must be >= 0 layers \\(or None: peak-neutral\\), got -1"),
     ({"num_layers": 1.0, "model_layers": 4}, TypeError, "num_layers must be an int, got float"),
     ({"num_layers": 1, "model_layers": 4, "prefetch": True}, TypeError, "prefetch must be an int, got bool"),
     ({"num_layers": 1, "model_layers": 4, "retain_pinned_cpu_buffers": True}, ValueError,
@@ -128,6 +132,115 @@ def test_quantized_tensor_moves_part_by_part_as_v2(cpu_is_offloadable):
 ])
 def test_layers_to_reload(layer, prefetch, offloaded, expected):
     assert layers_to_reload(layer, prefetch, offloaded) == expected
+
+
+def _peak_neutral_schedule(n: int, L: int) -> list[tuple[str, int, list[int]]]:
+    """The reloads started at each event of a backward: layer j begins, then j's region ends."""
+    events = []
+    for j in range(L - 1, -1, -1):
+        events.append(("start", j, reloads_at_backward_start(j, None, n, L)))
+        events.append(("end", j, reloads_at_region_end(j, None, n, L)))
+    return events
+
+
+@pytest.mark.parametrize("n, L", [(n, L) for L in (1, 2, 4, 8) for n in range(L + 1)])
+def test_peak_neutral_schedule_never_holds_more_layers_than_the_peak_allows(n, L):
+    """Count layers on the GPU through a backward: a layer not offloaded is there until its region
+    ends; an offloaded one from its reload until its region ends. At every point the count stays
+    within what the no-offload peak less the offloaded layers holds (L - n, and at least the layer
+    being run), every offloaded layer is reloaded before its backward begins or at it, and each
+    reload starts once."""
+    on_gpu = set(range(n, L))
+    allowed = max(L - n, 1)
+    started = []
+    for what, j, reloads in _peak_neutral_schedule(n, L):
+        if what == "end":
+            on_gpu.discard(j)
+        on_gpu.update(reloads)
+        started += [r for r in reloads if r not in started]
+        if what == "start":
+            assert j in on_gpu, (what, j)
+        assert len(on_gpu) <= allowed, (what, j, sorted(on_gpu))
+    assert sorted(started) == list(range(n))
+
+
+@pytest.mark.parametrize("n, L, expected", [
+    (3, 4, {2: ("end", 3), 1: ("end", 2), 0: ("end", 1)}),  # V2 starts each at its own layer: no overlap
+    (4, 4, {3: ("start", 3), 2: ("end", 3), 1: ("end", 2), 0: ("end", 1)}),  # V2 cannot run n = L
+    (2, 4, {1: ("end", 3), 0: ("end", 2)}),  # one layer further ahead, as far as V2 goes
+    (1, 8, {0: ("end", 7)}),
+])
+def test_peak_neutral_reloads_start_when_a_region_frees_room(n, L, expected):
+    first = {}
+    for what, j, reloads in _peak_neutral_schedule(n, L):
+        for r in reloads:
+            first.setdefault(r, (what, j))
+    assert first == expected
+    assert peak_neutral_lead(n, L) == max(L - 1 - n, 0)
+
+
+def test_a_prefetch_distance_replaces_the_peak_neutral_schedule():
+    assert reloads_at_backward_start(3, 1, 4, 4) == [3, 2] and reloads_at_region_end(3, 1, 4, 4) == []
+    assert reloads_at_backward_start(2, 0, 3, 4) == [2]
+
+
+class _Handle:
+    """What a saved-tensor hook hands autograd; says when autograd lets go of it."""
+
+    def __init__(self, t, released):
+        self.t, self.released = t, released
+
+    def __del__(self):
+        self.released.append(1)
+
+
+def test_region_end_comes_once_after_the_region_ran_and_released_what_it_saved():
+    saved, released, seen = [], [], []
+    x = torch.randn(4, 4, requires_grad=True)
+    before = torch.tanh(x)  # outside the region: created before it
+    since = next_sequence_nr()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or _Handle(t, released), lambda h: h.t):
+        a = torch.sigmoid(before)  # the region: two branches that join
+        b = torch.exp(before)
+        out = a * b
+    del a, b
+    n = watch_region(out.grad_fn, since, lambda: seen.append(("end", len(released), len(saved))))
+    assert n == 3  # sigmoid, exp, mul; tanh was before `since`
+    before.grad_fn.register_prehook(lambda _g: seen.append("tanh begins"))
+    (out * 3).sum().backward()
+    assert seen[0][0] == "end" and seen[0][1] == seen[0][2] > 0  # all released by then
+    assert seen[1:] == ["tanh begins"]
+
+
+def test_region_end_without_a_node_after_it_is_never_reported():
+    x = torch.randn(4, requires_grad=True)  # a leaf feeds the region: no node runs after it
+    since = next_sequence_nr()
+    out = torch.sigmoid(x) * 2
+    seen = []
+    watch_region(out.grad_fn, since, lambda: seen.append("end"))
+    out.sum().backward()
+    assert seen == []
+
+
+def test_no_region_is_watched_without_grad():
+    with torch.no_grad():
+        assert next_sequence_nr() is None
+
+
+def test_the_engine_hears_each_region_end_in_backward_order(monkeypatch):
+    ctx, sync, _ = offload_context("teo", num_layers=2, model_layers=3)
+    events = []
+    monkeypatch.setattr(ctx.engine, "backward_boundary", lambda layer: events.append(("start", layer)))
+    monkeypatch.setattr(ctx.engine, "region_backward_done", lambda layer: events.append(("end", layer)))
+    x = torch.randn(8, 8, requires_grad=True)
+    h = x * 1.0
+    for _ in range(3):
+        h = h + 1  # outside the context (the layer's attention, say)
+        with ctx:
+            h = torch.tanh(h) * 2
+        h = sync(h)
+    h.sum().backward()
+    assert events == [("start", 2), ("end", 2), ("start", 1), ("end", 1), ("start", 0), ("end", 0)]
 
 
 def test_sync_marks_layer_boundaries_in_backward(monkeypatch):

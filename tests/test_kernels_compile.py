@@ -450,7 +450,7 @@ def test_main_grad_add_choice(monkeypatch):
     from te_offload_ops.kernels import main_grad_add
 
     monkeypatch.delenv("TEO_MAIN_GRAD_ADD", raising=False)
-    assert main_grad_add() == "red"
+    assert main_grad_add() == "tma"
     monkeypatch.setenv("TEO_MAIN_GRAD_ADD", "rmw")
     assert main_grad_add() == "rmw"
     assert main_grad_add("tma") == "tma"

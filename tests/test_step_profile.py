@@ -245,6 +245,16 @@ def test_timeline_rows_and_the_mean_over_steps():
     assert "layers" not in mean and "timeline" not in mean
 
 
+def test_a_number_missing_in_every_step_stays_missing_in_the_mean_and_the_report():
+    # copies only on the compute stream have no overlap fraction (None) in any step
+    step = sp.analyze_step(synthetic_step(), "teo_step 1")
+    step["copies"]["d2h"]["overlap_fraction"] = None
+    mean = sp.summarize([step, step])
+    assert mean["copies"]["d2h"]["overlap_fraction"] is None
+    text = "\n".join(sp.profile_markdown({"engine": "v2", "policy": "none", "steps": [step], "mean": mean}))
+    assert "ms (-%)" in text
+
+
 def test_missing_step_or_gpu_work_is_an_error_that_says_which():
     with pytest.raises(ValueError, match="teo_step 9"):
         sp.analyze_step(synthetic_step(), "teo_step 9")

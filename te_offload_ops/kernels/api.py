@@ -591,20 +591,21 @@ def _vector_aligned(bufs) -> bool:
     return all(g.data_ptr() % 8 == 0 for g in bufs)
 
 
-MAIN_GRAD_ADD_ENV = "TEO_MAIN_GRAD_ADD"  # "red" (default), "rmw" or "tma": how the kernel adds into main_grad
+MAIN_GRAD_ADD_ENV = "TEO_MAIN_GRAD_ADD"  # "tma" (default), "red" or "rmw": how the kernel adds into main_grad
 MAIN_GRAD_ADDS = {"rmw": "acc_f32", "red": "red_f32", "tma": "tma_f32"}
 
 
 def main_grad_add(choice: str | None = None) -> str:
-    """How the wgrad kernel adds into main_grad: "red" (8-byte fire-and-forget reductions done in
-    L2: no load round trips in the epilogue), "rmw" (loads, adds, stores) or "tma" (TMA bulk
-    reduce-adds of staged 128 x 32 boxes, for buffers evenly spaced as :func:`main_grad_slots`
-    describes, else "red"; compile-checked, not yet run on a GPU). All give the same bits (each
-    element gets one add per kernel). On an H100, E=8 x 2048, H=2688, F=1856, fwd+bwd GPU
-    time over the plain fused op: red 1.075x, rmw 1.093x, both under the pingpong schedule, which
-    beat cooperative for each (benchmarks/results/megatron_settings_*). The argument, else
-    $TEO_MAIN_GRAD_ADD, else "red"."""
-    choice = choice or os.environ.get(MAIN_GRAD_ADD_ENV) or "red"
+    """How the wgrad kernel adds into main_grad: "tma" (TMA bulk reduce-adds of staged 128 x 32
+    fp32 boxes, for buffers evenly spaced as :func:`main_grad_slots` describes: one (E, N, K)
+    tensor, or Megatron's experts of one layer in its grad buffer; "red" for other layouts),
+    "red" (8-byte fire-and-forget reductions done in L2: no load round trips in the epilogue) or
+    "rmw" (loads, adds, stores). All give the same bits (each element gets one add per kernel).
+    On an H100, E=8 x 2048, H=2688, F=1856, fwd+bwd GPU time over the plain fused op, pingpong
+    schedule (which beat cooperative for each): tma 1.054x, red 1.073x, rmw 1.092x
+    (benchmarks/results/megatron_settings_*, 2026-11-23). The argument, else $TEO_MAIN_GRAD_ADD,
+    else "tma"."""
+    choice = choice or os.environ.get(MAIN_GRAD_ADD_ENV) or "tma"
     if choice not in MAIN_GRAD_ADDS:
         raise ValueError(f"{MAIN_GRAD_ADD_ENV} must be one of {tuple(MAIN_GRAD_ADDS)}, got {choice!r}")
     return choice
