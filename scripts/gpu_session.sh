@@ -13,7 +13,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|suite1|suite2}
+phase=${1:?usage: gpu_session.sh te|new|main|teo1|teo2|megatron|suite1|suite2}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -45,6 +45,23 @@ main)
     run 120 python3 benchmarks/moe_step.py --quick --unfused --profile none,mlp:2 --engines v2,teo \
         --out "$OUT/results"
     run 150 python3 benchmarks/bench_graphs.py --rounds 5 --steps 8 --out "$OUT/results"
+    ;;
+teo1)
+    # call 1 of session 18 (carry .dev/te): the teo engine's unfused GPU tests and the profile's
+    pytest_ 150 tests/test_engine_teo.py tests/test_step_profile.py tests/test_gpu_engine_teo.py \
+        -k "not fused or unfused"
+    pytest_ 150 -s tests/test_step_profile_gpu.py -k unfused
+    ;;
+teo2)
+    # call 2 (carry .dev/cute): teo on the fused path, then the main job on the base shape, 8 layers
+    pytest_ 90 -s tests/test_gpu_engine_teo.py -k "fused and not unfused"
+    pytest_ 100 -s tests/test_step_profile_gpu.py -k "not unfused"
+    run 380 python3 benchmarks/moe_step.py --shapes base --engines teo,teo-p1,v2 --no-cap --out "$OUT/results"
+    ;;
+megatron)
+    # call 3: main_grad by TMA as the default everywhere it applies; graphs; the sweep
+    pytest_ 250 tests/test_gpu_megatron_settings.py tests/test_gpu_graphs.py tests/test_megatron_gpu.py
+    run 300 python3 benchmarks/bench_megatron_settings.py --sweep --default-way-only --rounds 3 --out "$OUT/results"
     ;;
 suite1)
     pytest_ 560 tests/test_kernels_gpu.py tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py
