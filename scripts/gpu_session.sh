@@ -58,6 +58,15 @@ teo2)
     pytest_ 100 -s tests/test_step_profile_gpu.py -k "not unfused"
     run 380 python3 benchmarks/moe_step.py --shapes base --engines teo,teo-p1,v2 --no-cap --out "$OUT/results"
     ;;
+teo3)
+    # after the forward's backpressure (call 1 carries .dev/te, call 2 .dev/cute)
+    pytest_ 100 -s tests/test_gpu_engine_teo.py -k "not fused or unfused"
+    ;;
+teo4)
+    pytest_ 80 -s tests/test_gpu_engine_teo.py -k "fused and not unfused"
+    run 170 python3 benchmarks/moe_step.py --shapes base --engines teo --no-cap --out "$OUT/results"
+    pytest_ 200 tests/test_gpu_megatron_settings.py
+    ;;
 megatron)
     # call 3: main_grad by TMA as the default everywhere it applies; graphs; the sweep
     pytest_ 250 tests/test_gpu_megatron_settings.py tests/test_gpu_graphs.py tests/test_megatron_gpu.py

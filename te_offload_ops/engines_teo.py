@@ -7,8 +7,15 @@ modules leave); when it moves is this module's own schedule:
 
 * forward: each saved tensor of the first ``n`` layers starts its copy to pinned host memory the
   moment it is saved (on a copy stream, after the event TE's ``start_offload`` recorded, or one
-  recorded then); the GPU memory is handed back to the allocator at once with ``record_stream``,
-  so it is reused as soon as the copy is done, without the compute stream ever waiting;
+  recorded then). The engine holds the GPU bytes until layer ``i + b`` enters its context
+  (``b = max(L - n, 1)``, see :func:`release_lag`), where the compute stream waits for layer
+  ``i``'s copies and the bytes go back to the allocator, reusable at once on the compute stream.
+  That wait is the backpressure that keeps the forward within the no-offload peak less what
+  is offloaded when copies are slower than the compute that makes activations (a host running
+  ahead cannot free memory a copy still reads: ``record_stream`` would only return it once the
+  host sees the copy done). The last layer with ``n = L`` has no later layer: its bytes go back
+  when its ``sync`` is called (a wait for its copies: this frees it across whatever follows the
+  stack, such as an LM head, and it reloads at once when the backward begins);
 * backward: reloads run on a second stream; a saved tensor's first use makes the compute stream
   wait for its own reload only. By default (``prefetch=None``) the schedule never raises the
   step's peak: a layer's reload starts as soon as enough of the layers after it have finished
@@ -46,7 +53,7 @@ from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 from . import capture, policy
 
 __all__ = ["PinnedBufferPool", "TeoEngine", "default_pool", "free_pinned_buffers", "layers_to_reload",
-           "make_teo_context", "peak_neutral_lead", "plan_saved", "reloads_at_backward_start",
+           "make_teo_context", "peak_neutral_lead", "release_lag", "plan_saved", "reloads_at_backward_start",
            "reloads_at_region_end", "watch_region"]
 
 
@@ -126,6 +133,13 @@ def plan_saved(t: torch.Tensor) -> Keep | Move | Parts:
 def layers_to_reload(layer: int, prefetch: int, offloaded_layers: int) -> list[int]:
     """Layers whose reload starts when layer ``layer``'s backward begins: itself, then ``prefetch`` more."""
     return [j for j in range(layer, layer - prefetch - 1, -1) if 0 <= j < offloaded_layers]
+
+
+def release_lag(num_layers: int, model_layers: int) -> int:
+    """How many layers after it an offloaded layer's GPU bytes are given back in forward: the
+    forward then holds at most ``L - n`` layers' offloadable activations (at least the layer being
+    run), as the peak at the start of backward does."""
+    return max(model_layers - num_layers, 1)
 
 
 def peak_neutral_lead(num_layers: int, model_layers: int) -> int:
@@ -332,7 +346,8 @@ class _HostCopy:
     storage_ptr: int
     storage_ref: StorageWeakRef
     copied: Any  # event: the D2H copy is done
-    gpu: Optional[torch.Tensor] = None  # uint8 reload, while reloaded
+    source: Optional[torch.Tensor] = None  # uint8 view of the GPU bytes, held until the layer's release
+    gpu: Optional[torch.Tensor] = None  # uint8 bytes on the GPU (the reload, or the source) while reloaded
     reloaded: Any = None  # event: the H2D copy is done
     waited: bool = False  # the compute stream waited for `reloaded`
 
@@ -341,6 +356,7 @@ class _HostCopy:
 class _LayerCopies:
     copies: list = field(default_factory=list)
     reloaded: bool = False
+    released: bool = False  # the forward gave the sources back
 
 
 @dataclass(frozen=True)
@@ -398,7 +414,33 @@ class TeoEngine:
             self._fwd_layer = 0
         else:
             self._fwd_layer += 1
+        self._release_sources(self._fwd_layer - release_lag(self.num_layers, self.model_layers))
         return self._fwd_layer
+
+    def layer_done(self, layer: int) -> None:
+        """Layer ``layer``'s forward ended (its sync): a layer with no later one to release it at
+        gives its bytes back now."""
+        if layer + release_lag(self.num_layers, self.model_layers) >= self.model_layers:
+            self._release_sources(layer)
+
+    def _release_sources(self, layer: int) -> None:
+        """The compute stream waits for ``layer``'s copies to the host; its GPU bytes go back."""
+        copies = self._layers.get(layer)
+        if copies is None or copies.released or not copies.copies:
+            return
+        copies.released = True
+        self._drop_sources(copies)
+
+    @staticmethod
+    def _drop_sources(copies: "_LayerCopies") -> None:
+        held = [c for c in copies.copies if c.source is not None]
+        if not held:
+            return
+        stream = torch.cuda.current_stream(held[0].source.device)
+        for event in dict.fromkeys(c.copied for c in held):  # one copy stream: usually the last is enough
+            stream.wait_event(event)
+        for c in held:
+            c.source = None
 
     def _end_step(self) -> None:
         """The step's host copies go back to the pool (a reuse waits for their last GPU use)."""
@@ -406,6 +448,7 @@ class TeoEngine:
             return
         for layer in list(self._layers):
             self._release_reload(layer)
+            self._drop_sources(self._layers[layer])
             for c in self._layers[layer].copies:
                 self.pool.release(c.host, c.reloaded if c.reloaded is not None else c.copied)
         self._layers.clear()
@@ -474,12 +517,10 @@ class TeoEngine:
             d2h.wait_event(host.ready)  # last step's reload from this buffer
         with torch.cuda.stream(d2h):
             host.tensor[: span.nbytes].copy_(src, non_blocking=True)
-        # The allocator may hand this memory out again once the copy stream is past the copy;
-        # the caller's references decide when it is freed, not this engine.
-        src.record_stream(d2h)
         copied = torch.cuda.Event()
         copied.record(d2h)
-        return _HostCopy(host, span.nbytes, span.start, storage.data_ptr(), StorageWeakRef(storage), copied)
+        # the engine holds the bytes (src) until the layer's release, where the compute stream waits for the copy
+        return _HostCopy(host, span.nbytes, span.start, storage.data_ptr(), StorageWeakRef(storage), copied, src)
 
     # -- backward --------------------------------------------------------------------------
 
@@ -515,6 +556,9 @@ class TeoEngine:
         # memory the allocator hands out: the copy stream starts after them.
         h2d.wait_stream(torch.cuda.current_stream())
         for c in copies.copies:
+            if c.source is not None:  # never given back (a backward before the release): no copy needed
+                c.gpu, c.reloaded, c.waited = c.source, None, True
+                continue
             c.gpu = torch.empty(c.nbytes, dtype=torch.uint8, device="cuda")
             h2d.wait_event(c.copied)
             with torch.cuda.stream(h2d):
@@ -530,6 +574,7 @@ class TeoEngine:
         copies = self._layers.get(layer)
         if copies is None or not copies.reloaded:
             return
+        self._drop_sources(copies)  # its backward is over
         for c in copies.copies:
             c.gpu = None  # record_stream in _reload keeps its memory until the copy is done
         copies.reloaded = False  # the host copy stays valid until the next step (retain_graph)
@@ -551,8 +596,10 @@ class TeoEngine:
         if not c.waited:
             torch.cuda.current_stream().wait_event(c.reloaded)
             c.waited = True
+        # c.gpu starts at byte c.start of the tensor's storage (a source) or at 0 of its own (a reload)
         return torch.empty(0, dtype=handle.dtype, device=c.gpu.device).set_(
-            c.gpu.untyped_storage(), handle.byte_offset // handle.dtype.itemsize, handle.shape, handle.stride)
+            c.gpu.untyped_storage(), (c.gpu.storage_offset() + handle.byte_offset) // handle.dtype.itemsize,
+            handle.shape, handle.stride)
 
 
 _CAPTURE_MESSAGE = (
@@ -616,6 +663,7 @@ class TeoContext:
                 f"and not a leaf); got {type(tensor).__name__} with requires_grad="
                 f"{getattr(tensor, 'requires_grad', None)}")
         layer, engine = self._layer, self.engine
+        engine.layer_done(layer)
         tensor.grad_fn.register_prehook(lambda _grads: engine.backward_boundary(layer))
         if self._since is not None:
             watch_region(tensor.grad_fn, self._since, lambda: engine.region_backward_done(layer))

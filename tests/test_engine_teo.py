@@ -372,3 +372,55 @@ def test_refused_under_capture(monkeypatch):
     assert not ctx._inside and cpu_offload.OFFLOAD_SYNCHRONIZER is None  # refused before anything changed
     with pytest.raises(capture.GraphCaptureError):
         ctx.engine.pack(torch.empty(4))
+
+
+# ------------------------------------------------------------------------------------------------
+# The forward's backpressure: when an offloaded layer's GPU bytes go back
+
+
+@pytest.mark.parametrize("n, L, lag", [(1, 4, 3), (2, 4, 2), (3, 4, 1), (4, 4, 1), (6, 8, 2), (0, 3, 3)])
+def test_release_lag_keeps_the_forward_within_the_layers_the_peak_holds(n, L, lag):
+    assert engines_teo.release_lag(n, L) == lag
+
+
+class _FakeStream:
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+def _fake_layer_copies(layer: int, count: int = 2):
+    copies = [engines_teo._HostCopy(host=None, nbytes=8, start=0, storage_ptr=0, storage_ref=None,
+                                    copied=f"L{layer}.copy{i}", source=torch.zeros(8, dtype=torch.uint8))
+              for i in range(count)]
+    return engines_teo._LayerCopies(copies=copies)
+
+
+@pytest.mark.parametrize("n, L, released_at", [
+    (3, 4, {0: ("enter", 1), 1: ("enter", 2), 2: ("enter", 3)}),
+    (2, 4, {0: ("enter", 2), 1: ("enter", 3)}),
+    (4, 4, {0: ("enter", 1), 1: ("enter", 2), 2: ("enter", 3), 3: ("sync", 3)}),  # the last at its own end
+])
+def test_forward_gives_each_offloaded_layers_bytes_back_after_waiting_for_its_copies(monkeypatch, n, L, released_at):
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    engine = TeoEngine(n, L)
+    seen = {}
+
+    def note(when, layer):
+        for j, copies in engine._layers.items():
+            if j not in seen and all(c.source is None for c in copies.copies):
+                seen[j] = (when, layer)
+                assert stream.waited[-1] == f"L{j}.copy1"  # waited for its copies before letting go
+
+    for k in range(L):
+        engine.enter_layer()
+        note("enter", k)
+        if k < n:
+            engine._layers[k] = _fake_layer_copies(k)  # what its saves copied
+        engine.layer_done(k)
+        note("sync", k)
+    assert seen == released_at
+    assert all(engine._layers[j].released for j in range(n))
