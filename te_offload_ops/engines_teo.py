@@ -16,8 +16,10 @@ modules leave); when it moves is this module's own schedule:
   host sees the copy done). The last layer with ``n = L`` has no later layer: its bytes go back
   when its ``sync`` is called (a wait for its copies: this frees it across whatever follows the
   stack, such as an LM head, and it reloads at once when the backward begins);
-* backward: reloads run on a second stream; a saved tensor's first use makes the compute stream
-  wait for its own reload only. By default (``prefetch=None``) the schedule never raises the
+* backward: reloads run on a second stream, into memory taken on the compute stream after the
+  work queued there so far; a saved tensor's first use makes the compute stream wait for its own
+  reload only, and a reload is given back (after a wait for its copy if it was never used) when
+  its layer's backward is over. By default (``prefetch=None``) the schedule never raises the
   step's peak: a layer's reload starts as soon as enough of the layers after it have finished
   their backward for its bytes to fit under the no-offload peak less what was offloaded (see
   :func:`reloads_at_backward_start` and :func:`reloads_at_region_end`). A layer's "region" is
@@ -563,8 +565,10 @@ class TeoEngine:
             h2d.wait_event(c.copied)
             with torch.cuda.stream(h2d):
                 c.gpu.copy_(c.host.tensor[: c.nbytes], non_blocking=True)
-            # freed before the copy ends (an unused prefetch, a backward that raised): not reused until it does
-            c.gpu.record_stream(h2d)
+            # No record_stream: a block freed under it is reusable only once the host has seen the
+            # copy stream pass the free, which a host running ahead of a busy copy stream does not, so
+            # the allocator takes new memory for the next reload and the peak grows by a layer each
+            # time. _release_reload makes the compute stream wait for the copy instead, and frees.
             c.reloaded = torch.cuda.Event()
             c.reloaded.record(h2d)
             c.waited = False
@@ -575,8 +579,13 @@ class TeoEngine:
         if copies is None or not copies.reloaded:
             return
         self._drop_sources(copies)  # its backward is over
+        stream = None
         for c in copies.copies:
-            c.gpu = None  # record_stream in _reload keeps its memory until the copy is done
+            if c.reloaded is not None and not c.waited:  # a prefetch never used: its copy may still run
+                stream = stream or torch.cuda.current_stream(c.gpu.device)
+                stream.wait_event(c.reloaded)
+                c.waited = True
+            c.gpu = None  # back to the allocator on the compute stream, after the copy in stream order
         copies.reloaded = False  # the host copy stays valid until the next step (retain_graph)
 
     def unpack(self, handle: Any) -> Any:

@@ -146,7 +146,9 @@ def run_step(stack, inputs, engine: str, offload_layers: int | None = None, keep
     """Forward + backward of the whole stack; returns output, grads, memory and bytes moved.
 
     ``keep_grads``: grads from an earlier step stay allocated and are zeroed (as Megatron's
-    main_grad buffers stay), so the step's peak is about activations, not grads being allocated."""
+    main_grad buffers stay), so the step's peak is about activations, not grads being allocated;
+    the output's grad is then made inside the step too (``(out * dy).sum()``, exactly ``dy``), as
+    a model's loss makes it, so that it counts at the peak as every later grad does."""
     x, probs, dy, splits = inputs
     for p in [x, *probs, *(q for mlp in stack for q in mlp.parameters())]:
         if keep_grads and p.grad is not None:
@@ -178,7 +180,10 @@ def run_step(stack, inputs, engine: str, offload_layers: int | None = None, keep
         # also counts blocks freed while an offload copy still reads them (record_stream)
         fwd_active_peak = torch.cuda.memory_stats()["active_bytes.all.peak"] - base_mem
         out = h.detach().clone()
-        h.backward(dy)
+        if keep_grads:
+            (h * dy).sum().backward()
+        else:
+            h.backward(dy)
         delayed = [op for op in linears(stack) if op.need_backward_dw()]
         grads_before_dw = {id(p): p.grad for op in delayed for p in op.parameters()}
         for op in delayed:  # as Megatron does after the backward (or overlapped with comms)

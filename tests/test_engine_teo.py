@@ -424,3 +424,20 @@ def test_forward_gives_each_offloaded_layers_bytes_back_after_waiting_for_its_co
         note("sync", k)
     assert seen == released_at
     assert all(engine._layers[j].released for j in range(n))
+
+
+def test_a_reload_goes_back_in_stream_order_after_its_copy(monkeypatch):
+    """No record_stream: a reload that was never used makes the compute stream wait for its copy
+    before its memory goes back; one already waited for by its use goes back without a new wait."""
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    engine = TeoEngine(2, 3)
+    copies = _fake_layer_copies(0)
+    for i, c in enumerate(copies.copies):
+        c.source = None
+        c.gpu, c.reloaded, c.waited = torch.zeros(8, dtype=torch.uint8), f"reload{i}", i == 0  # copy 0 was used
+    copies.reloaded = True
+    engine._layers[0] = copies
+    engine._release_reload(0)
+    assert stream.waited == ["reload1"]
+    assert all(c.gpu is None for c in copies.copies) and not copies.reloaded

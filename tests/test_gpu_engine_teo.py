@@ -116,8 +116,9 @@ def test_memory_freed_matches_bytes_moved(num_layers, path):
 @pytest.mark.parametrize("num_layers", [1, LAYERS - 1, LAYERS])
 def test_whole_step_peak_falls_by_what_moved(num_layers, path):
     """The default (peak-neutral) schedule: over forward and backward, with grads kept allocated
-    from step to step (Megatron's main_grad buffers), the allocator's active peak (blocks an
-    in-flight copy still reads count) falls by >= 95% of the bytes moved. With every layer
+    from step to step (Megatron's main_grad buffers) and the output's grad made in the step, the
+    allocator's active peak (blocks an in-flight copy still reads count) falls by >= 95% of the
+    bytes moved. With every layer
     offloaded the layer whose backward comes first is on the GPU at the peak under any schedule:
     >= 95% of what the others moved."""
     cfg = Config(layers=LAYERS, experts=4, hidden=1024, ffn=768, splits=(1024, 0, 3000, 72))

@@ -1,0 +1,77 @@
+"""Diagnostic: GPU memory at each teo schedule event of one MoE step (where does the peak sit?).
+
+python3 scripts/diag_teo_memory.py [--unfused] [--layers 4] [policy ...]   e.g. layer:2 mlp:3
+Prints, per event (forward enter/sync, backward start, region end), memory allocated and the
+allocated peak since the previous event, in MiB above the step's start, and which layers hold
+reloads. Not a benchmark: one step after one warm-up step.
+"""
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "benchmarks"))
+unfused = "--unfused" in sys.argv
+if unfused:
+    os.environ["TEO_FUSED_SRELU_MLP"] = "0"
+os.environ.setdefault("NVTE_CPU_OFFLOAD_V1", "0")
+
+import torch  # noqa: E402
+
+import moe_step  # noqa: E402
+from te_offload_ops import engines_teo  # noqa: E402
+
+argv = [a for a in sys.argv[1:] if a != "--unfused"]
+layers = "4"
+if "--layers" in argv:
+    i = argv.index("--layers")
+    layers = argv[i + 1]
+    del argv[i:i + 2]
+policies = argv or ["layer:2", "mlp:3"]
+args = moe_step.parse_args(["--quick", "--layers", layers, "--engines", "teo", "--no-cap",
+                            "--policies", ",".join(policies)] + (["--unfused"] if unfused else []))
+bench = moe_step.StepBench("base", moe_step.SHAPES["base"], args, "teo")
+MiB = 2**20
+log = []
+start = [0]
+
+
+def mark(what):
+    torch.cuda.synchronize()
+    now = torch.cuda.memory_allocated() - start[0]
+    peak = torch.cuda.max_memory_allocated() - start[0]
+    torch.cuda.reset_peak_memory_stats()
+    log.append((what, now / MiB, peak / MiB))
+
+
+def wrap(name, label):
+    original = getattr(engines_teo.TeoEngine, name)
+
+    def hooked(self, *a):
+        mark(f"before {label}{a}")
+        out = original(self, *a)
+        reloaded = sorted(j for j, c in self._layers.items() if c.reloaded)
+        mark(f"after  {label}{a} reloaded={reloaded}")
+        return out
+    setattr(engines_teo.TeoEngine, name, hooked)
+
+
+for name, label in (("enter_layer", "enter"), ("layer_done", "sync"), ("backward_boundary", "bwd start"),
+                    ("region_backward_done", "region end")):
+    wrap(name, label)
+
+for text in ["none"] + policies:
+    policy = moe_step.NO_OFFLOAD if text == "none" else moe_step.parse_policies(text, bench.L)[0]
+    ctx = bench._context(policy)
+    x, dy = bench._inputs(args.batch)
+    bench._step(x, dy, args.batch, policy, ctx)  # warm-up
+    torch.cuda.synchronize()
+    start[0] = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    log.clear()
+    bench._step(x, dy, args.batch, policy, ctx)
+    mark("step end")
+    print(f"\n=== {text} ({'unfused' if unfused else 'fused'} MLP, L={bench.L}): MiB above the step's start")
+    top = max(p for _, _, p in log)
+    for what, now, peak in log:
+        print(f"{now:9.1f} now {peak:9.1f} peak-since-last{'  <== step peak' if peak == top else ''}  {what}")
