@@ -13,7 +13,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|teo1|teo2|megatron|suite1|suite2}
+phase=${1:?usage: gpu_session.sh te|new|main|teo1|teo2|teo3|teo4|megatron|next1|next2|next3|suite1|suite2}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -71,6 +71,24 @@ megatron)
     # call 3: main_grad by TMA as the default everywhere it applies; graphs; the sweep
     pytest_ 250 tests/test_gpu_megatron_settings.py tests/test_gpu_graphs.py tests/test_megatron_gpu.py
     run 300 python3 benchmarks/bench_megatron_settings.py --sweep --default-way-only --rounds 3 --out "$OUT/results"
+    ;;
+next1)
+    # next session, call 1 (carry .dev/te): teo after b46a9f5 (reloads freed in stream order), unfused
+    pytest_ 150 -s tests/test_engine_teo.py tests/test_gpu_engine_teo.py -k "not fused or unfused"
+    run 100 python3 scripts/diag_teo_memory.py --unfused --layers 4 layer:2 layer:3 mlp:3
+    ;;
+next2)
+    # call 2 (carry .dev/cute): teo fused; tma2 bits; the main job's base shape; main_grad ways
+    pytest_ 90 -s tests/test_gpu_engine_teo.py -k "fused and not unfused"
+    pytest_ 80 tests/test_gpu_megatron_settings.py -k "tma"
+    run 200 python3 benchmarks/moe_step.py --shapes base --engines teo,v2 --no-cap --out "$OUT/results"
+    run 200 python3 benchmarks/bench_megatron_settings.py --rounds 9 --out "$OUT/results"
+    ;;
+next3)
+    # call 3: where the fused step's forward time goes (host-bound?), and the moe-heavy shape with the cap search
+    run 150 python3 benchmarks/moe_step.py --shapes base --profile none,mlp:4,layer:4 --engines teo \
+        --profile-steps 3 --out "$OUT/results"
+    run 420 python3 benchmarks/moe_step.py --shapes moe-heavy --engines teo,v2 --out "$OUT/results"
     ;;
 suite1)
     pytest_ 560 tests/test_kernels_gpu.py tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py
