@@ -75,8 +75,11 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 FUSION_ENV = "TEO_FUSED_SRELU_MLP"
 
 # Defaults of a full run and of --quick; an explicit flag wins over either.
-FULL = {"shapes": "base,moe-heavy", "layers": 8, "batch": 2, "warmup": 2, "iters": 5,
-        "cap_seqs": 4, "cap_trials": 4, "cap_max_batch": 16}
+# 8 x 4096 tokens: 65 Ki routed tokens per step in the base shape (top-2), 256 Ki in moe-heavy
+# (top-8), in the 10^5-10^6 a GPU trains on; at 2 x 4096 the forward ran host-bound (its GPU
+# span varied 25-35 ms between processes for the same work while the backward held at 47 ms).
+FULL = {"shapes": "base,moe-heavy", "layers": 8, "batch": 8, "warmup": 2, "iters": 5,
+        "cap_seqs": 8, "cap_trials": 4, "cap_max_batch": 32}
 QUICK = {"shapes": "base", "layers": 4, "batch": 1, "warmup": 1, "iters": 3,
          "cap_seqs": 2, "cap_trials": 2, "cap_max_batch": 4}
 

@@ -23,7 +23,7 @@ def test_full_run_defaults_cover_both_shapes_and_the_issue_policies():
     args = moe_step.parse_args([])
     assert list(args.shapes) == ["base", "moe-heavy"]
     assert args.shapes["base"] == {"hidden": 2688, "heads": 21, "ffn": 1856, "experts": 8, "topk": 2}
-    assert (args.layers, args.batch, args.seq, args.engines) == (8, 2, 4096, ["v2", "v1", "teo"])
+    assert (args.layers, args.batch, args.seq, args.engines) == (8, 8, 4096, ["v2", "v1", "teo"])
     assert [p.label(8) for p in args.policies] == [
         "MLP 2/8", "MLP 4/8", "MLP 6/8", "MLP 7/8", "MLP 8/8", "layer 2/8", "layer 4/8", "layer 6/8"]
     assert args.caps == {}
