@@ -42,6 +42,7 @@ not capture-safe).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ from transformer_engine.pytorch import cpu_offload
 from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 
 from . import capture, policy
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["PinnedBufferPool", "TeoEngine", "default_pool", "free_pinned_buffers", "layers_to_reload",
            "make_teo_context", "peak_neutral_lead", "release_lag", "plan_saved", "reloads_at_backward_start",
@@ -188,14 +191,15 @@ def next_sequence_nr() -> Optional[int]:
     return torch.empty(0, requires_grad=True).view(0).grad_fn._sequence_nr()
 
 
-def watch_region(output_fn, since: int, on_end: Callable[[], None]) -> int:
+def watch_region(output_fn, since: int, on_end: Callable[[], None]) -> tuple[int, int]:
     """Call ``on_end`` once, when the backward of the region that produced ``output_fn`` is over
     and autograd has released what the region saved: the nodes reachable from ``output_fn`` that
-    were created after sequence number ``since``. Post-hooks count the region's nodes; prehooks on
-    the nodes just outside it (which run after the region's last node has released its saved
-    tensors) call ``on_end`` once all have run. If no such node runs later (the region's inputs
-    are leaves, or a partial ``autograd.grad``), ``on_end`` is not called. Returns the region's
-    node count."""
+    were created after sequence number ``since``. Prehooks count the region's nodes as they begin;
+    prehooks on the nodes just outside it call ``on_end`` once all have begun: autograd runs one
+    device's nodes one at a time, so by then every region node has finished and released its saved
+    tensors. (Prehooks, not post-hooks: a node with post-hooks keeps a copy of its incoming grads
+    until they run.) If no such node runs later (the region's inputs are leaves, or a partial
+    ``autograd.grad``), ``on_end`` is not called. Returns (region nodes, nodes just outside)."""
     inside, outside, stack, seen = [], [], [output_fn], set()
     while stack:
         fn = stack.pop()
@@ -211,10 +215,10 @@ def watch_region(output_fn, since: int, on_end: Callable[[], None]) -> int:
         inside.append(fn)
         stack.extend(nxt for nxt, _ in fn.next_functions)
     if not inside:
-        return 0
+        return 0, len(outside)
     state = {"pending": len(inside), "fired": False}
 
-    def ran(*_):
+    def begins(*_):
         state["pending"] -= 1
 
     def next_begins(*_):
@@ -223,10 +227,10 @@ def watch_region(output_fn, since: int, on_end: Callable[[], None]) -> int:
             on_end()
 
     for fn in inside:
-        fn.register_hook(ran)
+        fn.register_prehook(begins)
     for fn in outside:
         fn.register_prehook(next_begins)
-    return len(inside)
+    return len(inside), len(outside)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,9 +353,11 @@ class _HostCopy:
     storage_ref: StorageWeakRef
     copied: Any  # event: the D2H copy is done
     source: Optional[torch.Tensor] = None  # uint8 view of the GPU bytes, held until the layer's release
+    source_stream: Any = None  # the stream the tensor was saved on (its memory goes back there)
     gpu: Optional[torch.Tensor] = None  # uint8 bytes on the GPU (the reload, or the source) while reloaded
     reloaded: Any = None  # event: the H2D copy is done
-    waited: bool = False  # the compute stream waited for `reloaded`
+    reload_stream: Any = None  # the stream the reload's memory was taken on
+    waited: bool = False  # reload_stream waited for `reloaded`
 
 
 @dataclass
@@ -401,6 +407,8 @@ class TeoEngine:
         self.pool = pool if pool is not None else default_pool()
         self._d2h: Optional[torch.cuda.Stream] = None
         self._h2d: Optional[torch.cuda.Stream] = None
+        self._device: Optional[torch.device] = None  # of the first tensor moved: reloads go there
+        self.told_no_region_end = False
         self._step = 0
         self._fwd_layer: Optional[int] = None
         self._layers: dict[int, _LayerCopies] = {}
@@ -435,11 +443,12 @@ class TeoEngine:
 
     @staticmethod
     def _drop_sources(copies: "_LayerCopies") -> None:
+        """Each held source's stream waits for its copy to the host; then the bytes go back."""
         held = [c for c in copies.copies if c.source is not None]
-        if not held:
-            return
-        stream = torch.cuda.current_stream(held[0].source.device)
-        for event in dict.fromkeys(c.copied for c in held):  # one copy stream: usually the last is enough
+        waits = {}
+        for c in held:  # the copies of one stream finish in order: its last event is enough
+            waits[c.source_stream] = c.copied
+        for stream, event in waits.items():
             stream.wait_event(event)
         for c in held:
             c.source = None
@@ -505,10 +514,13 @@ class TeoEngine:
 
     def _copy_to_host(self, t: torch.Tensor, storage, span: Move) -> _HostCopy:
         d2h, _ = self._streams(t.device)
+        if self._device is None:
+            self._device = t.device
+        saved_on = torch.cuda.current_stream(t.device)
         ready = getattr(t, "start_reload_event", None)  # TE's start_offload: ready before it was saved
         if ready is None:
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(t.device))
+            ready.record(saved_on)
         # from a 512-byte boundary of the storage: a reloaded view keeps its address's alignment
         start = span.start - span.start % 512
         span = Move(start, span.start + span.nbytes - start)
@@ -521,8 +533,10 @@ class TeoEngine:
             host.tensor[: span.nbytes].copy_(src, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(d2h)
-        # the engine holds the bytes (src) until the layer's release, where the compute stream waits for the copy
-        return _HostCopy(host, span.nbytes, span.start, storage.data_ptr(), StorageWeakRef(storage), copied, src)
+        # the engine holds the bytes (src) until the layer's release, where the stream it was saved on waits
+        # for the copy (a side stream inside the context: that stream's pool gets the memory back)
+        return _HostCopy(host, span.nbytes, span.start, storage.data_ptr(), StorageWeakRef(storage), copied, src,
+                         saved_on)
 
     # -- backward --------------------------------------------------------------------------
 
@@ -553,15 +567,20 @@ class TeoEngine:
         copies = self._layers.get(layer)
         if copies is None or copies.reloaded or not copies.copies:
             return
-        _, h2d = self._streams()
-        # Reloads are allocated on the compute stream, whose earlier kernels may still use the
-        # memory the allocator hands out: the copy stream starts after them.
-        h2d.wait_stream(torch.cuda.current_stream())
+        copies.reloaded = True  # first: a raise below leaves what was started for _release_reload to wait on
+        h2d = None
         for c in copies.copies:
             if c.source is not None:  # never given back (a backward before the release): no copy needed
                 c.gpu, c.reloaded, c.waited = c.source, None, True
                 continue
-            c.gpu = torch.empty(c.nbytes, dtype=torch.uint8, device="cuda")
+            if h2d is None:
+                _, h2d = self._streams(self._device)
+                compute = torch.cuda.current_stream(self._device)
+                # Reloads are allocated on the compute stream, whose earlier kernels may still use
+                # the memory the allocator hands out: the copy stream starts after them.
+                h2d.wait_stream(compute)
+            c.gpu = torch.empty(c.nbytes, dtype=torch.uint8, device=self._device)
+            c.reload_stream = compute
             h2d.wait_event(c.copied)
             with torch.cuda.stream(h2d):
                 c.gpu.copy_(c.host.tensor[: c.nbytes], non_blocking=True)
@@ -572,20 +591,17 @@ class TeoEngine:
             c.reloaded = torch.cuda.Event()
             c.reloaded.record(h2d)
             c.waited = False
-        copies.reloaded = True
 
     def _release_reload(self, layer: int) -> None:
         copies = self._layers.get(layer)
         if copies is None or not copies.reloaded:
             return
         self._drop_sources(copies)  # its backward is over
-        stream = None
         for c in copies.copies:
-            if c.reloaded is not None and not c.waited:  # a prefetch never used: its copy may still run
-                stream = stream or torch.cuda.current_stream(c.gpu.device)
-                stream.wait_event(c.reloaded)
+            if c.gpu is not None and c.reloaded is not None and not c.waited:  # a prefetch never used
+                c.reload_stream.wait_event(c.reloaded)  # its copy may still run
                 c.waited = True
-            c.gpu = None  # back to the allocator on the compute stream, after the copy in stream order
+            c.gpu = None  # back to the allocator on the stream it came from, after the copy in stream order
         copies.reloaded = False  # the host copy stays valid until the next step (retain_graph)
 
     def unpack(self, handle: Any) -> Any:
@@ -602,9 +618,15 @@ class TeoEngine:
                 "step); a second backward through the same graph (retain_graph=True) is not supported")
         self._reload(handle.layer)  # no-op when prefetched
         c = self._layers[handle.layer].copies[handle.index]
-        if not c.waited:
-            torch.cuda.current_stream().wait_event(c.reloaded)
-            c.waited = True
+        if c.reloaded is not None:
+            stream = torch.cuda.current_stream(c.gpu.device)
+            if stream == c.reload_stream:
+                if not c.waited:
+                    stream.wait_event(c.reloaded)
+                    c.waited = True
+            else:  # used on a side stream: it waits too, and the memory is not reused before it is done
+                stream.wait_event(c.reloaded)
+                c.gpu.record_stream(stream)
         # c.gpu starts at byte c.start of the tensor's storage (a source) or at 0 of its own (a reload)
         return torch.empty(0, dtype=handle.dtype, device=c.gpu.device).set_(
             c.gpu.untyped_storage(), (c.gpu.storage_offset() + handle.byte_offset) // handle.dtype.itemsize,
@@ -665,6 +687,7 @@ class TeoContext:
         if self._layer is None:
             raise RuntimeError("teo offload sync function called before the context was ever entered")
         if isinstance(tensor, torch.Tensor) and not tensor.requires_grad:
+            self.engine.layer_done(self._layer)
             return tensor  # a frozen layer: nothing of it was saved for a backward
         if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
             raise ValueError(
@@ -675,7 +698,11 @@ class TeoContext:
         engine.layer_done(layer)
         tensor.grad_fn.register_prehook(lambda _grads: engine.backward_boundary(layer))
         if self._since is not None:
-            watch_region(tensor.grad_fn, self._since, lambda: engine.region_backward_done(layer))
+            _, after = watch_region(tensor.grad_fn, self._since, lambda: engine.region_backward_done(layer))
+            if not after and layer > 0 and not engine.told_no_region_end:
+                engine.told_no_region_end = True
+                _log.info("teo: nothing in autograd follows layer %d's region (its inputs are leaves?): its "
+                          "backward's end is not seen, and reloads start only at layer starts", layer)
         return tensor
 
 

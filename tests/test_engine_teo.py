@@ -204,8 +204,8 @@ def test_region_end_comes_once_after_the_region_ran_and_released_what_it_saved()
         b = torch.exp(before)
         out = a * b
     del a, b
-    n = watch_region(out.grad_fn, since, lambda: seen.append(("end", len(released), len(saved))))
-    assert n == 3  # sigmoid, exp, mul; tanh was before `since`
+    inside, after = watch_region(out.grad_fn, since, lambda: seen.append(("end", len(released), len(saved))))
+    assert (inside, after) == (3, 1)  # sigmoid, exp, mul; tanh was before `since`
     before.grad_fn.register_prehook(lambda _g: seen.append("tanh begins"))
     (out * 3).sum().backward()
     assert seen[0][0] == "end" and seen[0][1] == seen[0][2] > 0  # all released by then
@@ -391,9 +391,10 @@ class _FakeStream:
         self.waited.append(event)
 
 
-def _fake_layer_copies(layer: int, count: int = 2):
+def _fake_layer_copies(layer: int, count: int = 2, stream=None):
     copies = [engines_teo._HostCopy(host=None, nbytes=8, start=0, storage_ptr=0, storage_ref=None,
-                                    copied=f"L{layer}.copy{i}", source=torch.zeros(8, dtype=torch.uint8))
+                                    copied=f"L{layer}.copy{i}", source=torch.zeros(8, dtype=torch.uint8),
+                                    source_stream=stream)
               for i in range(count)]
     return engines_teo._LayerCopies(copies=copies)
 
@@ -419,7 +420,7 @@ def test_forward_gives_each_offloaded_layers_bytes_back_after_waiting_for_its_co
         engine.enter_layer()
         note("enter", k)
         if k < n:
-            engine._layers[k] = _fake_layer_copies(k)  # what its saves copied
+            engine._layers[k] = _fake_layer_copies(k, stream=stream)  # what its saves copied
         engine.layer_done(k)
         note("sync", k)
     assert seen == released_at
@@ -436,8 +437,51 @@ def test_a_reload_goes_back_in_stream_order_after_its_copy(monkeypatch):
     for i, c in enumerate(copies.copies):
         c.source = None
         c.gpu, c.reloaded, c.waited = torch.zeros(8, dtype=torch.uint8), f"reload{i}", i == 0  # copy 0 was used
+        c.reload_stream = stream
     copies.reloaded = True
     engine._layers[0] = copies
     engine._release_reload(0)
     assert stream.waited == ["reload1"]
     assert all(c.gpu is None for c in copies.copies) and not copies.reloaded
+
+
+def test_a_source_never_given_back_is_served_in_place_with_its_offset():
+    """A layer whose backward begins before its release (no later layer entered) unpacks from the
+    bytes the engine still holds: no copy back, the same storage, the element at the same address,
+    for a view saved at an unaligned offset of a range copied from a 512-byte boundary."""
+    engine = TeoEngine(1, 2)
+    engine.enter_layer()
+    base = torch.arange(4096, dtype=torch.float32)
+    view = base[300:1300].view(40, 25)  # starts 1200 bytes into the storage
+    start = 1200 - 1200 % 512
+    src = torch.empty(0, dtype=torch.uint8).set_(base.untyped_storage(), start, (1200 + 4000 - start,), (1,))
+    copy = engines_teo._HostCopy(host=None, nbytes=src.numel(), start=start, storage_ptr=base.data_ptr(),
+                                 storage_ref=None, copied="copied", source=src)
+    engine._layers[0] = engines_teo._LayerCopies(copies=[copy])
+    handle = engines_teo._Moved(engine._step, 0, 0, 1200 - start, tuple(view.shape), view.stride(), view.dtype)
+    got = engine.unpack(handle)
+    assert got.data_ptr() == view.data_ptr() and torch.equal(got, view)
+    assert got.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()  # no copy
+
+
+def test_region_ends_release_and_reload_through_real_hooks(monkeypatch):
+    """The engine's own reactions to a real backward (4 layers, 3 offloaded, whole-layer regions
+    with an op outside each context): each region's end drops its reloads and starts the next."""
+    ctx, sync, _ = offload_context("teo", num_layers=3, model_layers=4)
+    engine = ctx.engine
+    calls = []
+    monkeypatch.setattr(engine, "_reload", lambda layer: calls.append(("reload", layer)))
+    monkeypatch.setattr(engine, "_release_reload", lambda layer: calls.append(("release", layer)))
+    x = torch.randn(8, 8, requires_grad=True)
+    h = x * 1.0
+    for _ in range(4):
+        h = h + 1
+        with ctx:
+            h = torch.tanh(h) * 2
+        h = sync(h)
+    h.sum().backward()
+    # lead 0 (n = L - 1): layer 3's end starts layer 2, and so on; starts add the layer itself (a no-op
+    # when already started)
+    assert [c for c in calls if c[0] == "reload"] == [
+        ("reload", 2), ("reload", 2), ("reload", 1), ("reload", 1), ("reload", 0), ("reload", 0)]
+    assert ("release", 3) in calls and calls.index(("release", 3)) < calls.index(("reload", 2))

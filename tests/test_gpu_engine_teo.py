@@ -26,8 +26,8 @@ def _union_bytes(ranges) -> int:
 def expected_bytes(recorder, layer: int) -> int:
     """What an engine with V2's rule moves for ``layer``: its large activations that no op kept
     (an op that keeps a tensor another op saved keeps it for both). Only the layer's own entries
-    count: teo hands a moved tensor's memory back at once, so another layer's kept tensor can sit
-    at the same address."""
+    count: teo hands a moved tensor's memory back during the forward (a layer or more later), so
+    another layer's kept tensor can sit at the same address."""
     mine = [e for e in recorder.entries if e.op.startswith(f"L{layer}.")]
     kept = {(e.data_ptr, e.nbytes) for e in mine if e.kept}
     return _union_bytes({(e.data_ptr, e.nbytes) for e in mine
