@@ -199,7 +199,10 @@ def watch_region(output_fn, since: int, on_end: Callable[[], None]) -> tuple[int
     device's nodes one at a time, so by then every region node has finished and released its saved
     tensors. (Prehooks, not post-hooks: a node with post-hooks keeps a copy of its incoming grads
     until they run.) If no such node runs later (the region's inputs are leaves, or a partial
-    ``autograd.grad``), ``on_end`` is not called. Returns (region nodes, nodes just outside)."""
+    ``autograd.grad``), ``on_end`` is not called. Where autograd runs nodes on more than one
+    thread (CPU-only grads beside a GPU's, a reentrant checkpoint's backward) the end may be
+    reported early: that costs memory and overlap, not results (a later use reloads again).
+    Returns (region nodes, nodes just outside)."""
     inside, outside, stack, seen = [], [], [output_fn], set()
     while stack:
         fn = stack.pop()
@@ -443,13 +446,18 @@ class TeoEngine:
 
     @staticmethod
     def _drop_sources(copies: "_LayerCopies") -> None:
-        """Each held source's stream waits for its copy to the host; then the bytes go back."""
+        """The streams the sources were saved on, and the current one, wait for the copies to the
+        host; then the bytes go back. (The memory returns to the stream it was allocated on, most
+        often the one it was saved on or the current one; one copy stream runs the copies in
+        order, so its last event covers them all.)"""
         held = [c for c in copies.copies if c.source is not None]
-        waits = {}
-        for c in held:  # the copies of one stream finish in order: its last event is enough
-            waits[c.source_stream] = c.copied
-        for stream, event in waits.items():
-            stream.wait_event(event)
+        if not held:
+            return
+        last = held[-1].copied
+        streams = {c.source_stream for c in held if c.source_stream is not None}
+        streams.add(torch.cuda.current_stream(held[0].source.device))
+        for stream in streams:
+            stream.wait_event(last)
         for c in held:
             c.source = None
 
@@ -471,6 +479,8 @@ class TeoEngine:
         layer = self._fwd_layer
         if layer is None or layer >= self.num_layers or not isinstance(t, torch.Tensor):
             return t
+        if self._device is not None and t.device != self._device:
+            return t  # one GPU per engine: its copy streams and reloads live on the first one's
         return self._pack(plan_saved(t), t, t)
 
     def _pack(self, plan, t: torch.Tensor, owner: torch.Tensor) -> Any:

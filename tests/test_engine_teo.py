@@ -1,7 +1,8 @@
 """CPU: the teo offload engine's decisions, schedule, pinned pool and refusals (copies need a GPU:
 tests/test_gpu_engine_teo.py)."""
 
-import weakref
+import contextlib
+import logging
 
 import pytest
 import torch
@@ -485,3 +486,110 @@ def test_region_ends_release_and_reload_through_real_hooks(monkeypatch):
     assert [c for c in calls if c[0] == "reload"] == [
         ("reload", 2), ("reload", 2), ("reload", 1), ("reload", 1), ("reload", 0), ("reload", 0)]
     assert ("release", 3) in calls and calls.index(("release", 3)) < calls.index(("reload", 2))
+
+
+class _NamedStream(_FakeStream):
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+
+
+def test_sources_go_back_after_both_their_save_stream_and_the_current_one_waited(monkeypatch):
+    """A tensor saved on a side stream: that stream and the current one (either may have allocated
+    it) wait for the last copy before the engine lets go."""
+    side, current = _NamedStream("side"), _NamedStream("current")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    engine = TeoEngine(1, 2)
+    engine.enter_layer()
+    engine._layers[0] = _fake_layer_copies(0, stream=side)
+    engine.enter_layer()  # layer 1 enters: layer 0's sources go back
+    assert side.waited == ["L0.copy1"] and current.waited == ["L0.copy1"]
+    assert all(c.source is None for c in engine._layers[0].copies)
+
+
+def test_a_reload_used_on_another_stream_is_kept_for_that_stream(monkeypatch):
+    taken_on, used_on = _NamedStream("compute"), _NamedStream("side")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: used_on)
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: recorded.append(stream))
+    engine = TeoEngine(1, 1)
+    engine.enter_layer()
+    copies = _fake_layer_copies(0, count=1)
+    c = copies.copies[0]
+    c.source, c.gpu, c.reloaded, c.reload_stream = None, torch.zeros(8, dtype=torch.uint8), "reload0", taken_on
+    copies.reloaded = True
+    engine._layers[0] = copies
+    engine.unpack(engines_teo._Moved(engine._step, 0, 0, 0, (2,), (1,), torch.float32))
+    assert used_on.waited == ["reload0"] and recorded == [used_on]
+    assert not c.waited and taken_on.waited == []
+    engine._release_reload(0)  # never waited on the stream it was taken on: that one waits now
+    assert taken_on.waited == ["reload0"]
+
+
+def test_a_reload_that_raises_midway_leaves_its_started_copies_to_be_waited_on(monkeypatch):
+    compute, h2d = _NamedStream("compute"), _NamedStream("h2d")
+    h2d.wait_stream = lambda stream: None
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+    class _Event:
+        def record(self, stream):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    engine = TeoEngine(1, 2)
+    monkeypatch.setattr(engine, "_streams", lambda device=None: (None, h2d))
+    copies = _fake_layer_copies(0)
+    for c in copies.copies:
+        c.source, c.host = None, engines_teo.HostBuffer(torch.zeros(8, dtype=torch.uint8), 0)
+    engine._layers[0] = copies
+    real_empty, made = torch.empty, []
+
+    def empty(*a, **k):
+        if len(made) == 1:
+            raise torch.cuda.OutOfMemoryError("no room for the second reload")
+        made.append(1)
+        return real_empty(*a, **{**k, "device": "cpu"})
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        engine._reload(0)
+    monkeypatch.setattr(torch, "empty", real_empty)
+    engine._release_reload(0)
+    first = copies.copies[0]
+    assert compute.waited == [first.reloaded] and first.gpu is None
+
+
+def test_a_frozen_last_layer_still_gives_its_bytes_back(monkeypatch):
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    ctx, sync, _ = offload_context("teo", num_layers=2, model_layers=2)
+    x = torch.randn(4, requires_grad=True)
+    with ctx:
+        h = x * 2
+    sync(h)
+    with ctx:
+        ctx.engine._layers[1] = _fake_layer_copies(1, stream=stream)
+        frozen = torch.randn(4)
+    assert sync(frozen) is frozen
+    assert ctx.engine._layers[1].released and stream.waited
+
+
+def test_a_region_with_nothing_after_it_is_said_once(caplog):
+    ctx, sync, _ = offload_context("teo", num_layers=1, model_layers=3)
+    with caplog.at_level(logging.INFO, logger="te_offload_ops.engines_teo"):
+        for _ in range(3):
+            x = torch.randn(4, requires_grad=True)  # each layer's input a leaf
+            with ctx:
+                h = torch.tanh(x) * 2
+            sync(h)
+    said = [r.getMessage() for r in caplog.records if "nothing in autograd follows" in r.getMessage()]
+    assert len(said) == 1 and "layer 1's region" in said[0]
+
+
+def test_tensors_on_another_device_than_the_engines_stay(cpu_is_offloadable):
+    engine = TeoEngine(1, 1)
+    engine.enter_layer()
+    engine._device = torch.device("cuda", 1)  # the first tensor it moved was on cuda:1
+    t = torch.empty(BIG)
+    assert engine.pack(t) is t
