@@ -13,7 +13,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|teo1|teo2|teo3|teo4|megatron|next1|next2|next3|suite1|suite2}
+phase=${1:?usage: gpu_session.sh te|new|main|teo1|teo2|teo3|teo4|megatron|next1|next2|next3|next4|suite1|suite2}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -85,10 +85,14 @@ next2)
     run 200 python3 benchmarks/bench_megatron_settings.py --rounds 9 --out "$OUT/results"
     ;;
 next3)
-    # call 3: where the fused step's forward time goes (host-bound?), and the moe-heavy shape with the cap search
-    run 150 python3 benchmarks/moe_step.py --shapes base --profile none,mlp:4,layer:4 --engines teo \
-        --profile-steps 3 --out "$OUT/results"
-    run 420 python3 benchmarks/moe_step.py --shapes moe-heavy --engines teo,v2 --out "$OUT/results"
+    # call 3: where the fused step's time goes at batch 8, then moe-heavy (cap search) for teo
+    run 120 python3 benchmarks/moe_step.py --shapes base --profile none,mlp:4,mlp:7 --engines teo \
+        --profile-steps 2 --out "$OUT/results"
+    run 450 python3 benchmarks/moe_step.py --shapes moe-heavy --engines teo --out "$OUT/results/heavy_teo"
+    ;;
+next4)
+    # call 4: moe-heavy for TE's engines (the report merges engines of one run only: compare by hand)
+    run 560 python3 benchmarks/moe_step.py --shapes moe-heavy --engines v2,v1 --out "$OUT/results/heavy_te"
     ;;
 suite1)
     pytest_ 560 tests/test_kernels_gpu.py tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py
