@@ -164,6 +164,9 @@ def schedule_notes(engine: str, layers: int, total: int) -> list[str]:
         notes.append("TE V2 at n = L-1: each layer's offload must end when the next layer starts")
     if engine in TE_ENGINES and layers == total:
         notes.append("n = L: TE's default schedule does not offload every layer")
+    elif layers == total:
+        notes.append("n = L: the layer whose backward comes first is back on the GPU when the backward begins "
+                     "(under any schedule), so at most (L-1)/L of the bytes are freed at that peak")
     return notes
 
 
