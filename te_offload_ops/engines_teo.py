@@ -8,8 +8,9 @@ modules leave); when it moves is this module's own schedule:
 * forward: each saved tensor of the first ``n`` layers starts its copy to pinned host memory the
   moment it is saved (on a copy stream, after the event TE's ``start_offload`` recorded, or one
   recorded then). The engine holds the GPU bytes until layer ``i + b`` enters its context
-  (``b = max(L - n, 1)``, see :func:`release_lag`), where the compute stream waits for layer
-  ``i``'s copies and the bytes go back to the allocator, reusable at once on the compute stream.
+  (``b = max(L - n, 1)``, see :func:`release_lag`), where the stream the tensor was saved on and
+  the current one wait for layer ``i``'s copies and the bytes go back to the allocator, reusable
+  at once in stream order.
   That wait is the backpressure that keeps the forward within the no-offload peak less what
   is offloaded when copies are slower than the compute that makes activations (a host running
   ahead cannot free memory a copy still reads: ``record_stream`` would only return it once the
@@ -29,7 +30,8 @@ modules leave); when it moves is this module's own schedule:
   when layer ``i``'s backward begins (more overlap, more memory at the peak);
 * host buffers come from a pool shared by every teo context and reused from step to step (they go
   back to it when the backward ends; ``free_pinned_buffers`` empties it);
-* no host synchronization anywhere: streams wait on events.
+* no host synchronization anywhere: streams wait on events;
+* one GPU per engine (the device of the first tensor it moves; tensors on others stay).
 
 Deliberately kept on the GPU (documented limits): tensor subclasses other than TE's
 ``QuantizedTensor`` (e.g. ``GroupedTensor``: its bytes live in several buffers whose layout this
