@@ -34,7 +34,8 @@ def active_bytes(peak: bool = False) -> int:
     """GPU memory in use as the caching allocator sees it: blocks held by tensors plus blocks freed
     while a side stream still uses them (``record_stream``: an offload copy in flight), which
     ``memory_allocated`` already counts as free. For engines whose copies the compute stream
-    waits for (TE V2, V1) the two agree; for one that hands memory back at once (teo) only this
+    waits for (TE V2, V1, teo since its backpressure) the two agree; for one that hands memory back
+    under ``record_stream`` before its copy is done (teo's first version did) only this
     is honest. ``peak``: the most since ``torch.cuda.reset_peak_memory_stats()``."""
     import torch
 
