@@ -44,8 +44,7 @@ from bench_common import write_reports  # noqa: E402
 # main_grad ablation: variant -> (TEO_MAIN_GRAD_ADD, schedule of the main_grad wgrad)
 MAIN_GRAD_WAYS = {"main_grad(rmw,ping)": ("rmw", "pingpong"), "main_grad(rmw,coop)": ("rmw", "cooperative"),
                   "main_grad(red,ping)": ("red", "pingpong"), "main_grad(red,coop)": ("red", "cooperative"),
-                  "main_grad(tma,ping)": ("tma", "pingpong"), "main_grad(tma,coop)": ("tma", "cooperative"),
-                  "main_grad(tma2,ping)": ("tma2", "pingpong"), "main_grad(tma2,coop)": ("tma2", "cooperative")}
+                  "main_grad(tma,ping)": ("tma", "pingpong"), "main_grad(tma,coop)": ("tma", "cooperative")}
 VARIANTS = ("plain", "main_grad", *MAIN_GRAD_WAYS, "delay", "main_grad+delay", "split_check")
 SETTINGS = VARIANTS[1:-1]  # compared with plain, split-size check off
 SWEEP = [(8, 2048, 2688, 1856), (8, 4096, 2688, 1856), (32, 1024, 2048, 768), (32, 2048, 4096, 1536),

@@ -409,29 +409,6 @@ def test_main_grad_by_tma_reduce_adds_one_bulk_reduction_per_box(schedule):
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
-@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
-def test_main_grad_by_tma_with_two_boxes_waits_for_the_box_before_last(schedule):
-    """The "tma2" add: the same BN / 32 reduce-adds, each followed by a wait for all but the last
-    group's reads (the next chunk writes the other box), and one wait for none at the tile's end;
-    two boxes per warpgroup cost one pipeline stage at most."""
-    from te_offload_ops.kernels import compile_variant
-    from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
-
-    kern, compiled, _ = compile_variant(torch.bfloat16, 2688, 0, 8, b_n_major=True, epilogue="tma2_f32",
-                                        wgrad_m=1856, schedule=schedule, options="--keep-ptx", call="python",
-                                        slot_stride=1856 * 2688)
-    ptx = str(compiled.artifacts.PTX)
-    chunks = kern.bn // 32
-    assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add", ptx)) == chunks
-    assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)) == chunks
-    assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)) == 1
-    assert not re.search(r"ld\.global\.v2|st\.global|red\.relaxed", ptx)
-    assert "ld.local" not in ptx and "st.local" not in ptx
-    one_box = GroupedGemmSm90(cutlass.BFloat16, 2688, 0, 8, b_n_major=True, epilogue="tma_f32", wgrad_m=1856,
-                              schedule=schedule, slot_stride=1856 * 2688, tile_mn=(kern.bm, kern.bn))
-    assert kern.tma_boxes == 2 and one_box.stages - 1 <= kern.stages <= one_box.stages
-
-
 def test_tma_epilogue_needs_a_slot_stride():
     from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
 

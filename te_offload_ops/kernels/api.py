@@ -101,8 +101,7 @@ _DEFAULT_SCHEDULE = {"plain": "pingpong", "srelu": "pingpong", "dsrelu": "pingpo
                      # the fp32 main_grad add is epilogue work worth hiding (measured: pingpong
                      # 1.093x / 1.075x the plain fused op with rmw / red, cooperative 1.108x / 1.084x)
                      "wgrad_main_grad": "pingpong"}
-_MAIN_GRAD_EPILOGUES = ("acc_f32", "red_f32", "tma_f32", "tma2_f32", "store_f32")  # gemm_sm90.MAIN_GRAD_EPILOGUES, without the DSL import
-_TMA_EPILOGUES = ("tma_f32", "tma2_f32")  # gemm_sm90.TMA_EPILOGUES
+_MAIN_GRAD_EPILOGUES = ("acc_f32", "red_f32", "tma_f32", "store_f32")  # gemm_sm90.MAIN_GRAD_EPILOGUES, without the DSL import
 
 
 def pick_schedule(epilogue: str, wgrad: bool = False, schedule: str | None = None, tile=None) -> str:
@@ -166,7 +165,7 @@ def _compile(
         make_ptr(dt, fake, gmem, assumed_align=16),  # A
         make_ptr(dt, fake, gmem, assumed_align=16),  # B
         # C / Z / dZ, or the fp32 main_grad base (16-byte aligned for TMA's reduce-adds)
-        make_ptr(cutlass.Float32, fake, gmem, assumed_align=16 if epilogue in _TMA_EPILOGUES else 4) if main_grad
+        make_ptr(cutlass.Float32, fake, gmem, assumed_align=16 if epilogue == "tma_f32" else 4) if main_grad
         else make_ptr(dt, fake, gmem, assumed_align=16),
         make_ptr(cutlass.Int32, fake, gmem, assumed_align=4),  # split sizes
         make_ptr(dt, fake, gmem, assumed_align=2),  # probs
@@ -592,8 +591,8 @@ def _vector_aligned(bufs) -> bool:
     return all(g.data_ptr() % 8 == 0 for g in bufs)
 
 
-MAIN_GRAD_ADD_ENV = "TEO_MAIN_GRAD_ADD"  # "tma" (default), "tma2", "red" or "rmw": how the kernel adds into main_grad
-MAIN_GRAD_ADDS = {"rmw": "acc_f32", "red": "red_f32", "tma": "tma_f32", "tma2": "tma2_f32"}
+MAIN_GRAD_ADD_ENV = "TEO_MAIN_GRAD_ADD"  # "tma" (default), "red" or "rmw": how the kernel adds into main_grad
+MAIN_GRAD_ADDS = {"rmw": "acc_f32", "red": "red_f32", "tma": "tma_f32"}
 
 
 def main_grad_add(choice: str | None = None) -> str:
@@ -601,8 +600,7 @@ def main_grad_add(choice: str | None = None) -> str:
     fp32 boxes, for buffers evenly spaced as :func:`main_grad_slots` describes: one (E, N, K)
     tensor, or Megatron's experts of one layer in its grad buffer; "red" for other layouts),
     "red" (8-byte fire-and-forget reductions done in L2: no load round trips in the epilogue) or
-    "rmw" (loads, adds, stores); "tma2" is "tma" with two boxes per warpgroup (compile-checked, not
-    yet run on a GPU). All give the same bits (each element gets one add per kernel).
+    "rmw" (loads, adds, stores). All give the same bits (each element gets one add per kernel).
     On an H100, E=8 x 2048, H=2688, F=1856, fwd+bwd GPU time over the plain fused op, pingpong
     schedule (which beat cooperative for each): tma 1.054x, red 1.073x, rmw 1.092x
     (benchmarks/results/megatron_settings_*, 2026-11-23). The argument, else $TEO_MAIN_GRAD_ADD,
@@ -640,8 +638,8 @@ def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool 
                 g.zero_()
         return
     epilogue = MAIN_GRAD_ADDS[main_grad_add(add)] if accumulate else "store_f32"
-    layout = main_grad_slots([g.data_ptr() for g in bufs], n * k) if epilogue in _TMA_EPILOGUES else None
-    if epilogue in _TMA_EPILOGUES and layout is None:  # buffers TMA cannot address as one array
+    layout = main_grad_slots([g.data_ptr() for g in bufs], n * k) if epilogue == "tma_f32" else None
+    if epilogue == "tma_f32" and layout is None:  # buffers TMA cannot address as one array
         epilogue = MAIN_GRAD_ADDS["red"]
     kern, compiled = get_kernel(dy.dtype, k, 0, e, b_n_major=True, epilogue=epilogue, tile=tile, wgrad_m=n,
                                 schedule=schedule, slot_stride=layout[0] if layout else None)

@@ -86,16 +86,14 @@ from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-EPILOGUES = ("plain", "srelu", "dsrelu", "acc_f32", "red_f32", "tma_f32", "tma2_f32", "store_f32")
+EPILOGUES = ("plain", "srelu", "dsrelu", "acc_f32", "red_f32", "tma_f32", "store_f32")
 # weight-gradient epilogues that write fp32 main_grad buffers (Megatron's wgrad fusion):
 # acc_f32 adds the tile into them (main_grad += dW) by loads and stores, red_f32 by fire-and-forget
 # reductions done in L2 (no load round trips in the epilogue; each element still gets exactly one
 # addition, so the result is the same), tma_f32 by TMA bulk reduce-adds of 128 x 32 fp32 boxes
 # staged in shared memory (whole lines reduced in L2; needs the experts' buffers evenly spaced:
-# ``slot_stride``), tma2_f32 the same with two boxes per warpgroup (the next box is written while
-# TMA still reads the last; one pipeline stage fewer), store_f32 overwrites (overwrite_main_grad)
-MAIN_GRAD_EPILOGUES = ("acc_f32", "red_f32", "tma_f32", "tma2_f32", "store_f32")
-TMA_EPILOGUES = ("tma_f32", "tma2_f32")
+# ``slot_stride``), store_f32 overwrites (overwrite_main_grad)
+MAIN_GRAD_EPILOGUES = ("acc_f32", "red_f32", "tma_f32", "store_f32")
 _TMA_COLS = 32  # a tma_f32 box is 128 bytes wide: one 128-byte swizzle atom
 SCHEDULES = ("cooperative", "pingpong")
 
@@ -156,9 +154,9 @@ class GroupedGemmSm90:
         self.tile_threads = _WG if self.pingpong else 2 * _WG
         if epilogue in MAIN_GRAD_EPILOGUES and wgrad_m is None:
             raise ValueError(f"the {epilogue} epilogue belongs to the weight-gradient form (wgrad_m)")
-        if (epilogue in TMA_EPILOGUES) != (slot_stride is not None):
+        if (epilogue == "tma_f32") != (slot_stride is not None):
             raise ValueError("slot_stride (elements between the experts' main_grad buffers) goes with the "
-                             f"tma epilogues and only with them, got {slot_stride!r} for {epilogue!r}")
+                             f"tma_f32 epilogue and only with it, got {slot_stride!r} for {epilogue!r}")
         if slot_stride is not None and (slot_stride % 4 or wgrad_m is None or slot_stride < wgrad_m * n):
             raise ValueError(f"slot_stride must be a multiple of 4 elements (16 bytes) and at least M * N, "
                              f"got {slot_stride} for M={wgrad_m}, N={n}")
@@ -204,7 +202,7 @@ class GroupedGemmSm90:
         # warpgroup under pingpong (their epilogues may overlap)
         # main-grad epilogues go from registers straight to global memory: no staging
         self.n_out = {"plain": 1, "srelu": 2, "dsrelu": 2}.get(epilogue, 0)
-        if epilogue in TMA_EPILOGUES:
+        if epilogue == "tma_f32":
             epi_cols = _TMA_COLS
         elif epi_cols is None:  # main-grad epilogues: 64 columns = two load rounds per pingpong tile
             epi_cols = _EPI_COLS if self.n_out in (0, 1) else _EPI_COLS_TWO_OUTPUTS
@@ -216,10 +214,9 @@ class GroupedGemmSm90:
         self.epi_bufs = 2 if self.pingpong else 1
         budget = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 2048
         budget -= self.epi_bufs * self.n_out * self.epi_elems * elem
-        # tma epilogues: one (tma2: two) fp32 (BM, 32) boxes per warpgroup sharing a tile, staged for TMA
-        self.tma_boxes = 2 if epilogue == "tma2_f32" else 1
-        self.box_elems = bm * _TMA_COLS if epilogue in TMA_EPILOGUES else 0
-        budget -= self.epi_bufs * self.tma_boxes * self.box_elems * 4 + (1024 if self.box_elems else 0)  # + alignment
+        # tma_f32: one fp32 (BM, 32) box per warpgroup sharing a tile, staged for the TMA unit
+        self.box_elems = bm * _TMA_COLS if epilogue == "tma_f32" else 0
+        budget -= self.epi_bufs * self.box_elems * 4 + (1024 if self.box_elems else 0)  # + alignment
         self.stages = max(2, min(8, budget // stage_bytes))
 
     # ------------------------------------------------------------------ host
@@ -245,7 +242,7 @@ class GroupedGemmSm90:
             # (M, T) and (N, T) views of the row-major token matrices: MN-major
             m_a = cute.make_tensor(p_a, cute.make_layout((m, num_tokens), stride=(1, m)))
             m_b = cute.make_tensor(p_b, cute.make_layout((n, num_tokens), stride=(1, n)))
-            if cutlass.const_expr(self.epilogue in TMA_EPILOGUES):
+            if cutlass.const_expr(self.epilogue == "tma_f32"):
                 # p_c: the fp32 buffer of slot 0; expert e's (M, N) main_grad is slot p_off[e]
                 m_c = cute.make_tensor(p_c, cute.make_layout((m, n, e), stride=(n, 1, self.slot_stride)))
             elif cutlass.const_expr(self.epilogue in MAIN_GRAD_EPILOGUES):
@@ -304,10 +301,10 @@ class GroupedGemmSm90:
             (bn, bk),
         )
 
-        if cutlass.const_expr(self.epilogue in TMA_EPILOGUES):
+        if cutlass.const_expr(self.epilogue == "tma_f32"):
             # the staged box in TMA's 128-byte swizzle: bank-conflict-free writes, whole-line reads
             box_layout = sm90_utils.make_smem_layout_epi(
-                cutlass.Float32, LayoutEnum.ROW_MAJOR, (bm, _TMA_COLS), self.epi_bufs * self.tma_boxes
+                cutlass.Float32, LayoutEnum.ROW_MAJOR, (bm, _TMA_COLS), self.epi_bufs
             )
             tma_c, g_c = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(), m_c, cute.slice_(box_layout, (None, None, 0)),
@@ -331,7 +328,7 @@ class GroupedGemmSm90:
             ]
             # 1024-byte aligned for the swizzle only where used: elsewhere that padding would cost a stage
             box: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Float32, box_cosize], 1024 if self.epilogue in TMA_EPILOGUES else 16
+                cute.struct.MemRange[cutlass.Float32, box_cosize], 1024 if self.epilogue == "tma_f32" else 16
             ]
 
         self.smem_struct = Smem
@@ -499,7 +496,7 @@ class GroupedGemmSm90:
             if cutlass.const_expr(self.cluster_n > 1):
                 cpasync.prefetch_descriptor(tma_a1)
             cpasync.prefetch_descriptor(tma_b)
-            if cutlass.const_expr(self.epilogue in TMA_EPILOGUES):
+            if cutlass.const_expr(self.epilogue == "tma_f32"):
                 cpasync.prefetch_descriptor(tma_c)
 
         if cutlass.const_expr(self.wgrad_m is not None):
@@ -700,7 +697,7 @@ class GroupedGemmSm90:
                     pipe.consumer_release(rel)
                     rel.advance()
 
-                if cutlass.const_expr(self.epilogue in TMA_EPILOGUES):
+                if cutlass.const_expr(self.epilogue == "tma_f32"):
                     if rows_here > 0:  # a phantom tile (padding of a cluster pair) adds nothing
                         self._epilogue_main_grad_tma(expert, row0 - expert * self.wgrad_m, n_blk, acc, c_id,
                                                      etid, cwg, st, tma_c, g_c, box_layout, m_part)
@@ -929,17 +926,15 @@ class GroupedGemmSm90:
         32 columns at a time: the threads write their accumulator elements into the staged
         (BM, 32) box at their (row, col) (the layout's swizzle places them), then one warp hands
         the box to the TMA unit, which adds it into main_grad line by line in L2. The box's global
-        tensor is the experts' buffers as (M, N, slots), so TMA clips the tile at M and N. With one
-        box the warp waits until TMA has read it before anyone writes the next chunk into it; with
-        two (tma2_f32) chunks alternate boxes and the wait is for the box before last, so writing
-        a chunk overlaps TMA reading the previous one, and the tile ends waiting for both."""
+        tensor is the experts' buffers as (M, N, slots), so TMA clips the tile at M and N; the
+        warp waits until TMA has read the box before anyone writes the next chunk into it."""
         bm, bn, cols = self.bm, self.bn, self.epi_cols
-        n_boxes = self.tma_boxes
         shp = acc.shape
         if cutlass.const_expr(cute.size(shp[2]) != 1):
-            raise ValueError("the tma epilogues expect one MMA tile across BN")
-        first = cwg * n_boxes if cutlass.const_expr(self.pingpong) else 0
+            raise ValueError("the tma_f32 epilogue expects one MMA tile across BN")
+        buf = cwg if cutlass.const_expr(self.pingpong) else 0
         boxes = st.box.get_tensor(box_layout.outer, swizzle=box_layout.inner)  # (BM, 32, buffers)
+        box = boxes[None, None, buf]
         slot = cutlass.Int32(m_slot[expert])
         # this tile's row of (BM, 32) boxes in the expert's (M, N) slot
         g_boxes = cute.local_tile(g_c[None, None, slot], (bm, cols), (m_row0 // bm, None))
@@ -950,8 +945,6 @@ class GroupedGemmSm90:
         n_half = cute.size(shp[0][1])
         grp_per_chunk = cols // 8
         for ch in cutlass.range_constexpr(bn // cols):
-            buf = first + ch % n_boxes
-            box = boxes[None, None, buf]
             # a box wholly past N (the last n-block's tail) has nothing to add: the same for every
             # thread of the tile, so the barriers stay balanced
             if n_blk * bn + ch * cols < self.n:
@@ -967,14 +960,8 @@ class GroupedGemmSm90:
                 if etid < 32:  # one warp (the DSL elects its issuing thread)
                     cute.copy(tma_c, t_s[None, buf], t_g[None, n_blk * (bn // cols) + ch])
                     cute.arch.cp_async_bulk_commit_group()
-                    # the box the next chunk writes was read by the group issued n_boxes - 1 before this one
-                    cute.arch.cp_async_bulk_wait_group(n_boxes - 1, read=True)
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
-        if cutlass.const_expr(n_boxes > 1):
-            # the next tile starts again at the first box (and a skipped tail breaks the alternation)
-            if etid < 32:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
 
     @cute.jit
     def _chunk(self, t, row0, col0):
@@ -987,4 +974,4 @@ class GroupedGemmSm90:
         return cute.make_tensor(ptr, cute.make_layout((self.bm, self.epi_cols), stride=(self.n, 1)))
 
 
-__all__ = ["GroupedGemmSm90", "EPILOGUES", "MAIN_GRAD_EPILOGUES", "TMA_EPILOGUES"]
+__all__ = ["GroupedGemmSm90", "EPILOGUES", "MAIN_GRAD_EPILOGUES"]
