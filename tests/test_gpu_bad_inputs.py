@@ -85,6 +85,31 @@ def test_gpu_split_sizes_raise_by_the_end_of_backward(mlp, path, copy):
 
 
 @requires_gpu
+def test_split_sizes_copy_never_holds_the_compute_stream(mlp, path):
+    """The copy of the split sizes to the host runs on its own stream: with that stream held (as a
+    copy engine busy with an offload engine's copies would hold it), the forward's work on the
+    compute stream still finishes; the check resolves at the end of backward, the step is exact."""
+    if path == "unfused":
+        pytest.skip("the unfused ops read split sizes on the host")
+    from te_offload_ops.fused import split_check
+
+    good = _good_step(mlp)
+    x, probs, splits = _inputs()
+    for p in mlp.parameters():
+        p.grad = None
+    side = split_check.copy_stream(x.device)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)  # about half a second
+    y = mlp(x, splits, probs, splits)
+    torch.cuda.current_stream().synchronize()
+    assert not side.query(), "the compute stream waited for the split sizes' copy"
+    y.float().square().sum().backward()
+    torch.cuda.synchronize()
+    _same(good, (y.detach(), x.grad, probs.grad, [p.grad.clone() for p in mlp.parameters()]))
+
+
+@requires_gpu
 def test_bad_split_sizes_without_grad_raise_at_the_next_call(mlp, path):
     if path == "unfused":
         pytest.skip("the unfused ops read split sizes on the host and raise at once")
