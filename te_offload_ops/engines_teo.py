@@ -19,8 +19,13 @@ modules leave); when it moves is this module's own schedule:
   stack, such as an LM head, and it reloads at once when the backward begins);
 * backward: reloads run on a second stream, into memory taken on the compute stream after the
   work queued there so far; a saved tensor's first use makes the compute stream wait for its own
-  reload only, and a reload is given back (after a wait for its copy if it was never used) when
-  its layer's backward is over. By default (``prefetch=None``) the schedule never raises the
+  reload only. A reload goes back to the allocator as a tensor kept on the GPU does: the engine
+  lets go of it at the last use it counted (as many unpacks as autograd holds handles to it),
+  leaving the tensor to autograd, which frees it when the op that used it is done; what was
+  never used goes back (after a wait for its copy) when its layer's backward is over. (Holding
+  every reload to the end of its layer's backward put the whole layer at the backward's peak,
+  where autograd would have freed part of it: 6 MiB of 20 per layer in the GPU test of the
+  whole-step peak.) By default (``prefetch=None``) the schedule never raises the
   step's peak: a layer's reload starts as soon as enough of the layers after it have finished
   their backward for its bytes to fit under the no-offload peak less what was offloaded (see
   :func:`reloads_at_backward_start` and :func:`reloads_at_region_end`). A layer's "region" is
@@ -363,6 +368,8 @@ class _HostCopy:
     reloaded: Any = None  # event: the H2D copy is done
     reload_stream: Any = None  # the stream the reload's memory was taken on
     waited: bool = False  # reload_stream waited for `reloaded`
+    handles: int = 0  # handles to this range autograd holds (packs this step)
+    unpacks: int = 0  # of those, unpacked in this backward: at `handles` the engine lets go of the reload
 
 
 @dataclass
@@ -414,6 +421,7 @@ class TeoEngine:
         self._h2d: Optional[torch.cuda.Stream] = None
         self._device: Optional[torch.device] = None  # of the first tensor moved: reloads go there
         self.told_no_region_end = False
+        self.told_extra_unpack = False
         self._step = 0
         self._fwd_layer: Optional[int] = None
         self._layers: dict[int, _LayerCopies] = {}
@@ -508,6 +516,7 @@ class TeoEngine:
             layer.copies.append(self._copy_to_host(t, storage, span))
             found = len(layer.copies) - 1
             self._count(t, owner, span.nbytes)
+        layer.copies[found].handles += 1
         return _Moved(self._step, self._fwd_layer, found, at - layer.copies[found].start,
                       tuple(t.shape), tuple(t.stride()), t.dtype)
 
@@ -587,22 +596,28 @@ class TeoEngine:
                 continue
             if h2d is None:
                 _, h2d = self._streams(self._device)
-                compute = torch.cuda.current_stream(self._device)
                 # Reloads are allocated on the compute stream, whose earlier kernels may still use
                 # the memory the allocator hands out: the copy stream starts after them.
-                h2d.wait_stream(compute)
-            c.gpu = torch.empty(c.nbytes, dtype=torch.uint8, device=self._device)
-            c.reload_stream = compute
-            h2d.wait_event(c.copied)
-            with torch.cuda.stream(h2d):
-                c.gpu.copy_(c.host.tensor[: c.nbytes], non_blocking=True)
-            # No record_stream: a block freed under it is reusable only once the host has seen the
-            # copy stream pass the free, which a host running ahead of a busy copy stream does not, so
-            # the allocator takes new memory for the next reload and the peak grows by a layer each
-            # time. _release_reload makes the compute stream wait for the copy instead, and frees.
-            c.reloaded = torch.cuda.Event()
-            c.reloaded.record(h2d)
-            c.waited = False
+                h2d.wait_stream(torch.cuda.current_stream(self._device))
+            self._reload_copy(c, h2d)
+
+    def _reload_copy(self, c: _HostCopy, h2d) -> None:
+        """Queues one range's copy back into new memory taken on the compute stream (``h2d`` has
+        waited for the compute stream's work so far)."""
+        compute = torch.cuda.current_stream(self._device)
+        c.gpu = torch.empty(c.nbytes, dtype=torch.uint8, device=self._device)
+        c.reload_stream = compute
+        h2d.wait_event(c.copied)
+        with torch.cuda.stream(h2d):
+            c.gpu.copy_(c.host.tensor[: c.nbytes], non_blocking=True)
+        # No record_stream: a block freed under it is reusable only once the host has seen the
+        # copy stream pass the free, which a host running ahead of a busy copy stream does not, so
+        # the allocator takes new memory for the next reload and the peak grows by a layer each
+        # time. The compute stream waits for the copy instead (at the first use, or in
+        # _release_reload for a reload never used), and the memory goes back in its order.
+        c.reloaded = torch.cuda.Event()
+        c.reloaded.record(h2d)
+        c.waited = False
 
     def _release_reload(self, layer: int) -> None:
         copies = self._layers.get(layer)
@@ -630,6 +645,15 @@ class TeoEngine:
                 "step); a second backward through the same graph (retain_graph=True) is not supported")
         self._reload(handle.layer)  # no-op when prefetched
         c = self._layers[handle.layer].copies[handle.index]
+        if c.gpu is None:  # used more often than autograd held handles to it: bring it back again
+            if not self.told_extra_unpack:
+                self.told_extra_unpack = True
+                _log.info("teo: a saved tensor of layer %d was unpacked more often than it was saved; it is "
+                          "copied back again (host to device traffic that a single unpack would not need)",
+                          handle.layer)
+            _, h2d = self._streams(self._device)
+            h2d.wait_stream(torch.cuda.current_stream(self._device))
+            self._reload_copy(c, h2d)
         if c.reloaded is not None:
             stream = torch.cuda.current_stream(c.gpu.device)
             if stream == c.reload_stream:
@@ -640,9 +664,16 @@ class TeoEngine:
                 stream.wait_event(c.reloaded)
                 c.gpu.record_stream(stream)
         # c.gpu starts at byte c.start of the tensor's storage (a source) or at 0 of its own (a reload)
-        return torch.empty(0, dtype=handle.dtype, device=c.gpu.device).set_(
+        out = torch.empty(0, dtype=handle.dtype, device=c.gpu.device).set_(
             c.gpu.untyped_storage(), (c.gpu.storage_offset() + handle.byte_offset) // handle.dtype.itemsize,
             handle.shape, handle.stride)
+        c.unpacks += 1
+        if c.reloaded is not None and c.unpacks >= c.handles:
+            # its last use: autograd holds the only reference and frees it once the op using it is
+            # done (in the compute stream's order: that stream waited for the copy above, or the
+            # side stream that uses it recorded itself on it)
+            c.gpu = None
+        return out
 
 
 _CAPTURE_MESSAGE = (

@@ -517,11 +517,12 @@ def test_a_reload_used_on_another_stream_is_kept_for_that_stream(monkeypatch):
     copies = _fake_layer_copies(0, count=1)
     c = copies.copies[0]
     c.source, c.gpu, c.reloaded, c.reload_stream = None, torch.zeros(8, dtype=torch.uint8), "reload0", taken_on
+    c.handles = 2  # a second handle was never unpacked: the engine still holds the reload at the layer's end
     copies.reloaded = True
     engine._layers[0] = copies
     engine.unpack(engines_teo._Moved(engine._step, 0, 0, 0, (2,), (1,), torch.float32))
     assert used_on.waited == ["reload0"] and recorded == [used_on]
-    assert not c.waited and taken_on.waited == []
+    assert not c.waited and taken_on.waited == [] and c.gpu is not None
     engine._release_reload(0)  # never waited on the stream it was taken on: that one waits now
     assert taken_on.waited == ["reload0"]
 
@@ -593,3 +594,81 @@ def test_tensors_on_another_device_than_the_engines_stay(cpu_is_offloadable):
     engine._device = torch.device("cuda", 1)  # the first tensor it moved was on cuda:1
     t = torch.empty(BIG)
     assert engine.pack(t) is t
+
+
+# ------------------------------------------------------------------------------------------------
+# A reload goes back at its last use, as a tensor kept on the GPU does
+
+
+def _reloaded_layer(engine, stream, data: torch.Tensor, handles: int):
+    copies = _fake_layer_copies(0, count=1)
+    c = copies.copies[0]
+    c.source, c.gpu, c.reloaded, c.reload_stream, c.handles = None, data, "reload0", stream, handles
+    c.host = engines_teo.HostBuffer(data.clone(), 0)
+    copies.reloaded = True
+    engine._layers[0] = copies
+    return c
+
+
+def test_saving_a_range_again_counts_one_more_handle_to_its_copy(monkeypatch, cpu_is_offloadable):
+    engine = TeoEngine(1, 2)
+    engine.enter_layer()
+    made = []
+
+    def copy_to_host(t, storage, span):
+        made.append(span)
+        return engines_teo._HostCopy(host=None, nbytes=span.nbytes, start=span.start, storage_ptr=storage.data_ptr(),
+                                     storage_ref=engines_teo.StorageWeakRef(storage), copied="copied")
+
+    monkeypatch.setattr(engine, "_copy_to_host", copy_to_host)
+    t = torch.zeros(2 * BIG)
+    handles = [engine.pack(t), engine.pack(t), engine.pack(t[BIG:])]  # saved twice, then a view of it
+    assert len(made) == 1 and engine._layers[0].copies[0].handles == 3
+    assert [h.index for h in handles] == [0, 0, 0]
+
+
+def test_a_reload_goes_back_at_its_last_counted_use(monkeypatch):
+    """Two handles to one reloaded range: the engine keeps it after the first unpack and lets go at
+    the second, leaving the bytes to the tensor it returned (autograd frees it after the op)."""
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    engine = TeoEngine(1, 2)
+    engine.enter_layer()
+    data = torch.arange(8, dtype=torch.uint8)
+    c = _reloaded_layer(engine, stream, data, handles=2)
+    handle = engines_teo._Moved(engine._step, 0, 0, 0, (2,), (1,), torch.float32)
+    first = engine.unpack(handle)
+    assert c.gpu is data and stream.waited == ["reload0"]
+    second = engine.unpack(handle)
+    assert c.gpu is None and stream.waited == ["reload0"]  # waited once, at the first use
+    assert torch.equal(second, data.view(torch.float32)) and torch.equal(first, second)
+    engine._release_reload(0)  # the layer's end: nothing left to wait for or drop
+    assert stream.waited == ["reload0"] and not engine._layers[0].reloaded
+
+
+def test_an_unpack_past_the_counted_uses_copies_the_range_back_again(monkeypatch, caplog):
+    compute, h2d = _NamedStream("compute"), _NamedStream("h2d")
+    h2d.wait_stream = lambda stream: h2d.waited.append(("stream", stream.name))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+    class _Event:
+        def record(self, stream):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    engine = TeoEngine(1, 2)
+    engine._device = torch.device("cpu")
+    monkeypatch.setattr(engine, "_streams", lambda device=None: (None, h2d))
+    engine.enter_layer()
+    data = torch.arange(8, dtype=torch.uint8)
+    c = _reloaded_layer(engine, compute, data, handles=1)
+    handle = engines_teo._Moved(engine._step, 0, 0, 0, (2,), (1,), torch.float32)
+    engine.unpack(handle)
+    assert c.gpu is None
+    with caplog.at_level(logging.INFO, logger=engines_teo.__name__):
+        again = engine.unpack(handle)
+    assert torch.equal(again, data.view(torch.float32))  # copied back from the host buffer
+    assert h2d.waited == [("stream", "compute"), "L0.copy0"]  # after the compute stream's work and the D2H copy
+    assert isinstance(c.reloaded, _Event) and compute.waited[-1] is c.reloaded
+    assert "unpacked more often than it was saved" in caplog.text
