@@ -49,7 +49,7 @@ import step_profile  # noqa: E402
 from bench_common import active_bytes, cuda_problem, file_stem, measure_pcie  # noqa: E402
 from bench_common import write_reports as write_profile_reports  # noqa: E402
 from moe_step_report import (  # noqa: E402
-    GiB, MiB, cap_candidates, finish, policy_label, predicted_batch, search_cap, write_reports,
+    GiB, MiB, cap_candidates, finish, oom_error, policy_label, predicted_batch, search_cap, write_reports,
 )
 
 # Shapes (per layer). "base": the step measured in issue 12 on an H100. "moe-heavy": MoE activations
@@ -73,6 +73,8 @@ ENGINE_OPTIONS = {"teo-p1": ("teo", {"prefetch": 1})}  # benchmark names -> offl
 TE_ENGINES = ("v2", "v1")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 FUSION_ENV = "TEO_FUSED_SRELU_MLP"
+ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"  # read by torch when it initialises CUDA: set before each child starts
+ALLOC_ENV_NEW = "PYTORCH_ALLOC_CONF"  # its newer name; some torch versions read it first
 
 # Defaults of a full run and of --quick; an explicit flag wins over either.
 # 8 x 4096 tokens: 65 Ki routed tokens per step in the base shape (top-2), 256 Ki in moe-heavy
@@ -206,6 +208,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cap-trials", type=int, help=f"runs under the cap per policy searched (default {FULL['cap_trials']})")
     p.add_argument("--cap-max-batch", type=int, help=f"most sequences per step tried (default {FULL['cap_max_batch']})")
     p.add_argument("--no-cap", action="store_true", help="skip the tokens-under-a-cap search")
+    p.add_argument("--alloc-conf", default="",
+                   help=f"{ALLOC_ENV} for each engine's process, e.g. expandable_segments:True (as Megatron-Core "
+                        "runs commonly use: it avoids the fragmentation that can fail a run under a cap well "
+                        "above its active peak); default: as in the environment")
     p.add_argument("--memory-target", type=float, help="GiB: name the fastest measured policy whose peak meets it")
     p.add_argument("--out", type=Path, default=HERE / "results", help="folder for JSON, markdown, PNG")
     p.add_argument("--profile", metavar="POLICY[,POLICY...]",
@@ -372,8 +378,8 @@ class StepBench:
                "notes": schedule_notes(self.engine, policy.layers, self.L) if policy.scope != "none" else []}
         try:
             samples, peak, left = self._steps(policy, batch, iters, warmup, reuse)
-        except torch.cuda.OutOfMemoryError:
-            row["error"], row["oom"] = "out of memory", True
+        except torch.cuda.OutOfMemoryError as exc:  # "out of memory (tried to allocate ...; ...)"
+            row["error"], row["oom"] = oom_error(str(exc)), True
         except Exception as exc:  # noqa: BLE001 (an engine that cannot run a policy is a result)
             row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         if "error" in row:
@@ -435,11 +441,15 @@ class StepBench:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_GiB * GiB / total))
         try:  # the allocator now refuses what would pass the cap: an OOM means it does not fit
             row = self.run(policy, batch, warmup=1, iters=2, reuse=reuse)
+            # what the allocator held at most over the timed steps (reset with the peak): above the
+            # active peak by what fragmentation cost; None where the run failed before it was read
+            reserved = None if row.get("error") else torch.cuda.max_memory_reserved() / MiB
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
         fits = not row.get("error") and self.floor_MiB + row["peak_above_MiB"] <= cap_GiB * 1024
         return {"batch": batch, "fits": fits, "peak_above_MiB": row.get("peak_above_MiB") if fits else None,
-                "step_ms": row.get("step_ms"), "tokens_per_s": row.get("tokens_per_s"), "error": row.get("error")}
+                "reserved_peak_MiB": reserved, "step_ms": row.get("step_ms"), "tokens_per_s": row.get("tokens_per_s"),
+                "error": row.get("error")}
 
     def cap_search(self, row: dict, cap_GiB: float) -> dict:
         a = self.args
@@ -450,7 +460,8 @@ class StepBench:
         def trial(batch: int) -> dict:
             t = self.cap_trial(policy, batch, cap_GiB, reuse=row["context"] == "reused")
             print(f"[{self.engine} {self.name} cap {cap_GiB:.1f} GiB] {row['policy']:10s} {batch:3d} x {self.seq} tokens: "
-                  + (f"fits, peak {(self.floor_MiB + t['peak_above_MiB']) / 1024:.1f} GiB, {t['step_ms']:.0f} ms"
+                  + (f"fits, peak {(self.floor_MiB + t['peak_above_MiB']) / 1024:.1f} GiB "
+                     f"(reserved {t['reserved_peak_MiB'] / 1024:.1f} GiB), {t['step_ms']:.0f} ms"
                      if t["fits"] else f"does not fit ({t['error'] or 'over the cap'})"), flush=True)
             return t
 
@@ -460,7 +471,8 @@ class StepBench:
                 "predicted_batch": predicted_batch(row["peak_above_MiB"], row["batch"], cap_above),
                 "batch": best, "bracketed": bracketed, "tokens": best * self.seq,
                 "tokens_per_s": at.get("tokens_per_s"), "step_ms": at.get("step_ms"),
-                "peak_above_MiB": at.get("peak_above_MiB"), "trials": trials}
+                "peak_above_MiB": at.get("peak_above_MiB"), "reserved_peak_MiB": at.get("reserved_peak_MiB"),
+                "trials": trials}
 
 
 def _progress(engine: str, name: str, i: int, n: int, row: dict) -> None:
@@ -500,7 +512,8 @@ def run_child(args) -> None:
     import torch
 
     engine = args.child
-    out = {"engine": engine, "gpu": torch.cuda.get_device_name(), "pcie": measure_pcie(), "shapes": {}}
+    out = {"engine": engine, "gpu": torch.cuda.get_device_name(), "alloc_conf": os.environ.get(ALLOC_ENV, ""),
+           "pcie": measure_pcie(), "shapes": {}}
     p = out["pcie"]
     print(f"[{engine}] PCIe d2h {p['d2h_GBps']:.1f} GB/s, h2d {p['h2d_GBps']:.1f} GB/s, "
           f"both {p['bidirectional_each_GBps']:.1f} GB/s each", flush=True)
@@ -563,12 +576,31 @@ def merge(args, children: list[dict]) -> dict:
     return {
         "benchmark": "moe_step", "gpu": children[0]["gpu"],
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "alloc_conf": alloc_conf(args, children),
         "config": {"engines": args.engines, "policies": [p.label(args.layers) for p in args.policies],
                    "warmup": args.warmup, "iters": args.iters, "unfused": args.unfused, "quick": args.quick,
                    "cap_slowdown": args.cap_slowdown, "memory_target_GiB": args.memory_target},
         "pcie": {c["engine"]: c["pcie"] for c in children},
         "shapes": shapes,
     }
+
+
+def alloc_conf(args, children: list[dict]) -> str:
+    """The PYTORCH_CUDA_ALLOC_CONF the engine processes ran under ("" when unset), as they saw it."""
+    seen = [c["alloc_conf"] for c in children if "alloc_conf" in c]
+    return seen[0] if seen else (args.alloc_conf or os.environ.get(ALLOC_ENV, ""))
+
+
+def child_env(args, engine: str) -> dict:
+    """The environment of one engine's process: the engine's TE settings, and the allocator's if given."""
+    env = dict(os.environ, **ENGINE_ENV[engine], PYTHONUNBUFFERED="1")
+    if args.unfused:
+        env[FUSION_ENV] = "0"
+    if args.alloc_conf:
+        env[ALLOC_ENV] = args.alloc_conf
+        if ALLOC_ENV_NEW in env:  # would take precedence over the value given in some torch versions
+            env[ALLOC_ENV_NEW] = args.alloc_conf
+    return env
 
 
 def merge_profiles(args, children: list[dict]) -> dict:
@@ -583,6 +615,7 @@ def merge_profiles(args, children: list[dict]) -> dict:
     return {
         "benchmark": "moe_step_profile", "gpu": children[0]["gpu"],
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "alloc_conf": alloc_conf(args, children),
         "config": {"engines": args.engines, "policies": [p.label(args.layers) for p in args.profile],
                    "warmup": args.warmup, "profile_steps": args.profile_steps, "unfused": args.unfused,
                    "quick": args.quick, "trace": args.trace},
@@ -606,14 +639,13 @@ def main(argv=None) -> int:
     print(f"MoE step: shapes {', '.join(args.shapes)}, L={args.layers}, {args.batch} x {args.seq} tokens, "
           f"engines {', '.join(args.engines)}, policies {', '.join(p.label(args.layers) for p in args.policies)}"
           + (", MLP unfused" if args.unfused else "")
+          + (f", {ALLOC_ENV}={args.alloc_conf}" if args.alloc_conf else "")
           + (f"; profiling {', '.join(p.label(args.layers) for p in args.profile)}" if args.profile else ""), flush=True)
     start = time.perf_counter()
     children, failed, caps, how = [], [], dict(args.caps), {}
     for engine in args.engines:
         child_out = args.out / f".moe_step_child_{engine}.json"
-        env = dict(os.environ, **ENGINE_ENV[engine], PYTHONUNBUFFERED="1")
-        if args.unfused:
-            env[FUSION_ENV] = "0"
+        env = child_env(args, engine)
         extra = ["--memory-cap", format_caps(caps)] if caps and caps != args.caps else []
         cmd = [sys.executable, __file__, *argv, *extra, "--child", engine, "--child-out", str(child_out)]
         if subprocess.run(cmd, env=env).returncode != 0 or not child_out.exists():

@@ -7,12 +7,16 @@ same process and shape: clocks and allocator state differ between processes.
   the static floor (weights, preallocated grads, optimizer state, workspaces kept between steps);
 * freed / offloaded: (no-offload peak - this peak) / bytes the engine offloaded per step;
 * PCIe bound: max(fwd, bytes / BW_d2h) + max(bwd, bytes / BW_h2d) + optimizer, from the
-  no-offload run's phase times and the bandwidth measured in the same process.
+  no-offload run's phase times and the bandwidth measured in the same process;
+* cap ceiling: the most tokens per step under a cap, x no offload, for a step <= 5% slower whose
+  copies to the host happen within the forward (the peak is at the start of the backward):
+  1 / (1 - BW_d2h * (fwd + 0.05 step) / no-offload peak).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -108,6 +112,13 @@ def next_cap_batch(trials: list[dict], base: tuple[int, float], cap_above_MiB: f
     ``trials``: {"batch", "fits", "peak_above_MiB"} of the runs under the cap so far; ``base``:
     (batch, peak above floor) of the run without a cap. Settled: the largest fitting batch is
     next to the smallest failing one, nothing fits at 1, or the largest allowed batch fits.
+
+    Until a batch fails, the next one is the line's guess through the measured peaks. Once one
+    has failed the line has been wrong (an allocator that cannot place the peak under the cap fails
+    below the line), so the search bisects: the next batch is at most the midpoint between the
+    largest batch known to fit and the smallest that failed. Known to fit: a trial that fit, or the
+    base run when its peak is under the cap (a bound for the search only; the answer counts trials
+    under the cap alone, so the base batch itself is tried when nothing above it is left).
     """
     fits = [t["batch"] for t in trials if t["fits"]]
     fails = [t["batch"] for t in trials if not t["fits"]]
@@ -117,7 +128,12 @@ def next_cap_batch(trials: list[dict], base: tuple[int, float], cap_above_MiB: f
         return None
     points = [base] + [(t["batch"], t["peak_above_MiB"]) for t in trials if t["fits"]]
     guess = _line_guess(points, cap_above_MiB)
-    return min(max(guess, lo + 1), hi - 1)
+    if not fails:
+        return min(max(guess, lo + 1), hi - 1)
+    base_batch, base_peak = base
+    known = max(lo, base_batch if base_peak <= cap_above_MiB and base_batch < hi else 0)
+    low = known + 1 if known + 1 < hi else known  # known > lo here: the base batch, not yet tried under the cap
+    return min(max(min(guess, (known + hi) // 2), low), hi - 1)
 
 
 def settled_batch(trials: list[dict]) -> tuple[int, bool]:
@@ -173,6 +189,68 @@ def derive_cap(searches: list[dict]) -> None:
                 s["rate_vs_none"] = s["tokens_per_s"] / ref["tokens_per_s"]
 
 
+_SIZE = r"(\d+(?:\.\d+)?\s*(?:bytes|[KMGTP]iB))"
+
+
+def oom_detail(message: str) -> str:
+    """The part of a CUDA out-of-memory message that says why: the request, and what the allocator
+    held but could not use (fragmentation), e.g. "tried to allocate 2.38 GiB; 3.31 GiB reserved but
+    unallocated"; "" when the message has neither."""
+    parts = []
+    tried = re.search(r"Tried to allocate " + _SIZE, message)
+    if tried:
+        parts.append(f"tried to allocate {tried.group(1)}")
+    unused = re.search(_SIZE + r" is reserved by PyTorch but unallocated", message)
+    if unused:
+        parts.append(f"{unused.group(1)} reserved but unallocated")
+    return "; ".join(parts)
+
+
+def oom_error(message: str) -> str:
+    """A row's error for an out-of-memory failure: "out of memory", then the detail if any."""
+    detail = oom_detail(message)
+    return f"out of memory ({detail})" if detail else "out of memory"
+
+
+def cap_tokens_ceiling(fwd_ms: float, step_ms: float, peak_above_MiB: float, d2h_GBps: float,
+                       slowdown: float = 1 - CAP_RATE_FLOOR) -> float:
+    """Most tokens per step under a cap, as a multiple of no offload's, for a step at most
+    ``slowdown`` slower whose copies to the host happen within the forward.
+
+    The step's peak is at the start of the backward, so what is off the GPU there crossed PCIe
+    before it: at most B = BW_d2h * (fwd + slowdown * step) bytes. With the memory above the floor
+    proportional to the tokens, a cap that held the no-offload peak P then holds P / (P - B) times
+    the tokens. Infinite when B >= P (the forward could move it all).
+    """
+    if peak_above_MiB <= 0:
+        raise ValueError(f"need a positive peak, got {peak_above_MiB} MiB")
+    moved_MiB = d2h_GBps * 1e9 * (fwd_ms + slowdown * step_ms) / 1e3 / MiB
+    return math.inf if moved_MiB >= peak_above_MiB else 1 / (1 - moved_MiB / peak_above_MiB)
+
+
+def derive_cap_ceiling(rows: list[dict], pcie: dict, slowdown: float = 1 - CAP_RATE_FLOOR) -> Optional[dict]:
+    """:func:`cap_tokens_ceiling` from the no-offload row of one run and its process's d2h bandwidth,
+    with its inputs; None without a no-offload row or a bandwidth. "ceiling" is None when unbounded."""
+    ref = no_offload_row(rows)
+    d2h = (pcie or {}).get("d2h_GBps")
+    if ref is None or not d2h or not ref.get("peak_above_MiB") or ref["peak_above_MiB"] <= 0:
+        return None
+    ceiling = cap_tokens_ceiling(ref["fwd_ms"], ref["step_ms"], ref["peak_above_MiB"], d2h, slowdown)
+    moved_MiB = d2h * 1e9 * (ref["fwd_ms"] + slowdown * ref["step_ms"]) / 1e3 / MiB
+    return {"ceiling": None if math.isinf(ceiling) else ceiling, "unbounded": math.isinf(ceiling),
+            "movable_MiB": moved_MiB, "fwd_ms": ref["fwd_ms"], "step_ms": ref["step_ms"],
+            "peak_above_MiB": ref["peak_above_MiB"], "d2h_GBps": d2h, "slowdown": slowdown}
+
+
+def ceiling_text(c: Optional[dict]) -> str:
+    """"x1.23 tokens" (or why there is none) for the line under the cap table."""
+    if not c:
+        return "-"
+    if c.get("unbounded"):
+        return "none: the forward could move the whole no-offload peak"
+    return "-" if c.get("ceiling") is None else f"x{c['ceiling']:.2f} tokens"
+
+
 # ------------------------------------------------------------------------------------------------
 # Selection and targets
 
@@ -200,14 +278,29 @@ def target_summary(shape_result: dict) -> list[dict]:
                                and (s.get("rate_vs_none") or 0) >= CAP_RATE_FLOOR), default=None),
         }
         failed = [r["policy"] for r in run["rows"] if r.get("error")]
+        ceiling = run.get("cap_ceiling")
         for key, value in values.items():
             what, bound, kind = TARGETS[key]
             met = None if value is None else (value <= bound if kind == "max" else value >= bound)
             if key == "mlp_step" and failed and any(p.startswith("MLP") for p in failed):
                 met = False  # a number of layers the engine could not offload at all
-            out.append({"engine": run["engine"], "target": key, "what": what, "bound": bound, "kind": kind,
-                        "value": value, "met": met})
+            entry = {"engine": run["engine"], "target": key, "what": what, "bound": bound, "kind": kind,
+                     "value": value, "met": met}
+            if key == "cap_tokens":
+                entry["ceiling"] = (ceiling or {}).get("ceiling")
+                entry["note"] = _ceiling_note(ceiling, bound)
+            out.append(entry)
     return out
+
+
+def _ceiling_note(c: Optional[dict], bound: float) -> str:
+    if not c or (c.get("ceiling") is None and not c.get("unbounded")):
+        return ""
+    pct = f"{c.get('slowdown', 1 - CAP_RATE_FLOOR):.0%}"
+    if c.get("unbounded"):
+        return f"ceiling at <= {pct} slower, copies within the forward: none"
+    reach = "out of reach" if c["ceiling"] < bound else "within reach"
+    return f"ceiling at <= {pct} slower, copies within the forward: x{c['ceiling']:.2f} ({bound} {reach})"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,6 +331,7 @@ CAP_COLUMNS = [
     ("tokens/s", "tokens_per_s", "{:,.0f}"),
     ("tokens/s x none", "rate_vs_none", "{:.3f}"),
     ("peak GiB", None, None),
+    ("reserved GiB", "reserved_peak_MiB", None),
 ]
 
 
@@ -279,6 +373,8 @@ def _cap_cells(s: dict, floor_MiB: float) -> list[str]:
             cells.append(_max_batch_cell(s))
         elif header == "peak GiB":
             cells.append("-" if s.get("peak_above_MiB") is None else f"{(floor_MiB + s['peak_above_MiB']) / 1024:.1f}")
+        elif header == "reserved GiB":  # the allocator's reserved peak, floor included: fragmentation shows here
+            cells.append("-" if s.get("reserved_peak_MiB") is None else f"{s['reserved_peak_MiB'] / 1024:.1f}")
         else:
             cells.append(_cell(s, key, fmt))
     return cells
@@ -311,6 +407,7 @@ def markdown(result: dict) -> str:
     for engine, p in result["pcie"].items():
         lines.append(f"- {engine} process: PCIe d2h {p['d2h_GBps']:.1f} GB/s, h2d {p['h2d_GBps']:.1f} GB/s, "
                      f"both at once {p['bidirectional_each_GBps']:.1f} GB/s each")
+    lines.append(f"- allocator: PYTORCH_CUDA_ALLOC_CONF {alloc_conf_text(result.get('alloc_conf'))}")
     for s in result["shapes"]:
         lines += ["", f"## {s['name']}: {_shape_line(s)}", ""]
         for engine, error in s.get("failed", {}).items():
@@ -328,14 +425,36 @@ def markdown(result: dict) -> str:
             lines += ["", f"### Most tokens per step under {cap['cap_GiB']:.1f} GiB ({cap['how']})", ""]
             lines += _table([h for h, _, _ in CAP_COLUMNS],
                             [_cap_cells(sr, run["floor"]["floor_MiB"]) for run, sr in caps])
+            lines.append("")
+            for run in s["runs"]:
+                if run.get("cap", {}).get("searches"):
+                    lines.append(f"- {run['engine']} process: {_ceiling_line(run.get('cap_ceiling'))}")
         lines += ["", "### Targets", ""]
-        lines += _table(["engine", "target", "bound", "measured", "met"],
+        lines += _table(["engine", "target", "bound", "measured", "met", "notes"],
                         [[t["engine"], t["what"], f"{'<=' if t['kind'] == 'max' else '>='} {t['bound']}",
                           "-" if t["value"] is None else f"{t['value']:.3f}",
-                          {True: "yes", False: "no", None: "-"}[t["met"]]] for t in s["targets"]])
+                          {True: "yes", False: "no", None: "-"}[t["met"]], t.get("note") or ""]
+                         for t in s["targets"]])
         if s.get("memory_target"):
             lines += ["", s["memory_target"]["text"]]
     return "\n".join(lines) + "\n"
+
+
+def alloc_conf_text(value: Optional[str]) -> str:
+    """None: not recorded (a run before the option); "": unset, PyTorch's default."""
+    if value is None:
+        return "-"
+    return f"`{value}`" if value else "unset (PyTorch's default)"
+
+
+def _ceiling_line(c: Optional[dict]) -> str:
+    pct = f"{(c or {}).get('slowdown', 1 - CAP_RATE_FLOOR):.0%}"
+    head = f"ceiling at <= {pct} slower, copies within the forward: {ceiling_text(c)}"
+    if not c:
+        return head
+    return (f"{head} (by the peak at most {c['movable_MiB']:.0f} MiB crosses PCIe: d2h {c['d2h_GBps']:.1f} GB/s "
+            f"x (fwd {c['fwd_ms']:.1f} ms + {pct} of the {c['step_ms']:.1f} ms step), of a no-offload peak of "
+            f"{c['peak_above_MiB']:.0f} MiB above the floor)")
 
 
 def memory_target_text(shape_result: dict, target_GiB: float) -> dict:
@@ -396,6 +515,7 @@ def finish(result: dict, memory_target_GiB: Optional[float] = None) -> None:
         for run in s["runs"]:
             derive_rows(run["rows"], result["pcie"][run["engine"]])
             derive_cap(run.get("cap", {}).get("searches", []))
+            run["cap_ceiling"] = derive_cap_ceiling(run["rows"], result["pcie"].get(run["engine"]))
         s["targets"] = target_summary(s)
         if memory_target_GiB is not None:
             s["memory_target"] = memory_target_text(s, memory_target_GiB)

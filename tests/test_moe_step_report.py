@@ -308,3 +308,176 @@ def test_file_stem_is_safe():
     from bench_common import file_stem
 
     assert file_stem("moe_step", "NVIDIA H100 80GB HBM3", "", "quick") == "moe_step_NVIDIA_H100_80GB_HBM3_quick"
+
+
+# ------------------------------------------------------------------------------------------------
+# The cap search bisects once a batch has failed
+
+
+# The H100 run of moe-heavy (teo, layer 6/8) under a 42 GiB cap: 8 sequences peaked 9021 MiB above a
+# 17449 MiB floor without the cap; the line through the origin said 22; 22, 21, 20, 19 all ran out of memory.
+H100_BASE = (8, 9021.0)
+H100_CAP_ABOVE = 42 * 1024 - 17449
+
+
+def test_after_the_predicted_batch_fails_the_search_bisects_down_to_what_fit_without_the_cap():
+    assert rep.predicted_batch(H100_BASE[1], H100_BASE[0], H100_CAP_ABOVE) == 22
+    assert rep.next_cap_batch([], H100_BASE, H100_CAP_ABOVE, max_batch=32) == 22  # no failure yet: the line
+    trials = [{"batch": 22, "fits": False, "peak_above_MiB": None}]
+    # the base run (8 sequences, its peak under the cap) is known to fit: midway to 22, not 21
+    assert rep.next_cap_batch(trials, H100_BASE, H100_CAP_ABOVE, max_batch=32) == (8 + 22) // 2 == 15
+    # a base run over the cap bounds nothing from below: at most midway between 0 and 22 (here the
+    # line through that base run says 7, and 7 it is)
+    over = (8, H100_CAP_ABOVE + 1)
+    assert rep.next_cap_batch(trials, over, H100_CAP_ABOVE, max_batch=32) == rep.predicted_batch(
+        over[1], over[0], H100_CAP_ABOVE) == 7
+    assert rep.next_cap_batch(trials, (30, H100_CAP_ABOVE + 1), H100_CAP_ABOVE, max_batch=32) == 22 // 2
+
+
+@pytest.mark.parametrize("peak15,expected", [
+    (15 * 9021.0 / 8, 18),  # peaks in proportion: the line says 22 again, the midpoint of 15 and 22 wins
+    (21000.0, 17),          # a steeper line says 17: below the midpoint, it is taken
+    (25000.0, 16),          # the line says 15 (no room): one up from what fit
+])
+def test_after_a_fit_the_search_goes_up_by_the_line_but_stays_below_the_failure(peak15, expected):
+    trials = [{"batch": 22, "fits": False, "peak_above_MiB": None},
+              {"batch": 15, "fits": True, "peak_above_MiB": peak15}]
+    nxt = rep.next_cap_batch(trials, H100_BASE, H100_CAP_ABOVE, max_batch=32)
+    assert nxt == expected and 15 < nxt <= (15 + 22) // 2 < 22
+
+
+def test_bisection_ends_within_its_budget_and_settles_next_to_the_failure():
+    # the allocator fails past 12 sequences whatever the peak says (fragmentation under the cap)
+    trial, calls = _memory_model(0, 9021.0 / 8, H100_CAP_ABOVE, max_ok=12)
+    trials, best, bracketed = rep.search_cap(trial, H100_BASE, H100_CAP_ABOVE, max_batch=32, budget=6)
+    assert calls == [22, 15, 11, 13, 12] and (best, bracketed) == (12, True)
+    assert rep.next_cap_batch(trials, H100_BASE, H100_CAP_ABOVE, max_batch=32) is None  # 12 fits, 13 does not
+    trial, calls = _memory_model(0, 9021.0 / 8, H100_CAP_ABOVE, max_ok=12)
+    trials, best, bracketed = rep.search_cap(trial, H100_BASE, H100_CAP_ABOVE, max_batch=32, budget=4)
+    assert calls == [22, 15, 11, 13] and (best, bracketed) == (11, False)
+
+
+def test_when_nothing_above_the_base_fits_the_base_batch_itself_is_tried_under_the_cap():
+    # the answer counts runs under the cap only: the base run bounds the search but is no result
+    trial, calls = _memory_model(0, 9021.0 / 8, H100_CAP_ABOVE, max_ok=8)
+    trials, best, bracketed = rep.search_cap(trial, H100_BASE, H100_CAP_ABOVE, max_batch=32, budget=6)
+    assert calls == [22, 15, 11, 9, 8] and (best, bracketed) == (8, True)
+    # and if even that fails under the cap, below it, still bisecting
+    trial, calls = _memory_model(0, 9021.0 / 8, H100_CAP_ABOVE, max_ok=5)
+    trials, best, bracketed = rep.search_cap(trial, H100_BASE, H100_CAP_ABOVE, max_batch=32, budget=8)
+    assert calls == [22, 15, 11, 9, 8, 4, 6, 5] and (best, bracketed) == (5, True)
+    assert rep.settled_batch([{"batch": 22, "fits": False}]) == (0, False)  # no trial fit: nothing new
+
+
+# ------------------------------------------------------------------------------------------------
+# Out-of-memory detail, the allocator's reserved peak and its option
+
+
+OOM_MESSAGE = (
+    "CUDA out of memory. Tried to allocate 2.38 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.02 GiB "
+    "is free. Including non-PyTorch memory, this process has 78.16 GiB memory in use. Of the allocated memory "
+    "37.12 GiB is allocated by PyTorch, and 3.31 GiB is reserved by PyTorch but unallocated. If reserved but "
+    "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+    "fragmentation.  See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html"
+    "#environment-variables)")
+
+
+def test_oom_detail_keeps_the_request_and_what_was_reserved_but_unallocated():
+    assert rep.oom_detail(OOM_MESSAGE) == "tried to allocate 2.38 GiB; 3.31 GiB reserved but unallocated"
+    assert rep.oom_error(OOM_MESSAGE) == "out of memory (tried to allocate 2.38 GiB; 3.31 GiB reserved but unallocated)"
+    older = ("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.78 GiB total capacity; 14.01 GiB already "
+             "allocated; 5.75 MiB free; 14.41 GiB reserved in total by PyTorch)")
+    assert rep.oom_detail(older) == "tried to allocate 20.00 MiB"
+    assert rep.oom_detail("Allocation on device would exceed allowed memory. (out of memory)") == ""
+    assert rep.oom_error("") == "out of memory"
+    assert rep.oom_error(OOM_MESSAGE).startswith("out of memory")
+
+
+def test_cap_table_shows_the_reserved_peak_where_recorded():
+    search = _search("teo", "layer", 6, 12, 100000)
+    cells = dict(zip([h for h, _, _ in rep.CAP_COLUMNS], rep._cap_cells(search, 7000.0)))
+    assert cells["reserved GiB"] == "-" and cells["peak GiB"] == f"{(7000 + 9000) / 1024:.1f}"
+    search["reserved_peak_MiB"] = 20 * 1024.0
+    cells = dict(zip([h for h, _, _ in rep.CAP_COLUMNS], rep._cap_cells(search, 7000.0)))
+    assert cells["reserved GiB"] == "20.0"
+
+
+def test_alloc_conf_goes_into_each_engine_process_only_when_given(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    args = moe_step.parse_args(["--quick"])
+    assert args.alloc_conf == ""
+    assert moe_step.child_env(args, "teo")["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"  # left as it is
+    args = moe_step.parse_args(["--quick", "--alloc-conf", "expandable_segments:True", "--unfused"])
+    env = moe_step.child_env(args, "v1")
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and "PYTORCH_ALLOC_CONF" not in env
+    assert env["NVTE_CPU_OFFLOAD_V1"] == "1" and env[moe_step.FUSION_ENV] == "0"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")  # the newer name must not override it
+    assert moe_step.child_env(args, "v1")["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_merge_records_the_allocator_setting_the_processes_saw():
+    args = moe_step.parse_args(["--quick", "--alloc-conf", "expandable_segments:True"])
+    child = {"engine": "teo", "gpu": "GPU", "pcie": PCIE, "alloc_conf": "expandable_segments:True",
+             "shapes": {"base": {"floor": {}, "path": "fused", "rows": []}}}
+    assert moe_step.merge(args, [child])["alloc_conf"] == "expandable_segments:True"
+    del child["alloc_conf"]  # a child of before the option: what the parent gave it
+    assert moe_step.merge(args, [child])["alloc_conf"] == "expandable_segments:True"
+
+
+def test_report_header_names_the_allocator_setting():
+    result = _result()
+    rep.finish(result)
+    assert "- allocator: PYTORCH_CUDA_ALLOC_CONF -\n" in rep.markdown(result)  # a result from before the option
+    result["alloc_conf"] = ""
+    assert "- allocator: PYTORCH_CUDA_ALLOC_CONF unset (PyTorch's default)" in rep.markdown(result)
+    result["alloc_conf"] = "expandable_segments:True"
+    assert "- allocator: PYTORCH_CUDA_ALLOC_CONF `expandable_segments:True`" in rep.markdown(result)
+
+
+# ------------------------------------------------------------------------------------------------
+# The ceiling of the tokens-under-a-cap target
+
+
+def test_cap_ceiling_from_what_pcie_moves_by_the_peak():
+    # the H100 run of moe-heavy without offload: fwd 76.9 ms, step 261.4 ms, 25194 MiB above the floor,
+    # d2h 54.6 GB/s: 54.6e9 B/s x (0.0769 + 0.05 x 0.2614) s = 4.912e9 B = 4685 MiB by the peak
+    assert rep.cap_tokens_ceiling(76.9, 261.4, 25194, 54.6) == pytest.approx(1 / (1 - 4684.8 / 25194), rel=1e-4)
+    assert rep.cap_tokens_ceiling(76.9, 261.4, 25194, 54.6) == pytest.approx(1.228, abs=5e-4)
+    assert rep.cap_tokens_ceiling(76.9, 261.4, 4000, 54.6) == float("inf")  # the forward could move it all
+    assert rep.cap_tokens_ceiling(76.9, 261.4, 25194, 54.6, slowdown=0.0) == pytest.approx(
+        1 / (1 - 54.6e9 * 0.0769 / 2**20 / 25194))
+    with pytest.raises(ValueError, match="positive"):
+        rep.cap_tokens_ceiling(76.9, 261.4, 0, 54.6)
+
+
+def test_cap_ceiling_goes_under_the_cap_table_and_into_the_cap_target_only():
+    result = _result()
+    result["pcie"]["v1"] = dict(PCIE, d2h_GBps=54.6)
+    none = result["shapes"][0]["runs"][1]["rows"][0]
+    none.update({"fwd_ms": 76.9, "step_ms": 261.4, "peak_above_MiB": 25194.0})
+    rep.finish(result)
+    run = result["shapes"][0]["runs"][1]
+    assert run["cap_ceiling"]["ceiling"] == pytest.approx(1.228, abs=5e-4)
+    assert run["cap_ceiling"]["movable_MiB"] == pytest.approx(4684.8, abs=0.5)
+    t = {(x["engine"], x["target"]): x for x in result["shapes"][0]["targets"]}
+    assert t[("v1", "cap_tokens")]["ceiling"] == pytest.approx(1.228, abs=5e-4)
+    others = [x for x in result["shapes"][0]["targets"] if x["target"] != "cap_tokens"]
+    assert all("ceiling" not in x and "note" not in x for x in others)
+    md = rep.markdown(result)
+    assert "- v1 process: ceiling at <= 5% slower, copies within the forward: x1.23 tokens" in md
+    assert "ceiling at <= 5% slower, copies within the forward: x1.23 (1.5 out of reach) |" in md
+    assert "| engine | target | bound | measured | met | notes |" in md
+    json.dumps(result, allow_nan=False)  # the JSON stays strict
+
+
+def test_results_written_before_these_fields_still_render():
+    old = sorted(p for p in (BENCH / "results").glob("moe_step_*.json") if not p.name.startswith("moe_step_profile"))
+    if not old:
+        pytest.skip("no moe_step results in this checkout")
+    for path in old:
+        result = json.loads(path.read_text())
+        rep.finish(result, result["config"].get("memory_target_GiB"))
+        md = rep.markdown(result)
+        assert "- allocator: PYTORCH_CUDA_ALLOC_CONF -" in md or result.get("alloc_conf") is not None, path.name
+        assert "### Targets" in md, path.name
