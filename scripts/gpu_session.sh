@@ -73,26 +73,31 @@ megatron)
     run 300 python3 benchmarks/bench_megatron_settings.py --sweep --default-way-only --rounds 3 --out "$OUT/results"
     ;;
 next1)
-    # next session, call 1 (carry .dev/te): teo after b46a9f5 (reloads freed in stream order), unfused
+    # next session, call 1 (carry .dev/te): teo's reloads let go at their last use (unfused), and the
+    # TE-only files of the suite's second half (not run since f563adc)
     pytest_ 150 -s tests/test_engine_teo.py tests/test_gpu_engine_teo.py -k "not fused or unfused"
     run 100 python3 scripts/diag_teo_memory.py --unfused --layers 4 layer:2 layer:3 mlp:3
+    pytest_ 200 tests/test_policy.py tests/test_ops.py tests/test_step_profile.py tests/test_moe_step_report.py
     ;;
 next2)
-    # call 2 (carry .dev/cute): teo fused; tma2 bits; the main job's base shape; main_grad ways
+    # call 2 (carry .dev/cute): teo fused; the split-size copy off the compute stream; the main job's
+    # base shape after both changes (compare with benchmarks/results/moe_step_NVIDIA_H100_80GB_HBM3.md)
     pytest_ 90 -s tests/test_gpu_engine_teo.py -k "fused and not unfused"
-    pytest_ 80 tests/test_gpu_megatron_settings.py -k "tma"
-    run 200 python3 benchmarks/moe_step.py --shapes base --engines teo,v2 --no-cap --out "$OUT/results"
-    run 200 python3 benchmarks/bench_megatron_settings.py --rounds 9 --out "$OUT/results"
+    pytest_ 90 tests/test_gpu_bad_inputs.py
+    run 220 python3 benchmarks/moe_step.py --shapes base --engines teo,v2 --no-cap --out "$OUT/results"
+    run 150 python3 benchmarks/moe_step.py --shapes base --profile mlp:4,mlp:7,layer:4 --engines teo \
+        --profile-steps 2 --out "$OUT/results"
     ;;
 next3)
-    # call 3: where the fused step's time goes at batch 8, then moe-heavy (cap search) for teo
-    run 120 python3 benchmarks/moe_step.py --shapes base --profile none,mlp:4,mlp:7 --engines teo \
-        --profile-steps 2 --out "$OUT/results"
-    run 450 python3 benchmarks/moe_step.py --shapes moe-heavy --engines teo --out "$OUT/results/heavy_teo"
+    # call 3: moe-heavy with the cap search (bisecting now), expandable segments as Megatron runs them
+    run 560 python3 benchmarks/moe_step.py --shapes moe-heavy --engines teo --alloc-conf expandable_segments:True \
+        --out "$OUT/results/heavy_teo"
     ;;
 next4)
-    # call 4: moe-heavy for TE's engines (the report merges engines of one run only: compare by hand)
-    run 560 python3 benchmarks/moe_step.py --shapes moe-heavy --engines v2,v1 --out "$OUT/results/heavy_te"
+    # call 4: the suite's second half that needs the fused path, then moe-heavy for TE's V2
+    pytest_ 300 tests/test_kernels_compile.py tests/test_megatron.py tests/test_megatron_gpu.py \
+        tests/test_moe_step_gpu.py tests/test_step_profile_gpu.py
+    run 260 python3 benchmarks/moe_step.py --shapes moe-heavy --engines v2 --no-cap --out "$OUT/results/heavy_te"
     ;;
 suite1)
     pytest_ 560 tests/test_kernels_gpu.py tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py
