@@ -68,8 +68,10 @@ ENGINE_ENV = {
     "v1": {"NVTE_CPU_OFFLOAD_V1": "1"},
     "teo": {"NVTE_CPU_OFFLOAD_V1": "0"},
     "teo-p1": {"NVTE_CPU_OFFLOAD_V1": "0"},  # teo with a fixed one-layer prefetch, not peak-neutral
+    "teo-c16": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "16"},  # teo copying in 16 MiB pieces
 }
-ENGINE_OPTIONS = {"teo-p1": ("teo", {"prefetch": 1})}  # benchmark names -> offload_context's engine, options
+# benchmark names -> offload_context's engine, options
+ENGINE_OPTIONS = {"teo-p1": ("teo", {"prefetch": 1}), "teo-c16": ("teo", {})}
 TE_ENGINES = ("v2", "v1")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 FUSION_ENV = "TEO_FUSED_SRELU_MLP"

@@ -84,7 +84,9 @@ next2)
     # base shape after both changes (compare with benchmarks/results/moe_step_NVIDIA_H100_80GB_HBM3.md)
     pytest_ 90 -s tests/test_gpu_engine_teo.py -k "fused and not unfused"
     pytest_ 90 tests/test_gpu_bad_inputs.py
-    run 220 python3 benchmarks/moe_step.py --shapes base --engines teo,v2 --no-cap --out "$OUT/results"
+    run 60 python3 benchmarks/bench_copy_interference.py --out "$OUT/results"
+    run 260 python3 benchmarks/moe_step.py --shapes base --engines teo,v2,teo-c16 --policies mlp:4,mlp:6,mlp:7,layer:4 \
+        --no-cap --out "$OUT/results"
     run 150 python3 benchmarks/moe_step.py --shapes base --profile mlp:4,mlp:7,layer:4 --engines teo \
         --profile-steps 2 --out "$OUT/results"
     ;;

@@ -36,6 +36,11 @@ modules leave); when it moves is this module's own schedule:
 * host buffers come from a pool shared by every teo context and reused from step to step (they go
   back to it when the backward ends; ``free_pinned_buffers`` empties it);
 * no host synchronization anywhere: streams wait on events;
+* ``TEO_OFFLOAD_COPY_CHUNK_MIB`` (default 0: one copy per saved range) splits each copy into
+  pieces of that many MiB. A small copy in the same direction on the compute stream (a
+  ``.cpu()`` of tokens per expert) waits on the copy engine behind the large copy in flight; in
+  pieces it might go between two of them (``benchmarks/bench_copy_interference.py`` measures
+  whether it does, and what the pieces cost);
 * one GPU per engine (the device of the first tensor it moves; tensors on others stay).
 
 Deliberately kept on the GPU (documented limits): tensor subclasses other than TE's
@@ -51,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -64,7 +70,7 @@ from . import capture, policy
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["PinnedBufferPool", "TeoEngine", "default_pool", "free_pinned_buffers", "layers_to_reload",
+__all__ = ["COPY_CHUNK_ENV", "PinnedBufferPool", "TeoEngine", "copy_chunk_bytes", "copy_pieces", "default_pool", "free_pinned_buffers", "layers_to_reload",
            "make_teo_context", "peak_neutral_lead", "release_lag", "plan_saved", "reloads_at_backward_start",
            "reloads_at_region_end", "watch_region"]
 
@@ -140,6 +146,28 @@ def plan_saved(t: torch.Tensor) -> Keep | Move | Parts:
     if span is None:
         return Keep(f"its base has gaps (shape {tuple(t._base.shape)}, stride {t._base.stride()})")
     return span
+
+
+COPY_CHUNK_ENV = "TEO_OFFLOAD_COPY_CHUNK_MIB"
+
+
+def copy_chunk_bytes() -> int:
+    """Bytes per piece of a copy to or from the host per :data:`COPY_CHUNK_ENV` (0: whole copies)."""
+    raw = os.environ.get(COPY_CHUNK_ENV, "0") or "0"
+    try:
+        mib = int(raw)
+    except ValueError:
+        mib = -1
+    if mib < 0:
+        raise ValueError(f"{COPY_CHUNK_ENV} must be a whole number of MiB >= 0 (0: whole copies), got {raw!r}")
+    return mib << 20
+
+
+def copy_pieces(nbytes: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, end) byte ranges that cover ``nbytes`` in pieces of ``chunk`` bytes (0: one piece)."""
+    if chunk <= 0 or chunk >= nbytes:
+        return [(0, nbytes)]
+    return [(a, min(a + chunk, nbytes)) for a in range(0, nbytes, chunk)]
 
 
 def layers_to_reload(layer: int, prefetch: int, offloaded_layers: int) -> list[int]:
@@ -417,6 +445,7 @@ class TeoEngine:
         self.num_layers, self.model_layers, self.prefetch = num_layers, model_layers, prefetch
         self.counter = counter
         self.pool = pool if pool is not None else default_pool()
+        self.copy_chunk = copy_chunk_bytes()
         self._d2h: Optional[torch.cuda.Stream] = None
         self._h2d: Optional[torch.cuda.Stream] = None
         self._device: Optional[torch.device] = None  # of the first tensor moved: reloads go there
@@ -551,7 +580,8 @@ class TeoEngine:
         if host.ready is not None:
             d2h.wait_event(host.ready)  # last step's reload from this buffer
         with torch.cuda.stream(d2h):
-            host.tensor[: span.nbytes].copy_(src, non_blocking=True)
+            for a, b in copy_pieces(span.nbytes, self.copy_chunk):
+                host.tensor[a:b].copy_(src[a:b], non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(d2h)
         # the engine holds the bytes (src) until the layer's release, where the stream it was saved on waits
@@ -609,7 +639,8 @@ class TeoEngine:
         c.reload_stream = compute
         h2d.wait_event(c.copied)
         with torch.cuda.stream(h2d):
-            c.gpu.copy_(c.host.tensor[: c.nbytes], non_blocking=True)
+            for a, b in copy_pieces(c.nbytes, self.copy_chunk):
+                c.gpu[a:b].copy_(c.host.tensor[a:b], non_blocking=True)
         # No record_stream: a block freed under it is reusable only once the host has seen the
         # copy stream pass the free, which a host running ahead of a busy copy stream does not, so
         # the allocator takes new memory for the next reload and the peak grows by a layer each

@@ -33,7 +33,7 @@ def test_r_is_the_step_peak_freed_against_the_no_offload_run_of_its_own_ops():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 @pytest.mark.parametrize("script", ["moe_step.py", "offload_policies.py", "bench_fused_mlp.py", "bench_kernels.py",
-                                    "ablate_epilogue.py", "bench_graphs.py"])
+                                    "ablate_epilogue.py", "bench_graphs.py", "bench_copy_interference.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
     proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
@@ -54,3 +54,17 @@ def test_graphs_report_names_targets_and_ratios(tmp_path):
     assert "| 1 layer | 1.235 | 0.988 | True |" in text
     plot(result, tmp_path / "g.png")
     assert (tmp_path / "g.png").stat().st_size > 0
+
+
+def test_copy_interference_report(tmp_path):
+    from bench_copy_interference import chart, markdown
+
+    rows = [{"direction": "d2h", "chunk_MiB": 0, "chunks": 1, "small_wait_ms": 8.25, "small_wait_max_ms": 9.0,
+             "big_GBps": 54.7, "big_ms": 9.8},
+            {"direction": "d2h", "chunk_MiB": 16, "chunks": 32, "small_wait_ms": 0.31, "small_wait_max_ms": 0.4,
+             "big_GBps": 53.9, "big_ms": 9.96}]
+    result = {"gpu": "GPU", "date": "today", "mib": 512, "lead_ms": 2.0, "reps": 7, "rows": rows}
+    text = markdown(result)
+    assert "| d2h | whole | 1 | 8.250 (9.000) | 54.7 | 9.80 |" in text
+    assert "| d2h | 16 | 32 | 0.310 (0.400) | 53.9 | 9.96 |" in text
+    assert chart(result, tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 0

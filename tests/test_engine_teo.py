@@ -672,3 +672,54 @@ def test_an_unpack_past_the_counted_uses_copies_the_range_back_again(monkeypatch
     assert h2d.waited == [("stream", "compute"), "L0.copy0"]  # after the compute stream's work and the D2H copy
     assert isinstance(c.reloaded, _Event) and compute.waited[-1] is c.reloaded
     assert "unpacked more often than it was saved" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------------
+# Copies in pieces (TEO_OFFLOAD_COPY_CHUNK_MIB)
+
+
+def test_copy_pieces_cover_each_byte_once():
+    assert engines_teo.copy_pieces(10, 0) == [(0, 10)]
+    assert engines_teo.copy_pieces(10, 10) == [(0, 10)] and engines_teo.copy_pieces(10, 64) == [(0, 10)]
+    assert engines_teo.copy_pieces(10, 4) == [(0, 4), (4, 8), (8, 10)]
+
+
+@pytest.mark.parametrize("raw, expected", [(None, 0), ("", 0), ("0", 0), ("16", 16 << 20)])
+def test_copy_chunk_comes_from_the_environment(monkeypatch, raw, expected):
+    if raw is None:
+        monkeypatch.delenv(engines_teo.COPY_CHUNK_ENV, raising=False)
+    else:
+        monkeypatch.setenv(engines_teo.COPY_CHUNK_ENV, raw)
+    assert engines_teo.copy_chunk_bytes() == expected
+    assert TeoEngine(1, 2).copy_chunk == expected
+
+
+@pytest.mark.parametrize("raw", ["-1", "16MiB", "1.5"])
+def test_a_bad_copy_chunk_is_refused_with_its_value(monkeypatch, raw):
+    monkeypatch.setenv(engines_teo.COPY_CHUNK_ENV, raw)
+    with pytest.raises(ValueError, match=f"TEO_OFFLOAD_COPY_CHUNK_MIB must be a whole number of MiB >= 0.*got '{raw}'"):
+        TeoEngine(1, 2)
+
+
+def test_a_reload_is_copied_back_in_pieces(monkeypatch):
+    compute, h2d = _NamedStream("compute"), _NamedStream("h2d")
+    h2d.wait_stream = lambda stream: None
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+    class _Event:
+        def record(self, stream):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    engine = TeoEngine(1, 2)
+    engine._device, engine.copy_chunk = torch.device("cpu"), 3
+    data = torch.arange(10, dtype=torch.uint8)
+    c = engines_teo._HostCopy(host=engines_teo.HostBuffer(data.clone(), 0), nbytes=10, start=0, storage_ptr=0,
+                              storage_ref=None, copied="copied")
+    copies_made = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, non_blocking=False: (
+        copies_made.append(src.numel()), real_copy(self, src, non_blocking=non_blocking))[1])
+    engine._reload_copy(c, h2d)
+    assert copies_made == [3, 3, 3, 1] and torch.equal(c.gpu, data)

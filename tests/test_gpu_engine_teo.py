@@ -282,3 +282,15 @@ def test_slow_copies_and_reused_memory_keep_steps_exact(monkeypatch, path):
     for step, got in enumerate(results):
         for i, (a, b) in enumerate(zip(got, ref)):
             assert torch.equal(a, b), (step, i)
+
+
+@requires_gpu
+def test_copies_in_pieces_keep_results_exact(path, monkeypatch):
+    """TEO_OFFLOAD_COPY_CHUNK_MIB=1: every saved range crosses PCIe in 1 MiB pieces, both ways."""
+    monkeypatch.setenv(engines_teo.COPY_CHUNK_ENV, "1")
+    cfg = Config(layers=LAYERS)
+    stack, inputs = make_stack(cfg), make_inputs(cfg)
+    base = run_step(stack, inputs, "none")
+    run = run_step(stack, inputs, "teo", offload_layers=LAYERS)
+    assert sum(run["moved"].values()) > 2 << 20  # more than one piece
+    _assert_same(base, run)

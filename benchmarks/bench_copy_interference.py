@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""How long a small copy on the compute stream waits behind an offload engine's large copy.
+
+An offload engine copies hundreds of MiB per layer to the host on a side stream. A small copy in
+the same direction on the compute stream (our split-size check did this; Megatron's token
+dispatchers read tokens per expert with ``.cpu()``) measured 14 ms of compute-stream stall per step
+in the MoE step (benchmarks/results/moe_step_profile_*): it waited for the large copy in flight.
+This measures that wait directly, for each direction, with the large copy issued whole or in
+chunks (does the copy engine take the small copy between two chunks? the teo engine copies in
+chunks of ``TEO_OFFLOAD_COPY_CHUNK_MIB``), and what chunking costs the large copy's bandwidth.
+
+Per direction (d2h, h2d) and chunk size: the side stream copies ``--mib`` MiB in chunks; the
+compute stream sleeps ``--lead-ms`` (so that the large copy is under way), then copies 512 bytes
+in the same direction. Reported, median of ``--reps``: the small copy's wait (its end minus the
+end of the sleep before it), and the large copy's GB/s. Writes
+``copy_interference_<GPU>.{json,md,png}`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from bench_common import cuda_problem, file_stem, pyplot, write_reports  # noqa: E402
+
+MiB = 1 << 20
+SMALL_BYTES = 512
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mib", type=int, default=512, help="size of the large copy, MiB (one MoE layer's MLP: 568)")
+    p.add_argument("--chunks-mib", default="0,256,64,16,4",
+                   help="chunk sizes of the large copy, MiB; 0 = one copy (comma-separated)")
+    p.add_argument("--lead-ms", type=float, default=2.0, help="compute-stream sleep before the small copy")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    args = p.parse_args(argv)
+    args.chunks = [int(c) for c in args.chunks_mib.split(",") if c.strip()]
+    if args.mib <= 0 or any(c < 0 for c in args.chunks) or args.reps < 1:
+        p.error(f"need --mib > 0, chunk sizes >= 0 and --reps >= 1 (got {args.mib}, {args.chunks}, {args.reps})")
+    return args
+
+
+def sleep_cycles_per_ms() -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond, measured once."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 10_000_000
+    torch.cuda._sleep(cycles)  # warm-up
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
+def measure(direction: str, chunk_mib: int, args, buffers, cycles_per_ms: float) -> dict:
+    import torch
+
+    from te_offload_ops.engines_teo import copy_pieces  # the pieces the teo engine copies in
+
+    dev, host, dev_small, host_small = buffers
+    side, compute = torch.cuda.Stream(), torch.cuda.current_stream()
+    src, dst = (dev, host) if direction == "d2h" else (host, dev)
+    small_src, small_dst = (dev_small, host_small) if direction == "d2h" else (host_small, dev_small)
+    pieces = copy_pieces(src.numel(), chunk_mib * MiB)
+    waits, rates = [], []
+    for _ in range(args.reps):
+        torch.cuda.synchronize()
+        ev = {k: torch.cuda.Event(enable_timing=True) for k in ("big0", "big1", "lead", "small")}
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            ev["big0"].record(side)
+            for a, b in pieces:
+                dst[a:b].copy_(src[a:b], non_blocking=True)
+            ev["big1"].record(side)
+        torch.cuda._sleep(int(args.lead_ms * cycles_per_ms))
+        ev["lead"].record(compute)
+        small_dst.copy_(small_src, non_blocking=True)
+        ev["small"].record(compute)
+        torch.cuda.synchronize()
+        waits.append(ev["lead"].elapsed_time(ev["small"]))
+        rates.append(src.numel() / (ev["big0"].elapsed_time(ev["big1"]) * 1e-3) / 1e9)
+    big_ms = src.numel() / (statistics.median(rates) * 1e9) * 1e3
+    return {"direction": direction, "chunk_MiB": chunk_mib, "chunks": len(pieces),
+            "small_wait_ms": statistics.median(waits), "small_wait_max_ms": max(waits),
+            "big_GBps": statistics.median(rates), "big_ms": big_ms}
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# A small copy on the compute stream behind a large offload copy, {result['gpu']} ({result['date']})",
+             "",
+             f"Large copy: {result['mib']} MiB on a side stream, whole or in chunks; {result['lead_ms']} ms later "
+             f"a {SMALL_BYTES}-byte copy in the same direction on the compute stream. Medians of {result['reps']} "
+             "repetitions. *wait*: the small copy's end minus the compute stream's work before it.",
+             "",
+             "| direction | chunk MiB | chunks | small copy wait ms (max) | large copy GB/s | large copy ms |",
+             "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        chunk = "whole" if r["chunk_MiB"] == 0 else str(r["chunk_MiB"])
+        lines.append(f"| {r['direction']} | {chunk} | {r['chunks']} | {r['small_wait_ms']:.3f} "
+                     f"({r['small_wait_max_ms']:.3f}) | {r['big_GBps']:.1f} | {r['big_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(result: dict, path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for direction in ("d2h", "h2d"):
+        rows = [r for r in result["rows"] if r["direction"] == direction]
+        if rows:
+            ax.plot([str(r["chunk_MiB"] or "whole") for r in rows], [r["small_wait_ms"] for r in rows],
+                    marker="o", label=direction)
+    ax.set_xlabel("chunk of the large copy, MiB")
+    ax.set_ylabel("small copy's wait, ms")
+    ax.set_title(f"{SMALL_BYTES} B copy behind a {result['mib']} MiB copy, {result['gpu']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if problem := cuda_problem():
+        print(f"bench_copy_interference.py: cannot run: {problem}", file=sys.stderr)
+        return 2
+    import torch
+
+    nbytes = args.mib * MiB
+    buffers = (torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+               torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+               torch.zeros(SMALL_BYTES, dtype=torch.uint8, device="cuda"),
+               torch.zeros(SMALL_BYTES, dtype=torch.uint8, pin_memory=True))
+    cycles_per_ms = sleep_cycles_per_ms()
+    rows = []
+    plan = [(d, c) for d in ("d2h", "h2d") for c in args.chunks]
+    for i, (direction, chunk) in enumerate(plan, 1):
+        row = measure(direction, chunk, args, buffers, cycles_per_ms)
+        rows.append(row)
+        print(f"[{i}/{len(plan)}] {direction} chunk {chunk or 'whole'} MiB: small copy waits "
+              f"{row['small_wait_ms']:.3f} ms; large copy {row['big_GBps']:.1f} GB/s", flush=True)
+    gpu = torch.cuda.get_device_name()
+    result = {"benchmark": "copy_interference", "gpu": gpu, "mib": args.mib, "lead_ms": args.lead_ms,
+              "reps": args.reps, "rows": rows,
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    write_reports(args.out, file_stem("copy_interference", gpu), result, markdown, chart)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
