@@ -443,8 +443,9 @@ class StepBench:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_GiB * GiB / total))
         try:  # the allocator now refuses what would pass the cap: an OOM means it does not fit
             row = self.run(policy, batch, warmup=1, iters=2, reuse=reuse)
-            # what the allocator held at most over the timed steps (reset with the peak): above the
-            # active peak by what fragmentation cost; None where the run failed before it was read
+            # what the allocator held at most since the timed steps began (blocks the warm-up left
+            # cached included): above the active peak by what fragmentation cost; None where the
+            # run failed before it was read
             reserved = None if row.get("error") else torch.cuda.max_memory_reserved() / MiB
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
@@ -514,7 +515,8 @@ def run_child(args) -> None:
     import torch
 
     engine = args.child
-    out = {"engine": engine, "gpu": torch.cuda.get_device_name(), "alloc_conf": os.environ.get(ALLOC_ENV, ""),
+    alloc = os.environ.get(ALLOC_ENV_NEW) or os.environ.get(ALLOC_ENV, "")  # the newer name wins where set
+    out = {"engine": engine, "gpu": torch.cuda.get_device_name(), "alloc_conf": alloc,
            "pcie": measure_pcie(), "shapes": {}}
     p = out["pcie"]
     print(f"[{engine}] PCIe d2h {p['d2h_GBps']:.1f} GB/s, h2d {p['h2d_GBps']:.1f} GB/s, "

@@ -115,8 +115,9 @@ def next_cap_batch(trials: list[dict], base: tuple[int, float], cap_above_MiB: f
 
     Until a batch fails, the next one is the line's guess through the measured peaks. Once one
     has failed the line has been wrong (an allocator that cannot place the peak under the cap fails
-    below the line), so the search bisects: the next batch is at most the midpoint between the
-    largest batch known to fit and the smallest that failed. Known to fit: a trial that fit, or the
+    below the line), so the search bisects: the next batch is the line's guess only where it falls
+    strictly between the largest batch known to fit and the midpoint to the smallest that failed,
+    else that midpoint (a guess at or below what fits would walk up one batch per trial). Known to fit: a trial that fit, or the
     base run when its peak is under the cap (a bound for the search only; the answer counts trials
     under the cap alone, so the base batch itself is tried when nothing above it is left).
     """
@@ -133,7 +134,9 @@ def next_cap_batch(trials: list[dict], base: tuple[int, float], cap_above_MiB: f
     base_batch, base_peak = base
     known = max(lo, base_batch if base_peak <= cap_above_MiB and base_batch < hi else 0)
     low = known + 1 if known + 1 < hi else known  # known > lo here: the base batch, not yet tried under the cap
-    return min(max(min(guess, (known + hi) // 2), low), hi - 1)
+    mid = (known + hi) // 2
+    pick = guess if known < guess < mid else mid
+    return min(max(pick, low), hi - 1)
 
 
 def settled_batch(trials: list[dict]) -> tuple[int, bool]:
@@ -219,8 +222,9 @@ def cap_tokens_ceiling(fwd_ms: float, step_ms: float, peak_above_MiB: float, d2h
 
     The step's peak is at the start of the backward, so what is off the GPU there crossed PCIe
     before it: at most B = BW_d2h * (fwd + slowdown * step) bytes. With the memory above the floor
-    proportional to the tokens, a cap that held the no-offload peak P then holds P / (P - B) times
-    the tokens. Infinite when B >= P (the forward could move it all).
+    and the forward's time both proportional to the tokens (so B grows with them too), a cap that
+    held the no-offload peak P then holds P / (P - B) times the tokens. Infinite when B >= P (the
+    forward could move it all).
     """
     if peak_above_MiB <= 0:
         raise ValueError(f"need a positive peak, got {peak_above_MiB} MiB")

@@ -624,6 +624,8 @@ class TeoEngine:
             if c.source is not None:  # never given back (a backward before the release): no copy needed
                 c.gpu, c.reloaded, c.waited = c.source, None, True
                 continue
+            if c.handles and c.unpacks >= c.handles:
+                continue  # used up in an earlier reload of this layer (an unpack past the count copies it back)
             if h2d is None:
                 _, h2d = self._streams(self._device)
                 # Reloads are allocated on the compute stream, whose earlier kernels may still use

@@ -670,7 +670,8 @@ def test_an_unpack_past_the_counted_uses_copies_the_range_back_again(monkeypatch
         again = engine.unpack(handle)
     assert torch.equal(again, data.view(torch.float32))  # copied back from the host buffer
     assert h2d.waited == [("stream", "compute"), "L0.copy0"]  # after the compute stream's work and the D2H copy
-    assert isinstance(c.reloaded, _Event) and compute.waited[-1] is c.reloaded
+    assert isinstance(c.reloaded, _Event) and compute.waited[-1] is c.reloaded and c.waited
+    assert c.gpu is None  # let go again: this use is past the count too
     assert "unpacked more often than it was saved" in caplog.text
 
 
@@ -723,3 +724,41 @@ def test_a_reload_is_copied_back_in_pieces(monkeypatch):
         copies_made.append(src.numel()), real_copy(self, src, non_blocking=non_blocking))[1])
     engine._reload_copy(c, h2d)
     assert copies_made == [3, 3, 3, 1] and torch.equal(c.gpu, data)
+
+
+def test_a_reload_used_once_on_another_stream_is_let_go_for_that_stream(monkeypatch):
+    taken_on, used_on = _NamedStream("compute"), _NamedStream("side")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: used_on)
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: recorded.append(stream))
+    engine = TeoEngine(1, 2)
+    engine.enter_layer()
+    c = _reloaded_layer(engine, taken_on, torch.zeros(8, dtype=torch.uint8), handles=1)
+    engine.unpack(engines_teo._Moved(engine._step, 0, 0, 0, (2,), (1,), torch.float32))
+    assert recorded == [used_on] and used_on.waited == ["reload0"] and c.gpu is None
+    engine._release_reload(0)  # the side stream's use keeps the memory from reuse: no wait here
+    assert taken_on.waited == []
+
+
+def test_a_layer_reloaded_again_skips_the_ranges_it_used_up(monkeypatch):
+    compute, h2d = _NamedStream("compute"), _NamedStream("h2d")
+    h2d.wait_stream = lambda stream: None
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+    class _Event:
+        def record(self, stream):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    engine = TeoEngine(1, 2)
+    engine._device = torch.device("cpu")
+    monkeypatch.setattr(engine, "_streams", lambda device=None: (None, h2d))
+    copies = _fake_layer_copies(0)
+    for c in copies.copies:
+        c.source, c.host, c.handles = None, engines_teo.HostBuffer(torch.zeros(8, dtype=torch.uint8), 0), 1
+    used, unused = copies.copies
+    used.unpacks = 1  # its one handle was unpacked in the layer's first reload
+    engine._layers[0] = copies
+    engine._reload(0)
+    assert used.gpu is None and unused.gpu is not None

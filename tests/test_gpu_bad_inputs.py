@@ -85,25 +85,28 @@ def test_gpu_split_sizes_raise_by_the_end_of_backward(mlp, path, copy):
 
 
 @requires_gpu
-def test_split_sizes_copy_never_holds_the_compute_stream(mlp, path):
-    """The copy of the split sizes to the host runs on its own stream: with that stream held (as a
-    copy engine busy with an offload engine's copies would hold it), the forward's work on the
-    compute stream still finishes; the check resolves at the end of backward, the step is exact."""
+def test_split_sizes_copy_never_holds_the_compute_stream(mlp, path, monkeypatch):
+    """An offload engine's large copy to the host is in flight on another stream (1 GiB, about
+    20 ms): the forward's work on the compute stream still finishes before it, although the check
+    copies the split sizes to the host in that same direction (on the compute stream the small copy
+    would wait on the copy engine behind the large one). The check resolves at the end of backward
+    and the step is exact."""
     if path == "unfused":
         pytest.skip("the unfused ops read split sizes on the host")
-    from te_offload_ops.fused import split_check
-
+    monkeypatch.setenv(CHECK_ENV, "deferred")
     good = _good_step(mlp)
     x, probs, splits = _inputs()
     for p in mlp.parameters():
         p.grad = None
-    side = split_check.copy_stream(x.device)
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    offload = torch.cuda.Stream()
     torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(1_000_000_000)  # about half a second
+    with torch.cuda.stream(offload):
+        host.copy_(big, non_blocking=True)
     y = mlp(x, splits, probs, splits)
     torch.cuda.current_stream().synchronize()
-    assert not side.query(), "the compute stream waited for the split sizes' copy"
+    assert not offload.query(), "the compute stream waited for the large copy to the host"
     y.float().square().sum().backward()
     torch.cuda.synchronize()
     _same(good, (y.detach(), x.grad, probs.grad, [p.grad.clone() for p in mlp.parameters()]))

@@ -337,7 +337,7 @@ def test_after_the_predicted_batch_fails_the_search_bisects_down_to_what_fit_wit
 @pytest.mark.parametrize("peak15,expected", [
     (15 * 9021.0 / 8, 18),  # peaks in proportion: the line says 22 again, the midpoint of 15 and 22 wins
     (21000.0, 17),          # a steeper line says 17: below the midpoint, it is taken
-    (25000.0, 16),          # the line says 15 (no room): one up from what fit
+    (25000.0, 18),          # the line says 15 (no room): the midpoint, not one up from what fit
 ])
 def test_after_a_fit_the_search_goes_up_by_the_line_but_stays_below_the_failure(peak15, expected):
     trials = [{"batch": 22, "fits": False, "peak_above_MiB": None},
@@ -481,3 +481,12 @@ def test_results_written_before_these_fields_still_render():
         md = rep.markdown(result)
         assert "- allocator: PYTORCH_CUDA_ALLOC_CONF -" in md or result.get("alloc_conf") is not None, path.name
         assert "### Targets" in md, path.name
+
+
+def test_a_line_at_or_below_what_fits_does_not_walk_up_one_batch_per_trial():
+    # each run fits with a peak near the cap (the line sees no room), and 101 failed: bisect
+    near = H100_CAP_ABOVE - 1.0
+    trials = [{"batch": 101, "fits": False, "peak_above_MiB": None}, {"batch": 20, "fits": True, "peak_above_MiB": near}]
+    assert rep.next_cap_batch(trials, (8, near * 8 / 20), H100_CAP_ABOVE, max_batch=128) == 60
+    trials.append({"batch": 60, "fits": True, "peak_above_MiB": near})
+    assert rep.next_cap_batch(trials, (8, near * 8 / 20), H100_CAP_ABOVE, max_batch=128) == 80

@@ -45,13 +45,17 @@ _SHOWN = 16  # split sizes printed in an error
 
 # pinned host buffers and events, reused: allocating them costs more host time than the check
 _POOL: dict = defaultdict(list)
-_EVENTS: list = []
+_EVENTS: dict = defaultdict(list)  # device index -> free events (an event records on one device only)
 _STREAMS: dict = {}  # device index -> the side stream the copies run on
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def copy_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream that copies split sizes of ``device`` to the host (one per device)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     if index not in _STREAMS:
         _STREAMS[index] = torch.cuda.Stream(device=index)
     return _STREAMS[index]
@@ -95,13 +99,16 @@ class SplitSizesCheck:
         key = (split_sizes.numel(), split_sizes.dtype)
         self._key = key
         self._host = _POOL[key].pop() if _POOL[key] else torch.empty(key[0], dtype=key[1], pin_memory=True)
-        self._event = _EVENTS.pop() if _EVENTS else torch.cuda.Event()
+        self._device = _index(split_sizes.device)
+        self._event = _EVENTS[self._device].pop() if _EVENTS[self._device] else torch.cuda.Event()
         side = copy_stream(split_sizes.device)
         side.wait_stream(torch.cuda.current_stream(split_sizes.device))  # after the kernels that made them
         with torch.cuda.stream(side):
             self._host.copy_(split_sizes.reshape(-1), non_blocking=True)
             self._event.record(side)
         # the caller may free the sizes at once: their block is not reused before the copy has read it
+        # (the whole block, where the sizes are a view of a larger buffer: held until the host sees
+        # this small copy done, which can be a while behind an offload engine's copies)
         split_sizes.record_stream(side)
 
     @property
@@ -115,7 +122,7 @@ class SplitSizesCheck:
         self._event.synchronize()
         values = self._host.tolist()
         _POOL[self._key].append(self._host)
-        _EVENTS.append(self._event)
+        _EVENTS[self._device].append(self._event)
         self._host = self._event = None
         found = problem(values, self.num_tokens)
         if found is not None:
