@@ -8,6 +8,12 @@ same process and shape: clocks and allocator state differ between processes.
 * freed / offloaded: (no-offload peak - this peak) / bytes the engine offloaded per step;
 * PCIe bound: max(fwd, bytes / BW_d2h) + max(bwd, bytes / BW_h2d) + optimizer, from the
   no-offload run's phase times and the bandwidth measured in the same process;
+* peak-neutral bound (whole layers, n < L): the PCIe bound of a schedule that never raises the
+  step's peak. What moved must be off the GPU when the backward begins (its peak), so the forward
+  takes at least the copies to the host; no reload fits before the first layer's backward has
+  freed room, and the last offloaded layer's backward follows its reload, so the backward takes at
+  least 2 bwd / L + the copies back. max(fwd, bytes / BW_d2h) + max(bwd, 2 bwd / L + bytes / BW_h2d)
+  + optimizer;
 * cap ceiling: the most tokens per step under a cap, x no offload, for a step <= 5% slower whose
   copies to the host happen within the forward (the peak is at the start of the backward):
   1 / (1 - BW_d2h * (fwd + 0.05 step) / no-offload peak).
@@ -58,15 +64,28 @@ def pcie_bound_ms(ref: dict, offloaded_bytes: float, pcie: dict) -> float:
             + ref["opt_ms"])
 
 
+def peak_neutral_bound_ms(ref: dict, offloaded_bytes: float, pcie: dict, model_layers: int) -> float:
+    """Lower bound on the step of whole-layer offload (n < L) under a schedule that keeps the
+    no-offload peak less what moved (see the module doc)."""
+    if model_layers < 1:
+        raise ValueError(f"need model_layers >= 1, got {model_layers}")
+    layer_bwd = ref["bwd_ms"] / model_layers
+    return (max(ref["fwd_ms"], transfer_ms(offloaded_bytes, pcie["d2h_GBps"]))
+            + max(ref["bwd_ms"], 2 * layer_bwd + transfer_ms(offloaded_bytes, pcie["h2d_GBps"]))
+            + ref["opt_ms"])
+
+
 def no_offload_row(rows: Iterable[dict]) -> Optional[dict]:
     return next((r for r in rows if r["scope"] == "none" and not r.get("error")), None)
 
 
-def derive_rows(rows: list[dict], pcie: dict) -> None:
-    """Adds vs_none, freed_MiB, freed_per_offloaded, bound_ms and vs_bound to each row of one run."""
+def derive_rows(rows: list[dict], pcie: dict, model_layers: Optional[int] = None) -> None:
+    """Adds vs_none, freed_MiB, freed_per_offloaded, bound_ms and vs_bound to each row of one run,
+    and, given ``model_layers``, pn_bound_ms and vs_pn_bound to its whole-layer rows with n < L."""
     ref = no_offload_row(rows)
     for r in rows:
-        for key in ("vs_none", "freed_MiB", "freed_per_offloaded", "bound_ms", "vs_bound", "rate_vs_none"):
+        for key in ("vs_none", "freed_MiB", "freed_per_offloaded", "bound_ms", "vs_bound", "rate_vs_none",
+                    "pn_bound_ms", "vs_pn_bound"):
             r[key] = None
         if r.get("error") or ref is None:
             continue
@@ -79,6 +98,9 @@ def derive_rows(rows: list[dict], pcie: dict) -> None:
         r["freed_per_offloaded"] = r["freed_MiB"] / r["offloaded_MiB"] if moved else None
         r["bound_ms"] = pcie_bound_ms(ref, moved, pcie)
         r["vs_bound"] = r["step_ms"] / r["bound_ms"]
+        if model_layers and r["scope"] == "layer" and r["layers"] < model_layers:
+            r["pn_bound_ms"] = peak_neutral_bound_ms(ref, moved, pcie, model_layers)
+            r["vs_pn_bound"] = r["step_ms"] / r["pn_bound_ms"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -423,6 +445,15 @@ def markdown(result: dict) -> str:
         lines.append("")
         lines += _table([h for h, _, _ in ROW_COLUMNS],
                         [_row_cells(r) for run in s["runs"] for r in run["rows"]])
+        pn = [r for run in s["runs"] for r in run["rows"] if r.get("pn_bound_ms")]
+        if pn:
+            lines += ["", "Whole layers against the peak-neutral bound (a schedule that never raises the peak: "
+                      "max(fwd, bytes/BW_d2h) + max(bwd, 2 bwd/L + bytes/BW_h2d) + opt; the target is against "
+                      "the PCIe bound):", ""]
+            lines += _table(["engine", "policy", "step ms", "PCIe bound ms", "peak-neutral bound ms",
+                             "x peak-neutral bound"],
+                            [[r["engine"], r["policy"], f"{r['step_ms']:.1f}", f"{r['bound_ms']:.1f}",
+                              f"{r['pn_bound_ms']:.1f}", f"{r['vs_pn_bound']:.2f}"] for r in pn])
         caps = [(run, sr) for run in s["runs"] for sr in run.get("cap", {}).get("searches", [])]
         if caps:
             cap = s["runs"][0]["cap"]
@@ -517,7 +548,7 @@ def finish(result: dict, memory_target_GiB: Optional[float] = None) -> None:
     """Derives every row, cap search, target and the memory-target choice in place."""
     for s in result["shapes"]:
         for run in s["runs"]:
-            derive_rows(run["rows"], result["pcie"][run["engine"]])
+            derive_rows(run["rows"], result["pcie"][run["engine"]], s.get("layers"))
             derive_cap(run.get("cap", {}).get("searches", []))
             run["cap_ceiling"] = derive_cap_ceiling(run["rows"], result["pcie"].get(run["engine"]))
         s["targets"] = target_summary(s)

@@ -132,6 +132,24 @@ def test_rows_are_compared_with_the_no_offload_row_of_their_run():
     assert failed["vs_none"] is None and failed["bound_ms"] is None
 
 
+def test_whole_layers_get_the_peak_neutral_bound():
+    # the base shape's teo run at 8 x 4096 on the H100: layer 4/8 moved 8344 MiB
+    pcie = {"d2h_GBps": 54.7, "h2d_GBps": 54.1, "bidirectional_each_GBps": 41.3}
+    rows = [_row("none", 0, 249.0, 18255, 0, fwd=75.4, bwd=167.3, opt=6.3), _row("layer", 4, 425.2, 10364, 8344),
+            _row("layer", 2, 307.8, 14250, 4172), _row("mlp", 4, 263.9, 15983, 2272), _row("layer", 8, 900.0, 5000, 16000)]
+    rep.derive_rows(rows, pcie, model_layers=8)
+    none, four, two, mlp, every = rows
+    d2h, h2d = 8344 * 2**20 / 54.7e9 * 1e3, 8344 * 2**20 / 54.1e9 * 1e3  # 159.9, 161.7 ms
+    # the backward cannot reload before layer 7's backward is done nor finish before layer 0's has run
+    assert four["pn_bound_ms"] == pytest.approx(d2h + (2 * 167.3 / 8 + h2d) + 6.3)  # 369.8 ms
+    assert four["pn_bound_ms"] > four["bound_ms"] and four["vs_pn_bound"] == pytest.approx(425.2 / four["pn_bound_ms"])
+    # 2 of 8: the reloads fit in the backward: the same as the PCIe bound
+    assert two["pn_bound_ms"] == pytest.approx(two["bound_ms"])
+    assert mlp["pn_bound_ms"] is None and every["pn_bound_ms"] is None and none["pn_bound_ms"] is None
+    rep.derive_rows(rows, pcie)  # no layer count: not derived
+    assert four["pn_bound_ms"] is None
+
+
 def test_predicted_batch_scales_the_peak_per_sequence():
     assert rep.predicted_batch(3000, 2, 7600) == 5
     assert rep.predicted_batch(3000, 2, -10) == 0
@@ -278,7 +296,9 @@ def test_reports_hold_every_row_the_cap_table_targets_and_the_memory_choice(tmp_
     data = json.loads((tmp_path / "moe_step_test.json").read_text())
     assert data["shapes"][0]["memory_target"]["policy"] == "MLP 8/8"  # 7000 + 3900 MiB, the fastest under 11 GiB
     md = (tmp_path / "moe_step_test.md").read_text()
-    assert md.count("\n| v2 |") == 4 + 2 + 4 and md.count("\n| v1 |") == 4 + 2 + 4  # rows, cap searches, targets
+    # rows, cap searches, targets (and v1's layer 4/8 against the peak-neutral bound)
+    assert md.count("\n| v2 |") == 4 + 2 + 4 and md.count("\n| v1 |") == 4 + 2 + 4 + 1
+    assert "Whole layers against the peak-neutral bound" in md
     assert "did not run: ValueError: Cannot offload all layers" in md
     assert "TE V2 at n = L-1" in md
     assert "Most tokens per step under 16.5 GiB" in md
