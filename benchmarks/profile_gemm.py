@@ -5,7 +5,9 @@
         --section WarpStateStats --section SchedulerStats \
         python3 benchmarks/profile_gemm.py fc1 pingpong
 
-The GEMM (fc1 fwd plain, fc2 fwd plain, fc1 fwd + SReLU, fc2 dgrad + dSReLU) runs
+The GEMM (fc1 fwd plain, fc2 fwd plain, fc1 fwd + SReLU, fc2 dgrad + dSReLU, fc1's weight
+gradient in bf16 (``wgrad``) or added into Megatron's fp32 main_grad (``wgrad_main_grad``, by
+``--add`` tma / red / rmw: the L2 traffic the add costs against the plain wgrad) runs
 three times to compile and warm up, then once between cudaProfilerStart/Stop, so
 ``--profile-from-start off --launch-count 1`` catches exactly our kernel.  Shape:
 E=8 x 2048 tokens, H=2688, F=1856, bf16, int32 split sizes (no conversion kernel).
@@ -24,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("gemm", choices=["fc1", "fc2", "srelu", "dsrelu"])
+    ap.add_argument("gemm", choices=["fc1", "fc2", "srelu", "dsrelu", "wgrad", "wgrad_main_grad"])
     ap.add_argument("schedule", choices=["cooperative", "pingpong"])
+    ap.add_argument("--add", choices=["tma", "red", "rmw"], default="tma", help="main_grad add (wgrad_main_grad)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_gemm.py cannot run: no CUDA device", file=sys.stderr)
@@ -43,12 +46,17 @@ def main() -> int:
     dy = torch.randn(t, h, device="cuda").to(dt)
     p = torch.rand(t, device="cuda").to(dt)
     s = torch.full((e,), m, device="cuda", dtype=torch.int32)
+    dh = torch.randn(t, f, device="cuda").to(dt)  # fc1's output grad: dW1[e] = dh_e^T x_e, (F, H)
+    main_grad = torch.zeros(e, f, h, device="cuda", dtype=torch.float32) if args.gemm == "wgrad_main_grad" else None
     sc = args.schedule
     fn = {
         "fc1": lambda: K.grouped_gemm(x, w1, s, schedule=sc),
         "fc2": lambda: K.grouped_gemm(z, w2, s, schedule=sc),
         "srelu": lambda: K.grouped_gemm_srelu_fwd(x, w1, s, p, schedule=sc),
         "dsrelu": lambda: K.grouped_gemm_dsrelu_bwd(dy, w2, s, z, p, schedule=sc),
+        "wgrad": lambda: K.grouped_wgrad(dh, x, s, backend="cute", schedule=sc),
+        "wgrad_main_grad": lambda: K.grouped_wgrad_main_grad(dh, x, s, main_grad, backend="cute", schedule=sc,
+                                                             add=args.add),
     }[args.gemm]
     for _ in range(3):
         fn()

@@ -13,7 +13,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|teo1|teo2|teo3|teo4|megatron|next1|next2|next3|next4|suite1|suite2}
+phase=${1:?usage: gpu_session.sh te|new|main|teo1|teo2|teo3|teo4|megatron|next1|next2|next3|next4|ncu|suite1|suite2}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -100,6 +100,19 @@ next4)
     pytest_ 300 tests/test_kernels_compile.py tests/test_megatron.py tests/test_megatron_gpu.py \
         tests/test_moe_step_gpu.py tests/test_step_profile_gpu.py
     run 260 python3 benchmarks/moe_step.py --shapes moe-heavy --engines v2 --no-cap --out "$OUT/results/heavy_te"
+    ;;
+ncu)
+    # issue 11: where the main_grad add's 5% goes (carry .dev/cute): one wgrad launch each under Nsight
+    # Compute, plain bf16 against the tma and red adds into fp32 main_grad (L2 sectors by operation)
+    for v in "wgrad pingpong" "wgrad_main_grad pingpong --add tma" "wgrad_main_grad pingpong --add red" \
+             "wgrad cooperative" "wgrad_main_grad cooperative --add tma"; do
+        name=$(echo "$v" | tr ' ' '_' | tr -d '-')
+        run 90 ncu --profile-from-start off --launch-count 1 --clock-control none --section SpeedOfLight \
+            --section MemoryWorkloadAnalysis --section WarpStateStats --metrics \
+            lts__t_sectors_op_red.sum,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_atom.sum \
+            -o "$OUT/results/ncu_$name" -f python3 benchmarks/profile_gemm.py $v
+        ncu --import "$OUT/results/ncu_$name.ncu-rep" --page details > "$OUT/results/ncu_$name.txt" 2>&1
+    done
     ;;
 suite1)
     pytest_ 560 tests/test_kernels_gpu.py tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py
