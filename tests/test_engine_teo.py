@@ -494,6 +494,22 @@ class _NamedStream(_FakeStream):
         self.name = name
 
 
+class _FakeEvent:
+    def record(self, stream):
+        pass
+
+
+def _fake_copy_streams(monkeypatch):
+    """A compute stream (the current one) and a copy stream without a GPU; each notes what it
+    waited for, the copy stream also the streams it waited on, as ("stream", name)."""
+    compute, h2d = _NamedStream("compute"), _NamedStream("h2d")
+    h2d.wait_stream = lambda stream: h2d.waited.append(("stream", stream.name))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    return compute, h2d
+
+
 def test_sources_go_back_after_both_their_save_stream_and_the_current_one_waited(monkeypatch):
     """A tensor saved on a side stream: that stream and the current one (either may have allocated
     it) wait for the last copy before the engine lets go."""
@@ -507,37 +523,28 @@ def test_sources_go_back_after_both_their_save_stream_and_the_current_one_waited
     assert all(c.source is None for c in engine._layers[0].copies)
 
 
-def test_a_reload_used_on_another_stream_is_kept_for_that_stream(monkeypatch):
+@pytest.mark.parametrize("handles", [1, 2])
+def test_a_reload_used_on_another_stream_is_kept_for_that_stream(monkeypatch, handles):
+    """Used on a side stream: that stream waits for the copy and records itself on the memory. With
+    its one handle used, the engine lets go (the recorded use keeps the memory from reuse); with a
+    second handle never unpacked, the engine keeps it to the layer's end, where the stream it was
+    taken on waits for the copy before it goes back."""
     taken_on, used_on = _NamedStream("compute"), _NamedStream("side")
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: used_on)
     recorded = []
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: recorded.append(stream))
-    engine = TeoEngine(1, 1)
+    engine = TeoEngine(1, 2)
     engine.enter_layer()
-    copies = _fake_layer_copies(0, count=1)
-    c = copies.copies[0]
-    c.source, c.gpu, c.reloaded, c.reload_stream = None, torch.zeros(8, dtype=torch.uint8), "reload0", taken_on
-    c.handles = 2  # a second handle was never unpacked: the engine still holds the reload at the layer's end
-    copies.reloaded = True
-    engine._layers[0] = copies
+    c = _reloaded_layer(engine, taken_on, torch.zeros(8, dtype=torch.uint8), handles=handles)
     engine.unpack(engines_teo._Moved(engine._step, 0, 0, 0, (2,), (1,), torch.float32))
-    assert used_on.waited == ["reload0"] and recorded == [used_on]
-    assert not c.waited and taken_on.waited == [] and c.gpu is not None
-    engine._release_reload(0)  # never waited on the stream it was taken on: that one waits now
-    assert taken_on.waited == ["reload0"]
+    assert used_on.waited == ["reload0"] and recorded == [used_on] and not c.waited
+    assert (c.gpu is None) == (handles == 1) and taken_on.waited == []
+    engine._release_reload(0)
+    assert taken_on.waited == ([] if handles == 1 else ["reload0"])
 
 
 def test_a_reload_that_raises_midway_leaves_its_started_copies_to_be_waited_on(monkeypatch):
-    compute, h2d = _NamedStream("compute"), _NamedStream("h2d")
-    h2d.wait_stream = lambda stream: None
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-
-    class _Event:
-        def record(self, stream):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    compute, h2d = _fake_copy_streams(monkeypatch)
     engine = TeoEngine(1, 2)
     monkeypatch.setattr(engine, "_streams", lambda device=None: (None, h2d))
     copies = _fake_layer_copies(0)
@@ -647,16 +654,7 @@ def test_a_reload_goes_back_at_its_last_counted_use(monkeypatch):
 
 
 def test_an_unpack_past_the_counted_uses_copies_the_range_back_again(monkeypatch, caplog):
-    compute, h2d = _NamedStream("compute"), _NamedStream("h2d")
-    h2d.wait_stream = lambda stream: h2d.waited.append(("stream", stream.name))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-
-    class _Event:
-        def record(self, stream):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    compute, h2d = _fake_copy_streams(monkeypatch)
     engine = TeoEngine(1, 2)
     engine._device = torch.device("cpu")
     monkeypatch.setattr(engine, "_streams", lambda device=None: (None, h2d))
@@ -670,7 +668,7 @@ def test_an_unpack_past_the_counted_uses_copies_the_range_back_again(monkeypatch
         again = engine.unpack(handle)
     assert torch.equal(again, data.view(torch.float32))  # copied back from the host buffer
     assert h2d.waited == [("stream", "compute"), "L0.copy0"]  # after the compute stream's work and the D2H copy
-    assert isinstance(c.reloaded, _Event) and compute.waited[-1] is c.reloaded and c.waited
+    assert isinstance(c.reloaded, _FakeEvent) and compute.waited[-1] is c.reloaded and c.waited
     assert c.gpu is None  # let go again: this use is past the count too
     assert "unpacked more often than it was saved" in caplog.text
 
@@ -703,16 +701,7 @@ def test_a_bad_copy_chunk_is_refused_with_its_value(monkeypatch, raw):
 
 
 def test_a_reload_is_copied_back_in_pieces(monkeypatch):
-    compute, h2d = _NamedStream("compute"), _NamedStream("h2d")
-    h2d.wait_stream = lambda stream: None
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-
-    class _Event:
-        def record(self, stream):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    compute, h2d = _fake_copy_streams(monkeypatch)
     engine = TeoEngine(1, 2)
     engine._device, engine.copy_chunk = torch.device("cpu"), 3
     data = torch.arange(10, dtype=torch.uint8)
@@ -726,31 +715,8 @@ def test_a_reload_is_copied_back_in_pieces(monkeypatch):
     assert copies_made == [3, 3, 3, 1] and torch.equal(c.gpu, data)
 
 
-def test_a_reload_used_once_on_another_stream_is_let_go_for_that_stream(monkeypatch):
-    taken_on, used_on = _NamedStream("compute"), _NamedStream("side")
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: used_on)
-    recorded = []
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: recorded.append(stream))
-    engine = TeoEngine(1, 2)
-    engine.enter_layer()
-    c = _reloaded_layer(engine, taken_on, torch.zeros(8, dtype=torch.uint8), handles=1)
-    engine.unpack(engines_teo._Moved(engine._step, 0, 0, 0, (2,), (1,), torch.float32))
-    assert recorded == [used_on] and used_on.waited == ["reload0"] and c.gpu is None
-    engine._release_reload(0)  # the side stream's use keeps the memory from reuse: no wait here
-    assert taken_on.waited == []
-
-
 def test_a_layer_reloaded_again_skips_the_ranges_it_used_up(monkeypatch):
-    compute, h2d = _NamedStream("compute"), _NamedStream("h2d")
-    h2d.wait_stream = lambda stream: None
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-
-    class _Event:
-        def record(self, stream):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    compute, h2d = _fake_copy_streams(monkeypatch)
     engine = TeoEngine(1, 2)
     engine._device = torch.device("cpu")
     monkeypatch.setattr(engine, "_streams", lambda device=None: (None, h2d))
