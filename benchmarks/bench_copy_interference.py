@@ -11,8 +11,10 @@ chunks of ``TEO_OFFLOAD_COPY_CHUNK_MIB``), and what chunking costs the large cop
 
 Per direction (d2h, h2d) and chunk size: the side stream copies ``--mib`` MiB in chunks; the
 compute stream sleeps ``--lead-ms`` (so that the large copy is under way), then copies 512 bytes
-in the same direction. Reported, median of ``--reps``: the small copy's wait (its end minus the
-end of the sleep before it), and the large copy's GB/s. Writes
+in the same direction (pinned host memory). Reported, median of ``--reps``: the small copy's wait
+(its end minus the end of the sleep before it), and the large copy's GB/s; a first row per
+direction without the large copy gives the small copy's own time; a row where the large copy had
+ended before the small copy was issued in any repetition is marked (raise ``--mib``). Writes
 ``copy_interference_<GPU>.{json,md,png}`` into ``--out``.
 """
 
@@ -63,7 +65,8 @@ def sleep_cycles_per_ms() -> float:
     return cycles / start.elapsed_time(end)
 
 
-def measure(direction: str, chunk_mib: int, args, buffers, cycles_per_ms: float) -> dict:
+def measure(direction: str, chunk_mib, args, buffers, cycles_per_ms: float) -> dict:
+    """One row: ``chunk_mib`` None runs the small copy alone, 0 the large copy whole."""
     import torch
 
     from te_offload_ops.engines_teo import copy_pieces  # the pieces the teo engine copies in
@@ -72,8 +75,8 @@ def measure(direction: str, chunk_mib: int, args, buffers, cycles_per_ms: float)
     side, compute = torch.cuda.Stream(), torch.cuda.current_stream()
     src, dst = (dev, host) if direction == "d2h" else (host, dev)
     small_src, small_dst = (dev_small, host_small) if direction == "d2h" else (host_small, dev_small)
-    pieces = copy_pieces(src.numel(), chunk_mib * MiB)
-    waits, rates = [], []
+    pieces = [] if chunk_mib is None else copy_pieces(src.numel(), chunk_mib * MiB)
+    waits, rates, overlapped = [], [], True
     for _ in range(args.reps):
         torch.cuda.synchronize()
         ev = {k: torch.cuda.Event(enable_timing=True) for k in ("big0", "big1", "lead", "small")}
@@ -89,11 +92,14 @@ def measure(direction: str, chunk_mib: int, args, buffers, cycles_per_ms: float)
         ev["small"].record(compute)
         torch.cuda.synchronize()
         waits.append(ev["lead"].elapsed_time(ev["small"]))
-        rates.append(src.numel() / (ev["big0"].elapsed_time(ev["big1"]) * 1e-3) / 1e9)
-    big_ms = src.numel() / (statistics.median(rates) * 1e9) * 1e3
+        if pieces:
+            rates.append(src.numel() / (ev["big0"].elapsed_time(ev["big1"]) * 1e-3) / 1e9)
+            overlapped &= ev["lead"].elapsed_time(ev["big1"]) > 0  # still copying when the small copy came
+    big = statistics.median(rates) if rates else None
     return {"direction": direction, "chunk_MiB": chunk_mib, "chunks": len(pieces),
             "small_wait_ms": statistics.median(waits), "small_wait_max_ms": max(waits),
-            "big_GBps": statistics.median(rates), "big_ms": big_ms}
+            "big_GBps": big, "big_ms": src.numel() / (big * 1e9) * 1e3 if big else None,
+            "overlapped": overlapped if pieces else None}
 
 
 def markdown(result: dict) -> str:
@@ -106,9 +112,11 @@ def markdown(result: dict) -> str:
              "| direction | chunk MiB | chunks | small copy wait ms (max) | large copy GB/s | large copy ms |",
              "|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        chunk = "whole" if r["chunk_MiB"] == 0 else str(r["chunk_MiB"])
+        chunk = "no large copy" if r["chunk_MiB"] is None else "whole" if r["chunk_MiB"] == 0 else str(r["chunk_MiB"])
+        late = " (large copy already done: not measured)" if r.get("overlapped") is False else ""
+        big = "- | -" if r["big_GBps"] is None else f"{r['big_GBps']:.1f} | {r['big_ms']:.2f}"
         lines.append(f"| {r['direction']} | {chunk} | {r['chunks']} | {r['small_wait_ms']:.3f} "
-                     f"({r['small_wait_max_ms']:.3f}) | {r['big_GBps']:.1f} | {r['big_ms']:.2f} |")
+                     f"({r['small_wait_max_ms']:.3f}){late} | {big} |")
     return "\n".join(lines) + "\n"
 
 
@@ -118,7 +126,7 @@ def chart(result: dict, path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for direction in ("d2h", "h2d"):
-        rows = [r for r in result["rows"] if r["direction"] == direction]
+        rows = [r for r in result["rows"] if r["direction"] == direction and r["chunk_MiB"] is not None]
         if rows:
             ax.plot([str(r["chunk_MiB"] or "whole") for r in rows], [r["small_wait_ms"] for r in rows],
                     marker="o", label=direction)
@@ -146,12 +154,14 @@ def main(argv=None) -> int:
                torch.zeros(SMALL_BYTES, dtype=torch.uint8, pin_memory=True))
     cycles_per_ms = sleep_cycles_per_ms()
     rows = []
-    plan = [(d, c) for d in ("d2h", "h2d") for c in args.chunks]
+    plan = [(d, c) for d in ("d2h", "h2d") for c in [None, *args.chunks]]  # None: the small copy alone
     for i, (direction, chunk) in enumerate(plan, 1):
         row = measure(direction, chunk, args, buffers, cycles_per_ms)
         rows.append(row)
-        print(f"[{i}/{len(plan)}] {direction} chunk {chunk or 'whole'} MiB: small copy waits "
-              f"{row['small_wait_ms']:.3f} ms; large copy {row['big_GBps']:.1f} GB/s", flush=True)
+        what = "no large copy" if chunk is None else f"chunk {chunk or 'whole'} MiB"
+        print(f"[{i}/{len(plan)}] {direction} {what}: small copy waits {row['small_wait_ms']:.3f} ms"
+              + (f"; large copy {row['big_GBps']:.1f} GB/s" if row["big_GBps"] else "")
+              + ("; the large copy had ended first: raise --mib" if row["overlapped"] is False else ""), flush=True)
     gpu = torch.cuda.get_device_name()
     result = {"benchmark": "copy_interference", "gpu": gpu, "mib": args.mib, "lead_ms": args.lead_ms,
               "reps": args.reps, "rows": rows,

@@ -66,8 +66,9 @@ SHAPE_KEYS = ("hidden", "heads", "ffn", "experts", "topk")
 ENGINE_ENV = {
     "v2": {"NVTE_CPU_OFFLOAD_V1": "0"},
     "v1": {"NVTE_CPU_OFFLOAD_V1": "1"},
-    "teo": {"NVTE_CPU_OFFLOAD_V1": "0"},
-    "teo-p1": {"NVTE_CPU_OFFLOAD_V1": "0"},  # teo with a fixed one-layer prefetch, not peak-neutral
+    # teo's copies whole unless named otherwise (a value exported in the shell would change them)
+    "teo": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},
+    "teo-p1": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},  # a fixed one-layer prefetch
     "teo-c16": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "16"},  # teo copying in 16 MiB pieces
 }
 # benchmark names -> offload_context's engine, options

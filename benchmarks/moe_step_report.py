@@ -9,10 +9,13 @@ same process and shape: clocks and allocator state differ between processes.
 * PCIe bound: max(fwd, bytes / BW_d2h) + max(bwd, bytes / BW_h2d) + optimizer, from the
   no-offload run's phase times and the bandwidth measured in the same process;
 * peak-neutral bound (whole layers, n < L): the PCIe bound of a schedule that never raises the
-  step's peak. What moved must be off the GPU when the backward begins (its peak), so the forward
-  takes at least the copies to the host; no reload fits before the first layer's backward has
-  freed room, and the last offloaded layer's backward follows its reload, so the backward takes at
-  least 2 bwd / L + the copies back. max(fwd, bytes / BW_d2h) + max(bwd, 2 bwd / L + bytes / BW_h2d)
+  step's peak and moves whole layers (teo and TE's engines do). What moved must be off the GPU
+  when the backward begins (its peak), so the forward takes at least the copies to the host; no
+  whole layer's reload fits before the first layer's backward has freed room, and the last
+  offloaded layer's backward follows its reload, so the backward takes at least 2 bwd / L (bwd / L:
+  the average layer) + the copies back. A finer schedule (part of a layer reloaded as autograd
+  frees the saved tensors of the layer before, or copies to the host running into the backward's
+  headroom) could go under it. max(fwd, bytes / BW_d2h) + max(bwd, 2 bwd / L + bytes / BW_h2d)
   + optimizer;
 * cap ceiling: the most tokens per step under a cap, x no offload, for a step <= 5% slower whose
   copies to the host happen within the forward (the peak is at the start of the backward):
@@ -447,7 +450,8 @@ def markdown(result: dict) -> str:
                         [_row_cells(r) for run in s["runs"] for r in run["rows"]])
         pn = [r for run in s["runs"] for r in run["rows"] if r.get("pn_bound_ms")]
         if pn:
-            lines += ["", "Whole layers against the peak-neutral bound (a schedule that never raises the peak: "
+            lines += ["", "Whole layers against the peak-neutral bound (a schedule that moves whole layers and never "
+                      "raises the peak: "
                       "max(fwd, bytes/BW_d2h) + max(bwd, 2 bwd/L + bytes/BW_h2d) + opt; the target is against "
                       "the PCIe bound):", ""]
             lines += _table(["engine", "policy", "step ms", "PCIe bound ms", "peak-neutral bound ms",

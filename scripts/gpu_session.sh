@@ -7,6 +7,7 @@
 #   phase new    (call 2, carry .dev/cute, after `bash .dev/cute/setup.sh`): the GPU tests of code
 #                never run on a GPU, then the Megatron-settings benchmark, ~7 min
 #   phase main   the main job: moe_step quick (v2, teo), the unfused profile, CUDA graphs, ~6 min
+#   phases next1..next4 the next session's calls (see each), ncu: Nsight Compute of the wgrads
 #   phase suite1 tests/test_kernels_gpu.py and the fused-path files, ~5 min
 #   phase suite2 the rest of the suite, ~8 min
 set -uo pipefail
@@ -85,14 +86,15 @@ next2)
     pytest_ 90 -s tests/test_gpu_engine_teo.py -k "fused and not unfused"
     pytest_ 90 tests/test_gpu_bad_inputs.py
     run 60 python3 benchmarks/bench_copy_interference.py --out "$OUT/results"
-    run 260 python3 benchmarks/moe_step.py --shapes base --engines teo,v2,teo-c16 --policies mlp:4,mlp:6,mlp:7,layer:4 \
+    run 340 python3 benchmarks/moe_step.py --shapes base --engines teo,v2,teo-c16 --policies mlp:4,mlp:6,mlp:7,layer:4 \
         --no-cap --out "$OUT/results"
-    run 150 python3 benchmarks/moe_step.py --shapes base --profile mlp:4,mlp:7,layer:4 --engines teo \
-        --profile-steps 2 --out "$OUT/results"
     ;;
 next3)
-    # call 3: moe-heavy with the cap search (bisecting now), expandable segments as Megatron runs them
-    run 560 python3 benchmarks/moe_step.py --shapes moe-heavy --engines teo --alloc-conf expandable_segments:True \
+    # call 3: where the base step's time goes now, then moe-heavy with the cap search (bisecting
+    # now), expandable segments as Megatron runs them
+    run 150 python3 benchmarks/moe_step.py --shapes base --profile mlp:4,mlp:7,layer:4 --engines teo \
+        --profile-steps 2 --out "$OUT/results"
+    run 430 python3 benchmarks/moe_step.py --shapes moe-heavy --engines teo --alloc-conf expandable_segments:True \
         --out "$OUT/results/heavy_teo"
     ;;
 next4)
@@ -104,14 +106,15 @@ next4)
 ncu)
     # issue 11: where the main_grad add's 5% goes (carry .dev/cute): one wgrad launch each under Nsight
     # Compute, plain bf16 against the tma and red adds into fp32 main_grad (L2 sectors by operation)
+    # (limits: 4 x (90 + 30) s)
     for v in "wgrad pingpong" "wgrad_main_grad pingpong --add tma" "wgrad_main_grad pingpong --add red" \
-             "wgrad cooperative" "wgrad_main_grad cooperative --add tma"; do
+             "wgrad_main_grad cooperative --add tma"; do
         name=$(echo "$v" | tr ' ' '_' | tr -d '-')
         run 90 ncu --profile-from-start off --launch-count 1 --clock-control none --section SpeedOfLight \
             --section MemoryWorkloadAnalysis --section WarpStateStats --metrics \
             lts__t_sectors_op_red.sum,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_atom.sum \
             -o "$OUT/results/ncu_$name" -f python3 benchmarks/profile_gemm.py $v
-        ncu --import "$OUT/results/ncu_$name.ncu-rep" --page details > "$OUT/results/ncu_$name.txt" 2>&1
+        run 30 sh -c "ncu --import '$OUT/results/ncu_$name.ncu-rep' --page details > '$OUT/results/ncu_$name.txt'"
     done
     ;;
 suite1)

@@ -36,11 +36,12 @@ modules leave); when it moves is this module's own schedule:
 * host buffers come from a pool shared by every teo context and reused from step to step (they go
   back to it when the backward ends; ``free_pinned_buffers`` empties it);
 * no host synchronization anywhere: streams wait on events;
-* ``TEO_OFFLOAD_COPY_CHUNK_MIB`` (default 0: one copy per saved range) splits each copy into
-  pieces of that many MiB. A small copy in the same direction on the compute stream (a
-  ``.cpu()`` of tokens per expert) waits on the copy engine behind the large copy in flight; in
-  pieces it might go between two of them (``benchmarks/bench_copy_interference.py`` measures
-  whether it does, and what the pieces cost);
+* ``TEO_OFFLOAD_COPY_CHUNK_MIB`` (default 0: one copy per saved range) splits each copy to the
+  host into pieces of that many MiB. A small copy to the host on the compute stream (a ``.cpu()``
+  of tokens per expert) waits on the copy engine behind the large copy in flight; in pieces it
+  might go between two of them (``benchmarks/bench_copy_interference.py`` measures whether it
+  does, and what the pieces cost: one launch each, from the forward's host path). Reloads stay
+  whole copies (a step's small copies go to the host);
 * one GPU per engine (the device of the first tensor it moves; tensors on others stay).
 
 Deliberately kept on the GPU (documented limits): tensor subclasses other than TE's
@@ -152,7 +153,7 @@ COPY_CHUNK_ENV = "TEO_OFFLOAD_COPY_CHUNK_MIB"
 
 
 def copy_chunk_bytes() -> int:
-    """Bytes per piece of a copy to or from the host per :data:`COPY_CHUNK_ENV` (0: whole copies)."""
+    """Bytes per piece of a copy to the host per :data:`COPY_CHUNK_ENV` (0: whole copies)."""
     raw = os.environ.get(COPY_CHUNK_ENV, "0") or "0"
     try:
         mib = int(raw)
@@ -641,8 +642,7 @@ class TeoEngine:
         c.reload_stream = compute
         h2d.wait_event(c.copied)
         with torch.cuda.stream(h2d):
-            for a, b in copy_pieces(c.nbytes, self.copy_chunk):
-                c.gpu[a:b].copy_(c.host.tensor[a:b], non_blocking=True)
+            c.gpu.copy_(c.host.tensor[: c.nbytes], non_blocking=True)
         # No record_stream: a block freed under it is reusable only once the host has seen the
         # copy stream pass the free, which a host running ahead of a busy copy stream does not, so
         # the allocator takes new memory for the next reload and the peak grows by a layer each

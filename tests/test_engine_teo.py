@@ -700,19 +700,24 @@ def test_a_bad_copy_chunk_is_refused_with_its_value(monkeypatch, raw):
         TeoEngine(1, 2)
 
 
-def test_a_reload_is_copied_back_in_pieces(monkeypatch):
-    compute, h2d = _fake_copy_streams(monkeypatch)
-    engine = TeoEngine(1, 2)
-    engine._device, engine.copy_chunk = torch.device("cpu"), 3
-    data = torch.arange(10, dtype=torch.uint8)
-    c = engines_teo._HostCopy(host=engines_teo.HostBuffer(data.clone(), 0), nbytes=10, start=0, storage_ptr=0,
-                              storage_ref=None, copied="copied")
-    copies_made = []
-    real_copy = torch.Tensor.copy_
+def test_a_copy_to_the_host_goes_in_pieces(monkeypatch):
+    """The saved range's bytes reach the host buffer through copies of at most the chunk, in order,
+    all on the copy stream before its one event."""
+    d2h = _NamedStream("d2h")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _NamedStream("compute"))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    pool, _ = _fake_pool()
+    engine = TeoEngine(1, 2, pool=pool)
+    engine.copy_chunk = 1000
+    monkeypatch.setattr(engine, "_streams", lambda device=None: (d2h, None))
+    t = torch.arange(3000, dtype=torch.uint8)  # 3000 bytes from byte 512: 2488 of them, in 3 pieces
+    sizes, real_copy = [], torch.Tensor.copy_
     monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, non_blocking=False: (
-        copies_made.append(src.numel()), real_copy(self, src, non_blocking=non_blocking))[1])
-    engine._reload_copy(c, h2d)
-    assert copies_made == [3, 3, 3, 1] and torch.equal(c.gpu, data)
+        sizes.append(src.numel()), real_copy(self, src, non_blocking=non_blocking))[1])
+    copy = engine._copy_to_host(t, t.untyped_storage(), Move(600, 2400))
+    assert sizes == [1000, 1000, 488] and copy.start == 512 and copy.nbytes == 2488
+    assert torch.equal(copy.host.tensor[:2488], t[512:])
 
 
 def test_a_layer_reloaded_again_skips_the_ranges_it_used_up(monkeypatch):

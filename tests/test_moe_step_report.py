@@ -74,7 +74,9 @@ def test_caps_one_for_all_or_per_shape_and_back():
 def test_engines_are_one_environment_entry_each():
     assert moe_step.ENGINE_ENV["v1"] == {"NVTE_CPU_OFFLOAD_V1": "1"}
     assert moe_step.ENGINE_ENV["v2"] == {"NVTE_CPU_OFFLOAD_V1": "0"}
-    assert moe_step.ENGINE_ENV["teo"] == {"NVTE_CPU_OFFLOAD_V1": "0"}  # teo reads the marks as V2 does
+    # teo reads the marks as V2 does; its copies are whole unless the engine's name says otherwise
+    assert moe_step.ENGINE_ENV["teo"] == {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"}
+    assert moe_step.ENGINE_ENV["teo-c16"]["TEO_OFFLOAD_COPY_CHUNK_MIB"] == "16"
 
 
 def test_rows_where_te_schedules_fall_short_are_marked():
