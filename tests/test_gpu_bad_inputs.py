@@ -128,6 +128,24 @@ def test_bad_split_sizes_without_grad_raise_at_the_next_call(mlp, path):
 
 
 @requires_gpu
+def test_bad_split_sizes_of_a_forward_whose_backward_never_runs_raise_at_the_next_call(mlp, path):
+    """A forward with grad whose backward is never called (a loss only logged) still raises, at
+    the op's next call; a correct step after it is exact."""
+    if path == "unfused":
+        pytest.skip("the unfused ops read split sizes on the host and raise at once")
+    good = _good_step(mlp)
+    x, probs, splits = _inputs()
+    bad = torch.tensor([100, 0, 200, 100], device="cuda")
+    y = mlp(x, bad, probs, bad)
+    assert y.requires_grad
+    del y
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"bad split_sizes \[100, 0, 200, 100\]"):
+        mlp(x, splits, probs, splits)
+    _same(good, _good_step(mlp))
+
+
+@requires_gpu
 def test_sync_mode_raises_in_forward(mlp, path, monkeypatch):
     if path == "unfused":
         pytest.skip("the unfused ops always check on the host")

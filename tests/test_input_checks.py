@@ -80,3 +80,58 @@ def test_check_mode_switch(monkeypatch):
     monkeypatch.setenv(CHECK_ENV, "never")
     with pytest.raises(ValueError, match="deferred.*sync.*off"):
         check_mode()
+
+
+# ------------------------------------------------------------------------------------------------
+# A deferred check's verdict: raised once by a sweep at a later forward, again by its own backward
+
+
+class _LandedEvent:
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def landed_check(monkeypatch):
+    """A check whose copy has landed, built without a GPU (the module's pools swapped for fresh ones)."""
+    from collections import defaultdict
+
+    from te_offload_ops.fused import split_check
+
+    monkeypatch.setattr(split_check, "_POOL", defaultdict(list))
+    monkeypatch.setattr(split_check, "_EVENTS", defaultdict(list))
+
+    def make(values, tokens):
+        c = split_check.SplitSizesCheck.__new__(split_check.SplitSizesCheck)
+        c.num_tokens, c.where, c._key, c._error = tokens, "fused op", (len(values), torch.int64), None
+        c._host, c._device, c._event = torch.tensor(values), 0, _LandedEvent()
+        return c
+
+    return make
+
+
+def test_a_bad_check_swept_at_a_later_forward_raises_again_in_its_own_backward(landed_check):
+    check = landed_check([100, 0, 200, 100], 512)
+    with pytest.raises(ValueError, match=r"fused op: bad split_sizes \[100, 0, 200, 100\].*sum to 400"):
+        check.resolve(again=False)  # the next forward's sweep: the first verdict raises
+    assert check.landed
+    check.resolve(again=False)  # another sweep: raised once already
+    with pytest.raises(ValueError, match="sum to 400"):
+        check.resolve()  # that call's backward must not run on its garbage
+
+
+def test_a_bad_check_raised_in_backward_is_not_raised_again_by_a_later_forward(landed_check):
+    check = landed_check([-1, 513], 512)
+    with pytest.raises(ValueError, match="negative sizes at expert 0: -1"):
+        check.resolve()
+    check.resolve(again=False)  # the next forward's sweep: quiet, the process goes on
+
+
+def test_a_good_check_never_raises(landed_check):
+    check = landed_check([256, 0, 256], 512)
+    check.resolve()
+    check.resolve()
+    check.resolve(again=False)

@@ -14,8 +14,12 @@ summing to the token count, too large for int32) are still caught:
   (the usual case in a model of several layers), before any of its backward kernels; if not,
   at the end of that backward pass (an autograd final callback), where the host waits for that
   copy only if it is still in flight. So a bad step raises by the time its ``backward()``
-  returns, without making the host wait in the middle of the step. Calls without grad are
-  resolved at the op's next forward once their copy has landed.
+  returns, without making the host wait in the middle of the step. Every call's check is also
+  resolved at the op's next forward once its copy has landed: calls without grad, and calls
+  whose backward never runs (or runs later: pipeline schedules run several forwards first), so a
+  bad call raises at the latest at the op's next call or its own backward. A bad verdict raises
+  again at that call's backward if the next forward raised first (its grads would be garbage),
+  not again at a later forward.
 * a bad result raises ``ValueError`` naming the values, the token count and what is wrong.
 
 Until then the kernels treat the sizes defensively (negative counts as 0, counts clamped so
@@ -98,6 +102,7 @@ class SplitSizesCheck:
         self.num_tokens, self.where = num_tokens, where
         key = (split_sizes.numel(), split_sizes.dtype)
         self._key = key
+        self._error: Optional[str] = None  # the verdict, once resolved bad
         self._host = _POOL[key].pop() if _POOL[key] else torch.empty(key[0], dtype=key[1], pin_memory=True)
         self._device = _index(split_sizes.device)
         self._event = _EVENTS[self._device].pop() if _EVENTS[self._device] else torch.cuda.Event()
@@ -113,11 +118,16 @@ class SplitSizesCheck:
 
     @property
     def landed(self) -> bool:
-        return self._event.query()
+        """The copy is on the host (or the check was resolved already)."""
+        return self._host is None or self._event.query()
 
-    def resolve(self) -> None:
-        """Wait for the copy if needed, release the buffers, raise ValueError if the sizes are bad."""
+    def resolve(self, again: bool = True) -> None:
+        """Wait for the copy if needed, release the buffers, raise ValueError if the sizes are bad.
+        Resolved already: a bad verdict raises again if ``again`` (the call's backward), not for a
+        sweep of earlier calls at a later forward (``again=False``)."""
         if self._host is None:
+            if again and self._error is not None:
+                raise ValueError(self._error)
             return
         self._event.synchronize()
         values = self._host.tolist()
@@ -126,7 +136,8 @@ class SplitSizesCheck:
         self._host = self._event = None
         found = problem(values, self.num_tokens)
         if found is not None:
-            raise ValueError(f"{self.where}: {found}")
+            self._error = f"{self.where}: {found}"
+            raise ValueError(self._error)
 
 
 def resolve_in_backward(check: Optional[SplitSizesCheck]) -> None:

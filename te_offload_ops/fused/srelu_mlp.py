@@ -27,7 +27,7 @@ from .weight_grads import check_main_grad, weight_grads
 
 log = logging.getLogger(__name__)
 
-_MAX_PENDING_CHECKS = 64  # split-size checks of no-grad calls kept before the oldest is awaited
+_MAX_PENDING_CHECKS = 64  # split-size checks of earlier calls kept before the oldest is awaited
 
 
 class FusedScaledSReLUMLP(FusedOperation):
@@ -36,7 +36,7 @@ class FusedScaledSReLUMLP(FusedOperation):
     def __init__(self, *, fc1, activation, fc2) -> None:
         super().__init__((fc1, activation, fc2))
         self.last_fallback_reasons: list[str] = []
-        self._pending_checks: list = []  # split-size checks of calls without grad
+        self._pending_checks: list = []  # split-size checks of earlier calls, resolved at later forwards
 
     @property
     def fc1(self):
@@ -82,12 +82,13 @@ class FusedScaledSReLUMLP(FusedOperation):
         check_main_grad(fc2, "fused SReLU MLP fc2")
 
     def _resolve_landed_checks(self) -> None:
-        """Split-size checks of earlier no-grad calls: raise for those that landed bad."""
+        """Split-size checks of earlier calls (without grad, or whose backward has not run): raise
+        for those that landed bad and have not raised yet."""
         pending = self._pending_checks
         if pending and capturing():  # querying an event is not allowed in a capture; later
             return
         while pending and (pending[0].landed or len(pending) > _MAX_PENDING_CHECKS):
-            pending.pop(0).resolve()
+            pending.pop(0).resolve(again=False)
 
     def _note_fallback(self, reasons: list[str]) -> None:
         if reasons != self.last_fallback_reasons:
@@ -130,9 +131,9 @@ class FusedScaledSReLUMLP(FusedOperation):
         w2, rev2 = expert_weights(fc2)
         y = kernels.grouped_gemm(act, w2, split_sizes, reversed_experts=rev2)
         del w2
+        if check is not None:  # a later forward resolves it if no backward has (one that never runs)
+            self._pending_checks.append(check)
         if not any(ctx.requires_grad for ctx in ctxs):
-            if check is not None:
-                self._pending_checks.append(check)
             return y, [(), (), ()]
         ctx1, ctx_act, ctx2 = ctxs
         ctx1.teo_fused = True
