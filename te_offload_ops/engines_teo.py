@@ -501,6 +501,13 @@ class TeoEngine:
         for c in held:
             c.source = None
 
+    def abandon_step(self) -> None:
+        """A layer's forward raised: this step's copies go back and the next entry is layer 0 of a
+        new step (else every later step would be counted from the failed layer on)."""
+        self._end_step()
+        self._fwd_layer = None
+        self._finish_queued = False
+
     def _end_step(self) -> None:
         """The step's host copies go back to the pool (a reuse waits for their last GPU use)."""
         if not self._layers:
@@ -754,6 +761,8 @@ class TeoContext:
         self._hooks.__exit__(*exc)
         self._hooks = None
         self._inside = False
+        if exc[0] is not None:  # e.g. an op's error for bad input: the process goes on with a new step
+            self.engine.abandon_step()
         return False
 
     def sync(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -733,3 +733,27 @@ def test_a_layer_reloaded_again_skips_the_ranges_it_used_up(monkeypatch):
     engine._layers[0] = copies
     engine._reload(0)
     assert used.gpu is None and unused.gpu is not None
+
+
+def test_a_layer_that_raises_ends_the_step_and_the_next_starts_at_layer_0():
+    """An op's error inside the context (bad split sizes raise at the op's next call) must not leave
+    the engine counting later steps from the failed layer."""
+    ctx, sync, _ = offload_context("teo", num_layers=0, model_layers=3)
+    x = torch.randn(4, requires_grad=True)
+
+    def step(fail_at=None):
+        seen, h = [], x * 1.0
+        for i in range(3):
+            with ctx:
+                seen.append(ctx._layer)
+                if i == fail_at:
+                    raise ValueError("bad split sizes")
+                h = h * 2
+            h = sync(h)
+        return seen
+
+    assert step() == [0, 1, 2]
+    with pytest.raises(ValueError, match="bad split sizes"):
+        step(fail_at=1)
+    assert not ctx._inside and cpu_offload.OFFLOAD_SYNCHRONIZER is None
+    assert step() == [0, 1, 2]
