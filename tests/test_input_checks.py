@@ -135,3 +135,50 @@ def test_a_good_check_never_raises(landed_check):
     check.resolve()
     check.resolve()
     check.resolve(again=False)
+
+
+def test_the_split_sizes_copy_goes_on_the_side_stream_after_the_current_one(monkeypatch):
+    """Where the copy runs, without a GPU: on the check's own high-priority stream, which first waits
+    for the current stream's work; the current stream waits on nothing."""
+    import contextlib
+    from collections import defaultdict
+
+    from te_offload_ops.fused import split_check
+
+    log, where = [], ["current"]
+
+    class _Stream:
+        def __init__(self, name, priority=0):
+            self.name, self.priority = name, priority
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits for {other.name}")
+
+    class _Event:
+        def record(self, stream):
+            log.append(f"event on {stream.name}")
+
+    current = _Stream("current")
+    monkeypatch.setattr(split_check, "_STREAMS", {})
+    monkeypatch.setattr(split_check, "_POOL", defaultdict(list, {(3, torch.int64): [torch.zeros(3, dtype=torch.int64)]}))
+    monkeypatch.setattr(split_check, "_EVENTS", defaultdict(list))
+    monkeypatch.setattr(split_check, "_index", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: _Stream("side", priority))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+
+    @contextlib.contextmanager
+    def on(stream):
+        where.append(stream.name)
+        yield
+        where.pop()
+
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, non_blocking=False: (
+        log.append(f"copy on {where[-1]}"), real_copy(self, src))[1])
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: log.append(f"sizes kept for {stream.name}"))
+    check = split_check.SplitSizesCheck(torch.tensor([1, 2, 3]), 6, "op")
+    assert log == ["side waits for current", "copy on side", "event on side", "sizes kept for side"]
+    assert split_check.copy_stream(torch.device("cuda", 0)).priority == -1
+    assert check._host.tolist() == [1, 2, 3]

@@ -61,7 +61,9 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream that copies split sizes of ``device`` to the host (one per device)."""
     index = _index(device)
     if index not in _STREAMS:
-        _STREAMS[index] = torch.cuda.Stream(device=index)
+        # high priority: a stream of its own pool, never one of the default-priority pool streams an
+        # offload engine copies on (torch hands those out round-robin), where it would queue again
+        _STREAMS[index] = torch.cuda.Stream(device=index, priority=-1)
     return _STREAMS[index]
 
 
