@@ -45,9 +45,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args(argv)
-    args.chunks = [int(c) for c in args.chunks_mib.split(",") if c.strip()]
-    if args.mib <= 0 or any(c < 0 for c in args.chunks) or args.reps < 1:
-        p.error(f"need --mib > 0, chunk sizes >= 0 and --reps >= 1 (got {args.mib}, {args.chunks}, {args.reps})")
+    items = [c.strip() for c in args.chunks_mib.split(",") if c.strip()]
+    if not items or not all(c.isdigit() for c in items):
+        p.error(f"--chunks-mib must be whole numbers of MiB >= 0, comma-separated, got {args.chunks_mib!r}")
+    args.chunks = [int(c) for c in items]
+    if args.mib <= 0 or args.reps < 1 or not args.lead_ms > 0:
+        p.error(f"need --mib > 0, --reps >= 1 and --lead-ms > 0 (got {args.mib}, {args.reps}, {args.lead_ms})")
     return args
 
 

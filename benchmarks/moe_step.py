@@ -593,7 +593,7 @@ def merge(args, children: list[dict]) -> dict:
 def alloc_conf(args, children: list[dict]) -> str:
     """The PYTORCH_CUDA_ALLOC_CONF the engine processes ran under ("" when unset), as they saw it."""
     seen = [c["alloc_conf"] for c in children if "alloc_conf" in c]
-    return seen[0] if seen else (args.alloc_conf or os.environ.get(ALLOC_ENV, ""))
+    return seen[0] if seen else (args.alloc_conf or os.environ.get(ALLOC_ENV_NEW) or os.environ.get(ALLOC_ENV, ""))
 
 
 def child_env(args, engine: str) -> dict:
