@@ -240,6 +240,11 @@ def oom_error(message: str) -> str:
     return f"out of memory ({detail})" if detail else "out of memory"
 
 
+def movable_MiB(fwd_ms: float, step_ms: float, d2h_GBps: float, slowdown: float) -> float:
+    """MiB that cross to the host during a forward of ``fwd_ms`` stretched by ``slowdown`` of the step."""
+    return d2h_GBps * 1e9 * (fwd_ms + slowdown * step_ms) / 1e3 / MiB
+
+
 def cap_tokens_ceiling(fwd_ms: float, step_ms: float, peak_above_MiB: float, d2h_GBps: float,
                        slowdown: float = 1 - CAP_RATE_FLOOR) -> float:
     """Most tokens per step under a cap, as a multiple of no offload's, for a step at most
@@ -253,7 +258,7 @@ def cap_tokens_ceiling(fwd_ms: float, step_ms: float, peak_above_MiB: float, d2h
     """
     if peak_above_MiB <= 0:
         raise ValueError(f"need a positive peak, got {peak_above_MiB} MiB")
-    moved_MiB = d2h_GBps * 1e9 * (fwd_ms + slowdown * step_ms) / 1e3 / MiB
+    moved_MiB = movable_MiB(fwd_ms, step_ms, d2h_GBps, slowdown)
     return math.inf if moved_MiB >= peak_above_MiB else 1 / (1 - moved_MiB / peak_above_MiB)
 
 
@@ -265,7 +270,7 @@ def derive_cap_ceiling(rows: list[dict], pcie: dict, slowdown: float = 1 - CAP_R
     if ref is None or not d2h or not ref.get("peak_above_MiB") or ref["peak_above_MiB"] <= 0:
         return None
     ceiling = cap_tokens_ceiling(ref["fwd_ms"], ref["step_ms"], ref["peak_above_MiB"], d2h, slowdown)
-    moved_MiB = d2h * 1e9 * (ref["fwd_ms"] + slowdown * ref["step_ms"]) / 1e3 / MiB
+    moved_MiB = movable_MiB(ref["fwd_ms"], ref["step_ms"], d2h, slowdown)
     return {"ceiling": None if math.isinf(ceiling) else ceiling, "unbounded": math.isinf(ceiling),
             "movable_MiB": moved_MiB, "fwd_ms": ref["fwd_ms"], "step_ms": ref["step_ms"],
             "peak_above_MiB": ref["peak_above_MiB"], "d2h_GBps": d2h, "slowdown": slowdown}
