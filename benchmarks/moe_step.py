@@ -53,10 +53,16 @@ from moe_step_report import (  # noqa: E402
 )
 
 # Shapes (per layer). "base": the step measured in issue 12 on an H100. "moe-heavy": MoE activations
-# dominate (many small experts, large top-k), as in Qwen3-30B-A3B or DeepSeek-V2-Lite.
+# dominate (many small experts, large top-k), as in Qwen3-30B-A3B or DeepSeek-V2-Lite. "wide": a
+# 4096-wide model (Mixtral's width, eight experts, top-2), more compute per byte saved: the forward's
+# FLOPs per token grow with H^2, the MLP's saved bytes with H + F (2 x (H + F) per routed token), so
+# by estimate from the base run (FLOPs scaled at base's speed) its 7 MLP copies take about 0.7 of
+# the forward at 55 GB/s where base's take 1.0 (base: n = L-1 cannot reach 1.03x on PCIe; here it
+# could). Named only: not in the default run.
 SHAPES = {
     "base": {"hidden": 2688, "heads": 21, "ffn": 1856, "experts": 8, "topk": 2},
     "moe-heavy": {"hidden": 2048, "heads": 16, "ffn": 1024, "experts": 64, "topk": 8},
+    "wide": {"hidden": 4096, "heads": 32, "ffn": 2048, "experts": 8, "topk": 2},
 }
 SHAPE_KEYS = ("hidden", "heads", "ffn", "experts", "topk")
 

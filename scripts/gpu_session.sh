@@ -8,14 +8,16 @@
 #   phase new    (call 2, carry .dev/cute, after `bash .dev/cute/setup.sh`): the GPU tests of code
 #                never run on a GPU, then the Megatron-settings benchmark, ~7 min
 #   phase main   the main job: moe_step quick (v2, teo), the unfused profile, CUDA graphs, ~6 min
-#   phases next1..next4 the next session's calls (see each), ncu: Nsight Compute of the wgrads
+#   phases next1..next5 the next session's calls (see each), ncu: Nsight Compute of the wgrads
+#   The tree that travels is limited to 64 MiB with what is carried: .dev/cute alone is 60.6 MiB,
+#   so a call carrying it works only while the repo's files stay under about 3.4 MiB.
 #   phase suite1 tests/test_kernels_gpu.py and the fused-path files, ~5 min
 #   phase suite2 the rest of the suite, ~8 min
 set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|teo1|teo2|teo3|teo4|megatron|next1|next2|next3|next4|ncu|suite1|suite2}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|ncu|suite1|suite2}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -48,61 +50,39 @@ main)
         --out "$OUT/results"
     run 150 python3 benchmarks/bench_graphs.py --rounds 5 --steps 8 --out "$OUT/results"
     ;;
-teo1)
-    # call 1 of session 18 (carry .dev/te): the teo engine's unfused GPU tests and the profile's
-    pytest_ 150 tests/test_engine_teo.py tests/test_step_profile.py tests/test_gpu_engine_teo.py \
-        -k "not fused or unfused"
-    pytest_ 150 -s tests/test_step_profile_gpu.py -k unfused
-    ;;
-teo2)
-    # call 2 (carry .dev/cute): teo on the fused path, then the main job on the base shape, 8 layers
-    pytest_ 90 -s tests/test_gpu_engine_teo.py -k "fused and not unfused"
-    pytest_ 100 -s tests/test_step_profile_gpu.py -k "not unfused"
-    run 380 python3 benchmarks/moe_step.py --shapes base --engines teo,teo-p1,v2 --no-cap --out "$OUT/results"
-    ;;
-teo3)
-    # after the forward's backpressure (call 1 carries .dev/te, call 2 .dev/cute)
-    pytest_ 100 -s tests/test_gpu_engine_teo.py -k "not fused or unfused"
-    ;;
-teo4)
-    pytest_ 80 -s tests/test_gpu_engine_teo.py -k "fused and not unfused"
-    run 170 python3 benchmarks/moe_step.py --shapes base --engines teo --no-cap --out "$OUT/results"
-    pytest_ 200 tests/test_gpu_megatron_settings.py
-    ;;
-megatron)
-    # call 3: main_grad by TMA as the default everywhere it applies; graphs; the sweep
-    pytest_ 250 tests/test_gpu_megatron_settings.py tests/test_gpu_graphs.py tests/test_megatron_gpu.py
-    run 300 python3 benchmarks/bench_megatron_settings.py --sweep --default-way-only --rounds 3 --out "$OUT/results"
-    ;;
 next1)
-    # next session, call 1 (carry .dev/te): teo's reloads let go at their last use (unfused), and the
-    # TE-only files of the suite's second half (not run since f563adc)
-    pytest_ 150 -s tests/test_engine_teo.py tests/test_gpu_engine_teo.py -k "not fused or unfused"
-    run 100 python3 scripts/diag_teo_memory.py --unfused --layers 4 layer:2 layer:3 mlp:3
-    pytest_ 200 tests/test_policy.py tests/test_ops.py tests/test_step_profile.py tests/test_moe_step_report.py
+    # next session, call 1 (carry .dev/te): the TE-only files, teo's unfused GPU tests and the unfused
+    # profile test (cut by the time limit last session)
+    pytest_ 200 tests/test_te_fused_mlp.py tests/test_te_fused_mlp_gpu.py tests/test_policy.py tests/test_ops.py \
+        tests/test_gpu_ops.py
+    # (-k: a module name with "fused" in it would be deselected whole; these have none)
+    pytest_ 200 -s tests/test_gpu_engines.py tests/test_gpu_engine_teo.py tests/test_step_profile_gpu.py \
+        -k "not fused or unfused"
     ;;
 next2)
-    # call 2 (carry .dev/cute): teo fused; the split-size copy off the compute stream; the main job's
-    # base shape after both changes (compare with benchmarks/results/moe_step_NVIDIA_H100_80GB_HBM3.md)
-    pytest_ 90 -s tests/test_gpu_engine_teo.py -k "fused and not unfused"
-    pytest_ 90 tests/test_gpu_bad_inputs.py
-    run 60 python3 benchmarks/bench_copy_interference.py --out "$OUT/results"
-    run 300 python3 benchmarks/moe_step.py --shapes base --engines teo,v2,teo-c16 --policies mlp:4,mlp:6,mlp:7,layer:4 \
+    # call 2 (carry .dev/cute; the tree that travels must stay under 64 MiB with it: about 3.4 MiB
+    # for the repo): the wide shape, where n = L-1 could reach 1.03x by estimate, teo and V2; then
+    # the base policies not re-run after the split-size check left the compute stream
+    run 330 python3 benchmarks/moe_step.py --shapes wide --engines teo,v2 --no-cap --out "$OUT/results/wide"
+    run 230 python3 benchmarks/moe_step.py --shapes base --engines teo --policies mlp:2,mlp:8,layer:2,layer:6 \
         --no-cap --out "$OUT/results"
     ;;
 next3)
-    # call 3: where the base step's time goes now, then moe-heavy with the cap search (bisecting
-    # now), expandable segments as Megatron runs them
-    run 150 python3 benchmarks/moe_step.py --shapes base --profile mlp:4,mlp:7,layer:4 --engines teo \
-        --profile-steps 2 --out "$OUT/results"
-    run 380 python3 benchmarks/moe_step.py --shapes moe-heavy --engines teo --alloc-conf expandable_segments:True \
-        --out "$OUT/results/heavy_teo"
+    # call 3: the wide shape's cap search (teo, expandable segments) and its profile at MLP 7/8
+    run 400 python3 benchmarks/moe_step.py --shapes wide --engines teo --alloc-conf expandable_segments:True \
+        --policies mlp:4,mlp:7,layer:2,layer:4 --out "$OUT/results/wide_cap"
+    run 150 python3 benchmarks/moe_step.py --shapes wide --profile mlp:7 --engines teo --profile-steps 2 \
+        --out "$OUT/results"
     ;;
 next4)
-    # call 4: the suite's second half that needs the fused path, then moe-heavy for TE's V2
-    pytest_ 300 tests/test_kernels_compile.py tests/test_megatron.py tests/test_megatron_gpu.py \
-        tests/test_moe_step_gpu.py tests/test_step_profile_gpu.py
-    run 260 python3 benchmarks/moe_step.py --shapes moe-heavy --engines v2 --no-cap --out "$OUT/results/heavy_te"
+    # call 4: the fused path's suite files, then the split-size check's cost on the side stream
+    pytest_ 400 tests/test_kernels_gpu.py tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py
+    run 170 python3 benchmarks/bench_megatron_settings.py --rounds 9 --out "$OUT/results"
+    ;;
+next5)
+    # call 5: the rest of the suite
+    pytest_ 560 tests/test_gpu_graphs.py tests/test_gpu_large_operands.py tests/test_graph_capture.py \
+        tests/test_megatron_gpu.py tests/test_moe_step_gpu.py tests/test_kernels_compile.py tests/test_gpu_engines.py
     ;;
 ncu)
     # issue 11: where the main_grad add's 5% goes (carry .dev/cute): one wgrad launch each under Nsight

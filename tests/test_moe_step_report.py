@@ -29,6 +29,14 @@ def test_full_run_defaults_cover_both_shapes_and_the_issue_policies():
     assert args.caps == {}
 
 
+def test_the_wide_shape_runs_only_when_named():
+    args = moe_step.parse_args(["--shapes", "wide,base"])
+    assert list(args.shapes) == ["wide", "base"]
+    wide = args.shapes["wide"]
+    assert wide == {"hidden": 4096, "heads": 32, "ffn": 2048, "experts": 8, "topk": 2}
+    assert wide["hidden"] % wide["heads"] == 0 and wide["topk"] <= wide["experts"]
+
+
 def test_quick_fills_only_what_is_not_given():
     args = moe_step.parse_args(["--quick", "--layers", "6"])
     assert list(args.shapes) == ["base"] and args.batch == 1 and args.iters == 3
