@@ -61,28 +61,32 @@ next1)
     ;;
 next2)
     # call 2 (carry .dev/cute; the tree that travels must stay under 64 MiB with it: about 3.4 MiB
-    # for the repo): the wide shape, where n = L-1 could reach 1.03x by estimate, teo and V2; then
-    # the base policies not re-run after the split-size check left the compute stream
+    # for the repo): issue 11's lever, 2 x 2 clusters for the wgrads (opt-in): same bits as the
+    # pair, then the Megatron-settings benchmark with and without them
+    pytest_ 150 tests/test_kernels_gpu.py -k "two_by_two or cluster_slots or wgrad"
+    run 170 python3 benchmarks/bench_megatron_settings.py --rounds 9 --out "$OUT/results"
+    run 170 env TEO_GEMM_CLUSTER_M=2 python3 benchmarks/bench_megatron_settings.py --rounds 9 \
+        --out "$OUT/results/cluster2x2"
+    run 80 env TEO_GEMM_CLUSTER_M=2 ncu --profile-from-start off --launch-count 1 --clock-control none \
+        --section SpeedOfLight --metrics lts__t_sectors_op_read.sum,lts__t_sectors_op_red.sum,gpu__time_duration.sum \
+        python3 benchmarks/profile_gemm.py wgrad_main_grad pingpong --add tma
+    ;;
+next3)
+    # call 3: the wide shape, where n = L-1 could reach 1.03x by estimate, teo and V2; then the
+    # base policies not re-run after the split-size check left the compute stream
     run 330 python3 benchmarks/moe_step.py --shapes wide --engines teo,v2 --no-cap --out "$OUT/results/wide"
     run 230 python3 benchmarks/moe_step.py --shapes base --engines teo --policies mlp:2,mlp:8,layer:2,layer:6 \
         --no-cap --out "$OUT/results"
     ;;
-next3)
-    # call 3: the wide shape's cap search (teo, expandable segments) and its profile at MLP 7/8
-    run 400 python3 benchmarks/moe_step.py --shapes wide --engines teo --alloc-conf expandable_segments:True \
-        --policies mlp:4,mlp:7,layer:2,layer:4 --out "$OUT/results/wide_cap"
-    run 150 python3 benchmarks/moe_step.py --shapes wide --profile mlp:7 --engines teo --profile-steps 2 \
-        --out "$OUT/results"
-    ;;
 next4)
-    # call 4: the fused path's suite files, then the split-size check's cost on the side stream
-    pytest_ 400 tests/test_kernels_gpu.py tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py
-    run 170 python3 benchmarks/bench_megatron_settings.py --rounds 9 --out "$OUT/results"
+    # call 4: the fused path's suite files
+    pytest_ 560 tests/test_kernels_gpu.py tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py
     ;;
 next5)
-    # call 5: the rest of the suite
-    pytest_ 560 tests/test_gpu_graphs.py tests/test_gpu_large_operands.py tests/test_graph_capture.py \
-        tests/test_megatron_gpu.py tests/test_moe_step_gpu.py tests/test_kernels_compile.py tests/test_gpu_engines.py
+    # call 5 (as the budget allows): the wide shape's cap search, or the rest of the suite
+    run 400 python3 benchmarks/moe_step.py --shapes wide --engines teo --alloc-conf expandable_segments:True \
+        --policies mlp:4,mlp:7,layer:2,layer:4 --out "$OUT/results/wide_cap"
+    pytest_ 150 tests/test_gpu_graphs.py tests/test_gpu_large_operands.py tests/test_graph_capture.py
     ;;
 ncu)
     # issue 11: where the main_grad add's 5% goes (carry .dev/cute): one wgrad launch each under Nsight

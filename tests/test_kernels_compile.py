@@ -457,3 +457,54 @@ def test_main_grad_add_choice(monkeypatch):
     monkeypatch.setenv("TEO_MAIN_GRAD_ADD", "atomic")
     with pytest.raises(ValueError, match="rmw.*red"):
         main_grad_add()
+
+
+# ---------------------------------------------------------------------------------------------
+# 2 x 2 clusters for the weight gradients (opt-in, TEO_GEMM_CLUSTER_M=2): B multicast over
+# m-block pairs as well as A over n-block pairs
+
+
+@pytest.mark.parametrize("schedule", ["pingpong", "cooperative"])
+@pytest.mark.parametrize("epilogue", ["plain", "tma_f32", "red_f32"])
+def test_two_by_two_cluster_wgrad_compiles_and_multicasts_both_operands(epilogue, schedule):
+    from te_offload_ops.kernels import compile_variant
+
+    m, n, e = 1856, 2688, 8  # fc1's wgrad: 15 m-blocks, an odd count (phantom m-partners)
+    kw = {"slot_stride": m * n} if epilogue == "tma_f32" else {}
+    kern, compiled, _ = compile_variant(
+        torch.bfloat16, n, 0, e, b_n_major=True, epilogue=epilogue, options="--keep-ptx", wgrad_m=m,
+        schedule=schedule, cluster_n=2, cluster_m=2, **kw,
+    )
+    ptx = str(compiled.artifacts.PTX)
+    assert (kern.cluster_m, kern.cluster_n, kern.cluster_size) == (2, 2, 4)
+    # (m-pairs x n-pairs) groups per expert, each of four tiles
+    assert kern.wgrad_groups == -(-kern.m_tiles // 2) * -(-kern.n_tiles // 2)
+    assert kern.wgrad_tiles == 4 * kern.wgrad_groups
+    loads = [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor.2d" in ln and "global" in ln]
+    # A and B both multicast (two multicast load sites); no whole-A load for straddling pairs
+    assert sum("multicast::cluster" in ln for ln in loads) >= 2, loads
+    assert all("multicast::cluster" in ln for ln in loads), loads
+    # every consumer warp arrives on three CTAs' empty barriers (itself, its row, its column)
+    assert "mapa" in ptx or "shared::cluster" in ptx
+
+
+def test_two_by_two_cluster_is_opt_in_and_only_for_weight_gradients(monkeypatch):
+    import cutlass
+
+    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
+
+    monkeypatch.delenv(api.CLUSTER_M_ENV, raising=False)
+    assert api.pick_cluster_m(1856, 2688, (128, 128), 2) == 1  # off unless asked for
+    monkeypatch.setenv(api.CLUSTER_M_ENV, "2")
+    assert api.pick_cluster_m(1856, 2688, (128, 128), 2) == 2
+    assert api.pick_cluster_m(None, 2688, (128, 128), 2) == 1  # forward / dgrad: B differs per expert
+    assert api.pick_cluster_m(128, 2688, (128, 128), 2) == 1  # one m-block: nothing to share
+    assert api.pick_cluster_m(1856, 2688, (128, 128), 1) == 1
+    monkeypatch.setenv(api.CLUSTER_M_ENV, "4")
+    with pytest.raises(ValueError, match="TEO_GEMM_CLUSTER_M must be 1 or 2, got '4'"):
+        api.pick_cluster_m(1856, 2688, (128, 128), 2)
+    with pytest.raises(ValueError, match="weight-gradient form"):
+        GroupedGemmSm90(cutlass.BFloat16, 256, 64, 2, b_n_major=False, cluster_n=2, cluster_m=2)
+    with pytest.raises(ValueError, match="cluster_m must be 1 or 2"):
+        GroupedGemmSm90(cutlass.BFloat16, 256, 0, 2, b_n_major=True, wgrad_m=256, cluster_n=2, cluster_m=3)

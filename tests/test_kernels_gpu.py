@@ -455,3 +455,53 @@ def test_kernels_launch_on_the_current_stream(monkeypatch, call):
         _close(behind, _ref_mm(x, w, splits, False), torch.bfloat16)
     finally:
         api.clear_cache()
+
+
+# 2 x 2 clusters for the weight gradients (TEO_GEMM_CLUSTER_M=2, opt-in): each tile runs the same
+# k-loop as under the CTA pair, only where its operands come from changes, so the bits must match.
+# Shapes: odd m- and n-block counts (phantoms past M and past N), an expert without tokens,
+# experts shorter than one k-tile, and fc1's wgrad at the benchmark width.
+CLUSTER_M_SHAPES = [
+    ([300, 0, 517, 131], 1856, 512),  # M=1856: 15 m-blocks
+    ([1, 63, 65, 0, 127], 392, 576),  # 4 m-blocks; 5 n-blocks at BN 128 (pingpong), 3 at BN 192
+    ([700, 300, 0, 1100], 1856, 2688),
+]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("splits,m,n", CLUSTER_M_SHAPES)
+def test_two_by_two_clusters_give_the_pair_bits(monkeypatch, schedule, splits, m, n):
+    from te_offload_ops.kernels import api, grouped_wgrad, grouped_wgrad_main_grad
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    t = sum(splits)
+    dy = torch.randn(t, m, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.randn(t, n, device="cuda", generator=g).to(torch.bfloat16)
+    s = torch.tensor(splits, device="cuda")
+    start = torch.randn(len(splits), m, n, device="cuda", generator=g)
+    out = {}
+    for cm in ("1", "2"):
+        monkeypatch.setenv(api.CLUSTER_M_ENV, cm)
+        dw = grouped_wgrad(dy, x, s, backend="cute", schedule=schedule)
+        grads = {}
+        for add in ("tma", "red"):
+            buf = start.clone()
+            grouped_wgrad_main_grad(dy, x, s, list(buf.unbind(0)), add=add, backend="cute", schedule=schedule)
+            grads[add] = buf
+        out[cm] = (dw, grads)
+    keys = [k for k in api.compile_times() if ("cluster_m", 2) in k]
+    assert keys, "no 2 x 2 kernel was compiled"
+    assert torch.equal(out["1"][0], out["2"][0])
+    for add in ("tma", "red"):
+        assert torch.equal(out["1"][1][add], out["2"][1][add]), add
+    assert torch.count_nonzero(out["2"][0][splits.index(0)]) == 0
+
+
+def test_cluster_slots_of_four_fit_the_device():
+    from te_offload_ops.kernels import api
+
+    dev = torch.cuda.current_device()
+    sms = api._sm_count(dev)
+    four = api._cluster_slots(dev, 4)
+    assert four % 4 == 0 and 4 <= four <= sms
+    assert api._cluster_slots(dev, 2) == sms // 2 * 2

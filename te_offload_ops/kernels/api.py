@@ -142,11 +142,29 @@ def pick_cluster(n: int, tile) -> int:
     return 2 if -(-n // tile[1]) >= 2 else 1
 
 
+CLUSTER_M_ENV = "TEO_GEMM_CLUSTER_M"  # "2": 2 x 2 clusters for the weight gradients (opt-in)
+
+
+def pick_cluster_m(wgrad_m, n: int, tile, cluster_n: int) -> int:
+    """2 (2 x 2 clusters: B multicast over m-block pairs as well as A over n-block pairs) for a
+    weight gradient with at least two m-blocks and two n-blocks when TEO_GEMM_CLUSTER_M=2, else 1.
+    Opt-in until measured: the wgrads are bound by L2 sectors (Nsight Compute, 2026-11-23) and
+    this cuts their operand reads by a quarter, at the cost of phantom tiles where M or N has an
+    odd block count."""
+    want = os.environ.get(CLUSTER_M_ENV, "") or "1"
+    if want not in ("1", "2"):
+        raise ValueError(f"{CLUSTER_M_ENV} must be 1 or 2, got {want!r}")
+    if want == "1" or wgrad_m is None or cluster_n != 2:
+        return 1
+    return 2 if -(-wgrad_m // tile[0]) >= 2 and -(-n // tile[1]) >= 2 else 1
+
+
 def _compile(
     dtype: torch.dtype, n: int, k: int, e: int, b_n_major: bool, epilogue: str, tile,
     options: str | None = None, cluster_n: int = 1, wgrad_m: int | None = None,
     schedule: str = "cooperative", epi_cols: int | None = None, kernel_class=None,
     call: str = "python", slot_stride: int | None = None, b_layout: tuple = (None, False),
+    cluster_m: int = 1,
 ):
     cutlass, cute, make_ptr, make_fake_stream = _cutlass()
     from .gemm_sm90 import MAIN_GRAD_EPILOGUES, GroupedGemmSm90
@@ -155,6 +173,7 @@ def _compile(
     kern = (kernel_class or GroupedGemmSm90)(
         dt, n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile_mn=tile, cluster_n=cluster_n,
         wgrad_m=wgrad_m, schedule=schedule, epi_cols=epi_cols,
+        **({"cluster_m": cluster_m} if cluster_m != 1 else {}),
         **({"slot_stride": slot_stride} if slot_stride is not None else {}),
         **({"b_stride": b_layout[0], "b_reversed": b_layout[1]} if b_layout != (None, False) else {}),
     )
@@ -187,7 +206,7 @@ def _compile(
 
 def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=None, cluster_n=None,
                     wgrad_m=None, schedule=None, epi_cols=None, kernel_class=None, call=None, slot_stride=None,
-                    b_layout=(None, False)):
+                    b_layout=(None, False), cluster_m=None):
     """Compile one variant without caching; returns (kernel object, compiled, seconds).
 
     Works without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile
@@ -200,11 +219,12 @@ def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=N
     schedule = pick_schedule(epilogue, wgrad_m is not None, schedule, tile)
     tile = tuple(tile) if tile is not None else pick_tile(n, schedule)
     cluster_n = cluster_n or pick_cluster(n, tile)
+    cluster_m = cluster_m or pick_cluster_m(wgrad_m, n, tile, cluster_n)
     call = call or kernel_call_convention()
     if call not in CALLS:
         raise ValueError(f"call must be one of {CALLS}, got {call!r}")
     return _compile(dtype, n, k, e, bool(b_n_major), epilogue, tile, options, cluster_n, wgrad_m,
-                    schedule, epi_cols, kernel_class, call, slot_stride, tuple(b_layout))
+                    schedule, epi_cols, kernel_class, call, slot_stride, tuple(b_layout), cluster_m)
 
 
 def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, schedule=None,
@@ -214,8 +234,11 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
     schedule = pick_schedule(epilogue, wgrad_m is not None, schedule, tile)
     tile = tuple(tile) if tile is not None else pick_tile(n, schedule)
     cluster_n = pick_cluster(n, tile)
+    cluster_m = pick_cluster_m(wgrad_m, n, tile, cluster_n)
     call = kernel_call_convention()
     key = (dtype, tile, cluster_n, epilogue, n, k, e, bool(b_n_major), wgrad_m, schedule, call)
+    if cluster_m != 1:  # 2 x 2 clusters (opt-in)
+        key = key[:-1] + (("cluster_m", cluster_m), call)
     if slot_stride is not None:  # tma_f32: the buffers' spacing is part of the compiled layout
         key = key[:-1] + (slot_stride, call)
     b_layout = tuple(b_layout)
@@ -232,7 +255,7 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
                     kern, compiled, secs = _compile(
                         dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
                         wgrad_m=wgrad_m, schedule=schedule, call=call, slot_stride=slot_stride,
-                        b_layout=b_layout,
+                        b_layout=b_layout, cluster_m=cluster_m,
                     )
                 except Exception as exc:
                     if call != "tvm-ffi" or os.environ.get(CALL_ENV):
@@ -242,7 +265,7 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
                     kern, compiled, secs = _compile(
                         dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
                         wgrad_m=wgrad_m, schedule=schedule, call="python", slot_stride=slot_stride,
-                        b_layout=b_layout,
+                        b_layout=b_layout, cluster_m=cluster_m,
                     )
                     _TVM_FFI_FAILED.append(repr(exc)[:300])
                     _log.warning("the TVM-FFI kernel call path failed to compile (%s); using the "
@@ -283,6 +306,21 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _cluster_slots(device_index: int, cluster_size: int) -> int:
+    """CTAs of a persistent grid of clusters that all run at once (one CTA per SM). Pairs fit
+    every SM pair; a cluster of 4 must sit in one GPC, whose SM count need not divide by 4, so
+    the driver's occupancy query decides (a cluster left waiting would run after the others)."""
+    sms = _sm_count(device_index)
+    if cluster_size <= 2:
+        return sms // cluster_size * cluster_size
+    from cutlass.utils import HardwareInfo
+
+    with torch.cuda.device(device_index):
+        clusters = HardwareInfo(device_index).get_max_active_clusters(cluster_size)
+    return max(1, min(clusters, sms // cluster_size)) * cluster_size
+
+
 def _launch(kern, compiled, tensors, num_tokens):
     if not getattr(kern, "launched", False) and capturing():  # the first call loads the module
         raise GraphCaptureError(_first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
@@ -292,8 +330,8 @@ def _launch(kern, compiled, tensors, num_tokens):
         tile_bound = kern.num_experts * kern.wgrad_tiles
     else:
         tile_bound = (-(-num_tokens // kern.bm) + kern.num_experts) * kern.n_tiles
-    cn = kern.cluster_n
-    num_ctas = min(_sm_count(tensors[0][0].device.index) // cn * cn, -(-tile_bound // cn) * cn)
+    cn = getattr(kern, "cluster_size", kern.cluster_n)
+    num_ctas = min(_cluster_slots(tensors[0][0].device.index, cn), -(-tile_bound // cn) * cn)
     # the capturing stream when a graph is captured: the launch becomes a node of the graph
     stream = torch.cuda.current_stream().cuda_stream
     kern.launched = True

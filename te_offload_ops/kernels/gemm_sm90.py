@@ -129,6 +129,7 @@ class GroupedGemmSm90:
         epilogue: str = "plain",
         tile_mn: tuple[int, int] = (128, 192),
         cluster_n: int = 1,
+        cluster_m: int = 1,
         wgrad_m: int | None = None,
         schedule: str = "cooperative",
         epi_cols: int | None = None,
@@ -193,9 +194,28 @@ class GroupedGemmSm90:
         if cluster_n not in (1, 2):
             raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
         self.cluster_n = cluster_n
-        # weight-gradient form: tiles per expert, padded so pairs never span two experts
+        # cluster_m == 2 (weight-gradient form only): 2 x 2 clusters, the n-pair sharing A as
+        # above and the m-pair (two m-blocks of one expert, the same tokens) sharing B, each CTA
+        # loading half of both tiles; a quarter less operand traffic out of L2 per tile than
+        # the pair (the wgrads are bound by L2 sectors, benchmarks/results/ncu/README.md)
+        if cluster_m not in (1, 2):
+            raise ValueError(f"cluster_m must be 1 or 2, got {cluster_m}")
+        if cluster_m == 2 and (wgrad_m is None or cluster_n != 2):
+            raise ValueError("cluster_m=2 (2 x 2 clusters) is built for the weight-gradient form with "
+                             f"cluster_n=2, got wgrad_m={wgrad_m}, cluster_n={cluster_n}")
+        self.cluster_m = cluster_m
+        self.cluster_size = cluster_m * cluster_n
+        # weight-gradient form: tile groups per expert (a group never spans two experts: its
+        # tiles share the expert's tokens, i.e. k-tiles); pairs: the (M, N) blocks n-fastest,
+        # padded to even; 2 x 2: (m-pair, n-pair) blocks, a block past M or N a phantom
         per_expert = self.m_tiles * self.n_tiles
-        self.wgrad_tiles = -(-per_expert // cluster_n) * cluster_n
+        if cluster_m == 2:
+            self.n_pairs = -(-self.n_tiles // 2)
+            self.wgrad_groups = -(-self.m_tiles // 2) * self.n_pairs
+        else:
+            self.n_pairs = 0
+            self.wgrad_groups = -(-per_expert // cluster_n)
+        self.wgrad_tiles = self.wgrad_groups * self.cluster_size
         elem = dtype.width // 8
         stage_bytes = (bm + bn) * _BK * elem
         # epilogue staging: one (BM, epi_cols + pad) chunk per output tensor, per
@@ -295,10 +315,12 @@ class GroupedGemmSm90:
             cpasync.CopyBulkTensorTileG2SOp(), m_a, cute.slice_(sa_layout, (None, None, 0)), (bm, bk),
         )
         tma_b, g_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(),
+            cpasync.CopyBulkTensorTileG2SMulticastOp()
+            if cutlass.const_expr(self.cluster_m > 1) else cpasync.CopyBulkTensorTileG2SOp(),
             m_b,
             cute.slice_(sb_layout, (None, None, 0)),
             (bn, bk),
+            num_multicast=self.cluster_m,
         )
 
         if cutlass.const_expr(self.epilogue == "tma_f32"):
@@ -336,7 +358,7 @@ class GroupedGemmSm90:
             tma_a, g_a, tma_a1, g_a1, tma_b, g_b, m_c, m_split, m_prob, m_z, m_act, m_part,
             tiled_mma, sa_layout, sb_layout, tma_c, g_c, box_layout,
         ).launch(
-            grid=[num_ctas, 1, 1], block=[_THREADS, 1, 1], cluster=[self.cluster_n, 1, 1],
+            grid=[num_ctas, 1, 1], block=[_THREADS, 1, 1], cluster=[self.cluster_size, 1, 1],
             min_blocks_per_mp=1, stream=stream,
         )
 
@@ -345,8 +367,18 @@ class GroupedGemmSm90:
     def _tile_coords(self, group, rank):
         """(m-block, n-block, shares A) of this CTA in tile group ``group``.
 
-        Tiles run n-fastest; group g holds tiles g * cluster_n + rank.  The
-        pair shares its A tile when both tiles sit in one m-block."""
+        Pairs: tiles run n-fastest; group g holds tiles g * cluster_n + rank.  The
+        pair shares its A tile when both tiles sit in one m-block.  2 x 2 (within one
+        expert): group g is m-pair g // n_pairs and n-pair g % n_pairs; the rank is
+        rm + 2 * rn (the pipeline's (1, 2, 2, 1) cluster layout), and A is always shared
+        (a block past M or N is a phantom that still loads its halves for its partners)."""
+        if cutlass.const_expr(self.cluster_m > 1):
+            rm = rank % 2
+            rn = rank // 2
+            mp = group // self.n_pairs
+            m_blk = mp * 2 + rm
+            n_blk = (group - mp * self.n_pairs) * 2 + rn
+            return m_blk, n_blk, True
         first = group * self.cluster_n
         lin = first + rank
         m_blk = lin // self.n_tiles
@@ -407,7 +439,7 @@ class GroupedGemmSm90:
             k_tiles, k_rem = cutlass.Int32(self.k_tiles), cutlass.Int32(bk)
             c_row, rows_here = row0, row_end - row0
         else:
-            per_expert = self.wgrad_tiles // self.cluster_n  # tile groups
+            per_expert = self.wgrad_groups
             expert = tile // per_expert
             m_blk, n_blk, shares_a = self._tile_coords(tile - expert * per_expert, rank)
             a_col = cutlass.Int32(0)  # the expert's first token
@@ -422,6 +454,9 @@ class GroupedGemmSm90:
             k_tiles = (cnt + bk - 1) // bk
             k_rem = cnt - (k_tiles - 1) * bk
             c_row, rows_here = expert * self.wgrad_m + a_row, self.wgrad_m - a_row
+            if cutlass.const_expr(self.cluster_m > 1):
+                if n_blk >= self.n_tiles:  # a phantom past N: no rows, like one past M
+                    rows_here = cutlass.Int32(0)
         return expert, n_blk, a_row, a_col, k_tiles, k_rem, c_row, rows_here, shares_a
 
     def _bar(self, base, cwg):
@@ -488,8 +523,8 @@ class GroupedGemmSm90:
         # CTAs walk the tiles as clusters: cluster c takes tile groups c, c + clusters, ...;
         # a group is cluster_n adjacent n-blocks of one m-block, one per CTA rank
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cluster = cta // self.cluster_n
-        num_clusters = num_ctas // self.cluster_n
+        cluster = cta // self.cluster_size
+        num_clusters = num_ctas // self.cluster_size
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
@@ -500,7 +535,7 @@ class GroupedGemmSm90:
                 cpasync.prefetch_descriptor(tma_c)
 
         if cutlass.const_expr(self.wgrad_m is not None):
-            n_work = cutlass.Int32(self.num_experts * (self.wgrad_tiles // self.cluster_n))
+            n_work = cutlass.Int32(self.num_experts * self.wgrad_groups)
         else:
             # real work: sum_e ceil(split_e / BM) m-blocks, each with n_tiles n-blocks
             m_total = cutlass.Int32(0)
@@ -512,7 +547,7 @@ class GroupedGemmSm90:
                 rows_before = rows_before + cnt
             # tile groups; an odd tile count leaves the last group a phantom partner
             n_work = (m_total * self.n_tiles + self.cluster_n - 1) // self.cluster_n
-        cluster_mn = (1, self.cluster_n)
+        cluster_mn = (self.cluster_m, self.cluster_n)
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_struct)
@@ -525,12 +560,13 @@ class GroupedGemmSm90:
             barrier_storage=st.bars.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # one arrive per consuming warp of every CTA that writes into this one
+            # one arrive per consuming warp of every CTA that writes into this one: itself and
+            # the CTAs of its m-row (A) and n-column (B) of the cluster
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.cluster_n * self.tile_threads // 32
+                pipeline.Agent.Thread, (self.cluster_m + self.cluster_n - 1) * self.tile_threads // 32
             ),
             tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, self.cluster_n, 1)),
             defer_sync=True,
         )
         # peers multicast into this CTA's buffers and arrive on its barriers:
@@ -557,7 +593,13 @@ class GroupedGemmSm90:
                  tma_b, g_b, sa, sb):
         bm, bn, bk = self.bm, self.bn, self.bk
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        mcast = cutlass.Int16((1 << self.cluster_n) - 1)  # A goes to every CTA of the cluster
+        # rank = rm + cluster_m * rn: A goes to the CTAs of this m-row (same rm), B to those of
+        # this n-column (same rn); each CTA loads slice rn of A and slice rm of B
+        rm = rank % self.cluster_m
+        rn = rank // self.cluster_m
+        cluster_mn = cute.make_layout((self.cluster_m, self.cluster_n))
+        mcast = cute.make_layout_image_mask(cluster_mn, (rm, rn), 1)  # A: across the n-pair
+        mcast_b = cute.make_layout_image_mask(cluster_mn, (rm, rn), 0)  # B: across the m-pair
         num_tokens = cute.size(g_a, mode=[1] if self.wgrad_m is not None else [0])
         tile = cluster
         while tile < n_work:
@@ -572,11 +614,11 @@ class GroupedGemmSm90:
                 slot = (self.num_experts - 1 - expert) if cutlass.const_expr(self.b_reversed) else expert
                 g_b_tile = cute.local_tile(g_b[None, None, slot], (bn, bk), (n_blk, None))
             t_sa, t_ga = cpasync.tma_partition(
-                tma_a, rank, cute.make_layout(self.cluster_n),
+                tma_a, rn, cute.make_layout(self.cluster_n),
                 cute.group_modes(sa, 0, 2), cute.group_modes(g_a_tile, 0, 2),
             )
             t_sb, t_gb = cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1),
+                tma_b, rm, cute.make_layout(self.cluster_m),
                 cute.group_modes(sb, 0, 2), cute.group_modes(g_b_tile, 0, 2),
             )
             if cutlass.const_expr(self.cluster_n > 1):  # the whole A tile, this CTA only
@@ -596,7 +638,11 @@ class GroupedGemmSm90:
                         cute.copy(tma_a1, t_ga1[None, kt], t_sa1[None, prod.index], tma_bar_ptr=bar)
                 else:
                     cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar)
-                cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar)
+                if cutlass.const_expr(self.cluster_m > 1):
+                    cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar,
+                              mcast_mask=mcast_b)
+                else:
+                    cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar)
                 pipe.producer_commit(prod)
                 prod.advance()
             tile = tile + num_clusters
