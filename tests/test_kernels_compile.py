@@ -465,7 +465,7 @@ def test_main_grad_add_choice(monkeypatch):
 
 
 @pytest.mark.parametrize("schedule", ["pingpong", "cooperative"])
-@pytest.mark.parametrize("epilogue", ["plain", "tma_f32", "red_f32"])
+@pytest.mark.parametrize("epilogue", ["plain", "tma_f32", "red_f32", "acc_f32", "store_f32"])
 def test_two_by_two_cluster_wgrad_compiles_and_multicasts_both_operands(epilogue, schedule):
     from te_offload_ops.kernels import compile_variant
 
@@ -504,6 +504,7 @@ def test_two_by_two_cluster_is_opt_in_and_only_for_weight_gradients(monkeypatch)
     monkeypatch.setenv(api.CLUSTER_M_ENV, "4")
     with pytest.raises(ValueError, match="TEO_GEMM_CLUSTER_M must be 1 or 2, got '4'"):
         api.pick_cluster_m(1856, 2688, (128, 128), 2)
+    assert api.pick_cluster_m(None, 2688, (128, 128), 2) == 1  # a bad value never stops the other GEMMs
     with pytest.raises(ValueError, match="weight-gradient form"):
         GroupedGemmSm90(cutlass.BFloat16, 256, 64, 2, b_n_major=False, cluster_n=2, cluster_m=2)
     with pytest.raises(ValueError, match="cluster_m must be 1 or 2"):

@@ -151,10 +151,12 @@ def pick_cluster_m(wgrad_m, n: int, tile, cluster_n: int) -> int:
     Opt-in until measured: the wgrads are bound by L2 sectors (Nsight Compute, 2026-11-23) and
     this cuts their operand reads by a quarter, at the cost of phantom tiles where M or N has an
     odd block count."""
+    if wgrad_m is None:  # forward and dgrad: not built (an m-pair may straddle two experts' weights)
+        return 1
     want = os.environ.get(CLUSTER_M_ENV, "") or "1"
     if want not in ("1", "2"):
         raise ValueError(f"{CLUSTER_M_ENV} must be 1 or 2, got {want!r}")
-    if want == "1" or wgrad_m is None or cluster_n != 2:
+    if want == "1" or cluster_n != 2:
         return 1
     return 2 if -(-wgrad_m // tile[0]) >= 2 and -(-n // tile[1]) >= 2 else 1
 
@@ -316,9 +318,18 @@ def _cluster_slots(device_index: int, cluster_size: int) -> int:
         return sms // cluster_size * cluster_size
     from cutlass.utils import HardwareInfo
 
-    with torch.cuda.device(device_index):
-        clusters = HardwareInfo(device_index).get_max_active_clusters(cluster_size)
-    return max(1, min(clusters, sms // cluster_size)) * cluster_size
+    with _LOCK, torch.cuda.device(device_index):  # the query compiles and loads a probe kernel
+        torch.cuda.current_stream(device_index)  # the device's context is current from here
+        try:
+            clusters = HardwareInfo(device_index).get_max_active_clusters(cluster_size)
+        except Exception as exc:  # no answer: the count a GPC-blind grid would take, said so
+            _log.warning("could not ask the driver how many clusters of %d fit (%r); using %d",
+                         cluster_size, exc, sms // cluster_size)
+            clusters = sms // cluster_size
+    if clusters < 1:
+        raise RuntimeError(f"the driver says no cluster of {cluster_size} CTAs of this kernel's size fits on "
+                           f"device {device_index}; unset {CLUSTER_M_ENV}")
+    return min(clusters, sms // cluster_size) * cluster_size
 
 
 def _launch(kern, compiled, tensors, num_tokens):

@@ -57,6 +57,12 @@ stages (the pair's barriers count on it) but stores nothing.  In the
 weight-gradient form each expert's tile count is padded to even, so that a
 pair never spans two experts (their token counts, i.e. k-tiles, differ).
 
+With ``cluster_m == 2`` as well (weight-gradient form only, opt-in) four CTAs
+form a 2 x 2 cluster on (m-pair, n-pair) blocks of one expert: the n-pair
+shares A and the m-pair shares B, each CTA loading half of both and
+multicasting them; a block past M or N is a phantom that still loads its
+halves for its partners.
+
 A tile may start in the middle of the token matrix (rows are not aligned to
 BM), so the A tile is read through a shifted TMA coordinate space; rows past
 the expert's end are read (they belong to the next expert or are zero-filled
@@ -373,11 +379,11 @@ class GroupedGemmSm90:
         rm + 2 * rn (the pipeline's (1, 2, 2, 1) cluster layout), and A is always shared
         (a block past M or N is a phantom that still loads its halves for its partners)."""
         if cutlass.const_expr(self.cluster_m > 1):
-            rm = rank % 2
-            rn = rank // 2
+            rm = rank % self.cluster_m
+            rn = rank // self.cluster_m
             mp = group // self.n_pairs
-            m_blk = mp * 2 + rm
-            n_blk = (group - mp * self.n_pairs) * 2 + rn
+            m_blk = mp * self.cluster_m + rm
+            n_blk = (group - mp * self.n_pairs) * self.cluster_n + rn
             return m_blk, n_blk, True
         first = group * self.cluster_n
         lin = first + rank
@@ -429,7 +435,7 @@ class GroupedGemmSm90:
         Returns (expert, n_blk, a_row, a_col, k_tiles, k_rem, c_row, rows_here,
         shares_a): the A tile's origin in A's (rows, K) view, the k-tile count,
         the valid K of the last k-tile, the first output row, the valid rows
-        (<= 0 for a phantom tile) and whether the cluster pair shares A."""
+        (<= 0 for a phantom tile) and whether the CTAs of its m-block share A."""
         bm, bk = self.bm, self.bk
         if cutlass.const_expr(self.wgrad_m is None):
             m_blk, n_blk, shares_a = self._tile_coords(tile, rank)
@@ -521,14 +527,14 @@ class GroupedGemmSm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // _WG)
         # CTAs walk the tiles as clusters: cluster c takes tile groups c, c + clusters, ...;
-        # a group is cluster_n adjacent n-blocks of one m-block, one per CTA rank
+        # a group is one tile per CTA rank (see _tile_coords)
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster = cta // self.cluster_size
         num_clusters = num_ctas // self.cluster_size
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
-            if cutlass.const_expr(self.cluster_n > 1):
+            if cutlass.const_expr(self.cluster_n > 1 and self.cluster_m == 1):
                 cpasync.prefetch_descriptor(tma_a1)
             cpasync.prefetch_descriptor(tma_b)
             if cutlass.const_expr(self.epilogue == "tma_f32"):
