@@ -460,8 +460,8 @@ def test_main_grad_add_choice(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# 2 x 2 clusters for the weight gradients (opt-in, TEO_GEMM_CLUSTER_M=2): B multicast over
-# m-block pairs as well as A over n-block pairs
+# 2 x 2 clusters (opt-in, TEO_GEMM_CLUSTER_M=2): B multicast over m-block pairs as well as A
+# over n-block pairs
 
 
 @pytest.mark.parametrize("schedule", ["pingpong", "cooperative"])
@@ -488,7 +488,7 @@ def test_two_by_two_cluster_wgrad_compiles_and_multicasts_both_operands(epilogue
     assert "mapa" in ptx or "shared::cluster" in ptx
 
 
-def test_two_by_two_cluster_is_opt_in_and_only_for_weight_gradients(monkeypatch):
+def test_two_by_two_cluster_is_opt_in(monkeypatch):
     import cutlass
 
     from te_offload_ops.kernels import api
@@ -498,14 +498,41 @@ def test_two_by_two_cluster_is_opt_in_and_only_for_weight_gradients(monkeypatch)
     assert api.pick_cluster_m(1856, 2688, (128, 128), 2) == 1  # off unless asked for
     monkeypatch.setenv(api.CLUSTER_M_ENV, "2")
     assert api.pick_cluster_m(1856, 2688, (128, 128), 2) == 2
-    assert api.pick_cluster_m(None, 2688, (128, 128), 2) == 1  # forward / dgrad: B differs per expert
+    assert api.pick_cluster_m(None, 2688, (128, 128), 2) == 2  # forward / dgrad: per m-pair
+    assert api.pick_cluster_m(None, 128, (128, 128), 2) == 1  # one n-block
     assert api.pick_cluster_m(128, 2688, (128, 128), 2) == 1  # one m-block: nothing to share
     assert api.pick_cluster_m(1856, 2688, (128, 128), 1) == 1
     monkeypatch.setenv(api.CLUSTER_M_ENV, "4")
     with pytest.raises(ValueError, match="TEO_GEMM_CLUSTER_M must be 1 or 2, got '4'"):
         api.pick_cluster_m(1856, 2688, (128, 128), 2)
-    assert api.pick_cluster_m(None, 2688, (128, 128), 2) == 1  # a bad value never stops the other GEMMs
-    with pytest.raises(ValueError, match="weight-gradient form"):
-        GroupedGemmSm90(cutlass.BFloat16, 256, 64, 2, b_n_major=False, cluster_n=2, cluster_m=2)
+
+    with pytest.raises(ValueError, match="goes with cluster_n=2"):
+        GroupedGemmSm90(cutlass.BFloat16, 256, 64, 2, b_n_major=False, cluster_n=1, cluster_m=2)
     with pytest.raises(ValueError, match="cluster_m must be 1 or 2"):
         GroupedGemmSm90(cutlass.BFloat16, 256, 0, 2, b_n_major=True, wgrad_m=256, cluster_n=2, cluster_m=3)
+
+
+FORWARD_2X2 = [
+    (1856, 2688, False, "srelu", "pingpong"),  # fc1 fwd + SReLU
+    (2688, 1856, False, "plain", "pingpong"),  # fc2 fwd
+    (1856, 2688, True, "dsrelu", "pingpong"),  # fc2 dgrad + dSReLU
+    (2688, 1856, True, "plain", "cooperative"),  # fc1 dgrad
+]
+
+
+@pytest.mark.parametrize("n,k,b_n_major,epilogue,schedule", FORWARD_2X2)
+def test_two_by_two_cluster_forward_forms_compile(n, k, b_n_major, epilogue, schedule):
+    """Forward / dgrad: A (token rows) shared by the n-pair, B (the expert's weight tile) by the
+    m-pair where both m-blocks are of one expert, else loaded whole through a plain descriptor."""
+    from te_offload_ops.kernels import compile_variant
+
+    kern, compiled, _ = compile_variant(
+        torch.bfloat16, n, k, 8, b_n_major=b_n_major, epilogue=epilogue, options="--keep-ptx",
+        schedule=schedule, cluster_n=2, cluster_m=2,
+    )
+    ptx = str(compiled.artifacts.PTX)
+    assert (kern.cluster_m, kern.cluster_size, kern.n_pairs) == (2, 4, -(-kern.n_tiles // 2))
+    loads = [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor" in ln and "global" in ln]
+    multicast = [ln for ln in loads if "multicast::cluster" in ln]
+    assert multicast and len(multicast) < len(loads), loads  # shared A and B, and B whole
+    assert all(".3d" in ln for ln in loads if ln not in multicast)  # the whole B: (N, K, expert)

@@ -505,3 +505,37 @@ def test_cluster_slots_of_four_fit_the_device():
     four = api._cluster_slots(dev, 4)
     assert four % 4 == 0 and 4 <= four <= sms
     assert api._cluster_slots(dev, 2) == sms // 2 * 2
+
+
+# Forward and dgrad under 2 x 2 clusters: m-pairs within one expert share B, those straddling two
+# experts (odd m-block counts per expert here) load it whole, phantoms past the last m-block and
+# past N store nothing; the same bits as the pair, every epilogue, reversed weights included.
+FORWARD_2X2_SHAPES = [
+    ([129, 0, 300, 1, 255], 576, 200),  # 2, 0, 3, 1, 2 m-blocks: pairs straddle; 5/3 n-blocks
+    ([700, 300, 0, 1000], 1856, 2688),  # 17 m-blocks: a phantom partner past the last one
+]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("splits,n,k", FORWARD_2X2_SHAPES)
+def test_two_by_two_clusters_forward_forms_give_the_pair_bits(monkeypatch, schedule, splits, n, k):
+    from te_offload_ops.kernels import api, grouped_gemm, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd
+
+    x, w, s = _inputs(splits, n, k, torch.bfloat16, seed=12)
+    g = torch.Generator(device="cuda").manual_seed(13)
+    probs = torch.rand(x.shape[0], device="cuda", generator=g).to(torch.bfloat16)
+    dy = torch.randn(x.shape[0], k, device="cuda", generator=g).to(torch.bfloat16)
+    w2 = (torch.randn(len(splits), k, n, device="cuda", generator=g) / n**0.5).to(torch.bfloat16)
+    out = {}
+    for cm in ("1", "2"):
+        monkeypatch.setenv(api.CLUSTER_M_ENV, cm)
+        y = grouped_gemm(x, w, s, schedule=schedule)
+        y_rev = grouped_gemm(x, w.flip(0).contiguous(), s, schedule=schedule, reversed_experts=True)
+        act, z = grouped_gemm_srelu_fwd(x, w, s, probs, schedule=schedule)
+        dz, dprobs, act2 = grouped_gemm_dsrelu_bwd(dy, w2, s, z, probs, schedule=schedule)
+        dx = grouped_gemm(dz, w, s, trans_b=True, schedule=schedule)
+        out[cm] = (y, y_rev, act, z, dz, dprobs, act2, dx)
+    assert any(("cluster_m", 2) in key for key in api.compile_times()), "no 2 x 2 kernel was compiled"
+    for name, a, b in zip(("y", "y_rev", "act", "z", "dz", "dprobs", "act2", "dx"), out["1"], out["2"]):
+        assert torch.equal(a, b), name
+    _close(out["2"][0], _ref_mm(x, w, splits, trans_b=False), torch.bfloat16, scale=2.0)

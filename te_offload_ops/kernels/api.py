@@ -146,19 +146,20 @@ CLUSTER_M_ENV = "TEO_GEMM_CLUSTER_M"  # "2": 2 x 2 clusters for the weight gradi
 
 
 def pick_cluster_m(wgrad_m, n: int, tile, cluster_n: int) -> int:
-    """2 (2 x 2 clusters: B multicast over m-block pairs as well as A over n-block pairs) for a
-    weight gradient with at least two m-blocks and two n-blocks when TEO_GEMM_CLUSTER_M=2, else 1.
-    Opt-in until measured: the wgrads are bound by L2 sectors (Nsight Compute, 2026-11-23) and
-    this cuts their operand reads by a quarter, at the cost of phantom tiles where M or N has an
-    odd block count."""
-    if wgrad_m is None:  # forward and dgrad: not built (an m-pair may straddle two experts' weights)
-        return 1
+    """2 (2 x 2 clusters: B multicast over m-block pairs as well as A over n-block pairs) when
+    TEO_GEMM_CLUSTER_M=2, for GEMMs with at least two n-blocks (and, for a weight gradient, two
+    m-blocks), else 1. Opt-in until measured: the GEMMs are bound by L2 sectors (Nsight Compute,
+    2026-11-23) and this cuts their operand reads by about a quarter, at the cost of phantom tiles
+    where a block count is odd (and, in the forward form, a whole B load where an m-pair straddles
+    two experts)."""
     want = os.environ.get(CLUSTER_M_ENV, "") or "1"
     if want not in ("1", "2"):
         raise ValueError(f"{CLUSTER_M_ENV} must be 1 or 2, got {want!r}")
     if want == "1" or cluster_n != 2:
         return 1
-    return 2 if -(-wgrad_m // tile[0]) >= 2 and -(-n // tile[1]) >= 2 else 1
+    if wgrad_m is not None and -(-wgrad_m // tile[0]) < 2:  # one m-block: no m-pair to share B
+        return 1
+    return 2 if -(-n // tile[1]) >= 2 else 1
 
 
 def _compile(
@@ -340,7 +341,11 @@ def _launch(kern, compiled, tensors, num_tokens):
     if kern.wgrad_m is not None:  # static tiles: E times the (M, N) blocks
         tile_bound = kern.num_experts * kern.wgrad_tiles
     else:
-        tile_bound = (-(-num_tokens // kern.bm) + kern.num_experts) * kern.n_tiles
+        m_bound = -(-num_tokens // kern.bm) + kern.num_experts
+        if getattr(kern, "cluster_m", 1) > 1:  # (m-pair, n-pair) groups of four
+            tile_bound = -(-m_bound // 2) * kern.n_pairs * kern.cluster_size
+        else:
+            tile_bound = m_bound * kern.n_tiles
     cn = getattr(kern, "cluster_size", kern.cluster_n)
     num_ctas = min(_cluster_slots(tensors[0][0].device.index, cn), -(-tile_bound // cn) * cn)
     # the capturing stream when a graph is captured: the launch becomes a node of the graph

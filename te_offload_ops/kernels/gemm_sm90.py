@@ -200,26 +200,25 @@ class GroupedGemmSm90:
         if cluster_n not in (1, 2):
             raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
         self.cluster_n = cluster_n
-        # cluster_m == 2 (weight-gradient form only): 2 x 2 clusters, the n-pair sharing A as
-        # above and the m-pair (two m-blocks of one expert, the same tokens) sharing B, each CTA
-        # loading half of both tiles; a quarter less operand traffic out of L2 per tile than
-        # the pair (the wgrads are bound by L2 sectors, benchmarks/results/ncu/README.md)
+        # cluster_m == 2: 2 x 2 clusters, the n-pair sharing A as above and the m-pair sharing B
+        # (weight gradient: two m-blocks of one expert, the same tokens; forward / dgrad: two
+        # m-blocks of token rows, sharing the expert's weight tile where both are of one expert),
+        # each CTA loading half of both tiles; a quarter less operand traffic out of L2 per tile
+        # than the pair (the GEMMs are bound by L2 sectors, benchmarks/results/ncu/README.md)
         if cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {cluster_m}")
-        if cluster_m == 2 and (wgrad_m is None or cluster_n != 2):
-            raise ValueError("cluster_m=2 (2 x 2 clusters) is built for the weight-gradient form with "
-                             f"cluster_n=2, got wgrad_m={wgrad_m}, cluster_n={cluster_n}")
+        if cluster_m == 2 and cluster_n != 2:
+            raise ValueError(f"cluster_m=2 (2 x 2 clusters) goes with cluster_n=2, got cluster_n={cluster_n}")
         self.cluster_m = cluster_m
         self.cluster_size = cluster_m * cluster_n
         # weight-gradient form: tile groups per expert (a group never spans two experts: its
         # tiles share the expert's tokens, i.e. k-tiles); pairs: the (M, N) blocks n-fastest,
         # padded to even; 2 x 2: (m-pair, n-pair) blocks, a block past M or N a phantom
         per_expert = self.m_tiles * self.n_tiles
+        self.n_pairs = -(-self.n_tiles // 2) if cluster_m == 2 else 0
         if cluster_m == 2:
-            self.n_pairs = -(-self.n_tiles // 2)
             self.wgrad_groups = -(-self.m_tiles // 2) * self.n_pairs
         else:
-            self.n_pairs = 0
             self.wgrad_groups = -(-per_expert // cluster_n)
         self.wgrad_tiles = self.wgrad_groups * self.cluster_size
         elem = dtype.width // 8
@@ -328,6 +327,10 @@ class GroupedGemmSm90:
             (bn, bk),
             num_multicast=self.cluster_m,
         )
+        # forward / dgrad under 2 x 2: an m-pair that straddles two experts loads each B whole
+        tma_b1, g_b1 = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(sb_layout, (None, None, 0)), (bn, bk),
+        )
 
         if cutlass.const_expr(self.epilogue == "tma_f32"):
             # the staged box in TMA's 128-byte swizzle: bank-conflict-free writes, whole-line reads
@@ -360,6 +363,10 @@ class GroupedGemmSm90:
             ]
 
         self.smem_struct = Smem
+        # the operand a straddling group loads whole: A for a pair (two m-blocks), B for 2 x 2
+        # (an m-pair of two experts); 2 x 2 groups always share A
+        if cutlass.const_expr(self.cluster_m > 1):
+            tma_a1, g_a1 = tma_b1, g_b1
         self.kernel(
             tma_a, g_a, tma_a1, g_a1, tma_b, g_b, m_c, m_split, m_prob, m_z, m_act, m_part,
             tiled_mma, sa_layout, sb_layout, tma_c, g_c, box_layout,
@@ -390,6 +397,21 @@ class GroupedGemmSm90:
         m_blk = lin // self.n_tiles
         shares_a = first // self.n_tiles == (first + self.cluster_n - 1) // self.n_tiles
         return m_blk, lin - m_blk * self.n_tiles, shares_a
+
+    @cute.jit
+    def _pair_shares_b(self, m_split, group, num_tokens):
+        """Forward / dgrad under 2 x 2: whether the m-pair of tile group ``group`` shares its B
+        tile: both m-blocks real and of one expert (the same for both CTAs of the pair, so they
+        agree on multicasting). Else each loads its own B whole."""
+        mp = group // self.n_pairs
+        e0, r0, end0 = self._locate(m_split, mp * 2, num_tokens)
+        e1, r1, end1 = self._locate(m_split, mp * 2 + 1, num_tokens)
+        same = cutlass.Int32(0)
+        if e0 == e1:
+            if end0 > r0:
+                if end1 > r1:
+                    same = cutlass.Int32(1)
+        return same == 1
 
     @cute.jit
     def _rows_of(self, m_split, ei, rows_before, num_tokens):
@@ -444,6 +466,9 @@ class GroupedGemmSm90:
             a_row, a_col = row0, cutlass.Int32(0)
             k_tiles, k_rem = cutlass.Int32(self.k_tiles), cutlass.Int32(bk)
             c_row, rows_here = row0, row_end - row0
+            if cutlass.const_expr(self.cluster_m > 1):
+                if n_blk >= self.n_tiles:  # a phantom past N: no rows, like one past the last m-block
+                    rows_here = cutlass.Int32(0)
         else:
             per_expert = self.wgrad_groups
             expert = tile // per_expert
@@ -534,7 +559,7 @@ class GroupedGemmSm90:
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
-            if cutlass.const_expr(self.cluster_n > 1 and self.cluster_m == 1):
+            if cutlass.const_expr(self.cluster_n > 1):
                 cpasync.prefetch_descriptor(tma_a1)
             cpasync.prefetch_descriptor(tma_b)
             if cutlass.const_expr(self.epilogue == "tma_f32"):
@@ -553,6 +578,8 @@ class GroupedGemmSm90:
                 rows_before = rows_before + cnt
             # tile groups; an odd tile count leaves the last group a phantom partner
             n_work = (m_total * self.n_tiles + self.cluster_n - 1) // self.cluster_n
+            if cutlass.const_expr(self.cluster_m > 1):  # (m-pair, n-pair) groups
+                n_work = (m_total + 1) // 2 * self.n_pairs
         cluster_mn = (self.cluster_m, self.cluster_n)
 
         smem = cutlass.memory.SmemAllocator()
@@ -627,7 +654,17 @@ class GroupedGemmSm90:
                 tma_b, rm, cute.make_layout(self.cluster_m),
                 cute.group_modes(sb, 0, 2), cute.group_modes(g_b_tile, 0, 2),
             )
-            if cutlass.const_expr(self.cluster_n > 1):  # the whole A tile, this CTA only
+            if cutlass.const_expr(self.cluster_m > 1):
+                # forward / dgrad: the m-pair shares B only within one expert; else the whole B
+                # tile, this CTA only, through the plain descriptor (in the tma_a1 slot)
+                if cutlass.const_expr(self.wgrad_m is None):
+                    shares_b = self._pair_shares_b(m_split, tile, num_tokens)
+                    g_b1_tile = cute.local_tile(g_a1[None, None, slot], (bn, bk), (n_blk, None))
+                    t_sb1, t_gb1 = cpasync.tma_partition(
+                        tma_a1, 0, cute.make_layout(1),
+                        cute.group_modes(sb, 0, 2), cute.group_modes(g_b1_tile, 0, 2),
+                    )
+            elif cutlass.const_expr(self.cluster_n > 1):  # the whole A tile, this CTA only
                 g_a1_tile = cute.local_tile(cute.domain_offset((a_row, a_col), g_a1), (bm, bk), (0, None))
                 t_sa1, t_ga1 = cpasync.tma_partition(
                     tma_a1, 0, cute.make_layout(1),
@@ -636,7 +673,10 @@ class GroupedGemmSm90:
             for kt in cutlass.range(k_tiles, unroll=1):
                 pipe.producer_acquire(prod)
                 bar = pipe.producer_get_barrier(prod)
-                if cutlass.const_expr(self.cluster_n > 1):
+                if cutlass.const_expr(self.cluster_m > 1):  # 2 x 2: the n-pair always shares A
+                    cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar,
+                              mcast_mask=mcast)
+                elif cutlass.const_expr(self.cluster_n > 1):
                     if shares_a:
                         cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar,
                                   mcast_mask=mcast)
@@ -644,9 +684,15 @@ class GroupedGemmSm90:
                         cute.copy(tma_a1, t_ga1[None, kt], t_sa1[None, prod.index], tma_bar_ptr=bar)
                 else:
                     cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar)
-                if cutlass.const_expr(self.cluster_m > 1):
+                if cutlass.const_expr(self.cluster_m > 1 and self.wgrad_m is not None):
                     cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar,
                               mcast_mask=mcast_b)
+                elif cutlass.const_expr(self.cluster_m > 1):
+                    if shares_b:
+                        cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar,
+                                  mcast_mask=mcast_b)
+                    else:
+                        cute.copy(tma_a1, t_gb1[None, kt], t_sb1[None, prod.index], tma_bar_ptr=bar)
                 else:
                     cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar)
                 pipe.producer_commit(prod)
