@@ -61,15 +61,13 @@ next1)
     ;;
 next2)
     # call 2 (carry .dev/cute; the tree that travels must stay under 64 MiB with it: about 3.4 MiB
-    # for the repo): issue 11's lever, 2 x 2 clusters for the wgrads (opt-in): same bits as the
-    # pair, then the Megatron-settings benchmark with and without them
-    pytest_ 150 tests/test_kernels_gpu.py -k "two_by_two or cluster_slots or wgrad"
-    run 170 python3 benchmarks/bench_megatron_settings.py --rounds 9 --out "$OUT/results"
-    run 170 env TEO_GEMM_CLUSTER_M=2 python3 benchmarks/bench_megatron_settings.py --rounds 9 \
+    # for the repo): 2 x 2 clusters (opt-in, issue 11's lever): the same bits as the pair, each
+    # GEMM's speed, then the Megatron-settings benchmark with and without them (limits: 540 s)
+    pytest_ 130 tests/test_kernels_gpu.py -k "two_by_two or cluster_slots"
+    run 90 python3 benchmarks/bench_cluster2x2.py --out "$OUT/results"
+    run 160 python3 benchmarks/bench_megatron_settings.py --rounds 7 --out "$OUT/results"
+    run 160 env TEO_GEMM_CLUSTER_M=2 python3 benchmarks/bench_megatron_settings.py --rounds 7 \
         --out "$OUT/results/cluster2x2"
-    run 80 env TEO_GEMM_CLUSTER_M=2 ncu --profile-from-start off --launch-count 1 --clock-control none \
-        --section SpeedOfLight --metrics lts__t_sectors_op_read.sum,lts__t_sectors_op_red.sum,gpu__time_duration.sum \
-        python3 benchmarks/profile_gemm.py wgrad_main_grad pingpong --add tma
     ;;
 next3)
     # call 3: the wide shape, where n = L-1 could reach 1.03x by estimate, teo and V2; then the

@@ -33,7 +33,8 @@ def test_r_is_the_step_peak_freed_against_the_no_offload_run_of_its_own_ops():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 @pytest.mark.parametrize("script", ["moe_step.py", "offload_policies.py", "bench_fused_mlp.py", "bench_kernels.py",
-                                    "ablate_epilogue.py", "bench_graphs.py", "bench_copy_interference.py"])
+                                    "ablate_epilogue.py", "bench_graphs.py", "bench_copy_interference.py",
+                                    "bench_cluster2x2.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
     proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
@@ -74,3 +75,19 @@ def test_copy_interference_report(tmp_path):
     assert "| d2h | no large copy | 0 | 0.010 (0.020) | - | - |" in text
     assert "| h2d | 4 | 2 | 0.010 (0.010) (large copy already done: not measured) | 50.0 | 0.17 |" in text
     assert chart(result, tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_cluster2x2_report_flags_outputs_that_differ(tmp_path):
+    from bench_cluster2x2 import chart, markdown
+
+    rows = [{"gemm": "fc1 wgrad", "pair_ms": 0.26, "two_by_two_ms": 0.2, "speedup": 1.3, "pair_TFLOPs": 620.0,
+             "two_by_two_TFLOPs": 806.0, "same_bits": True, "host_behind_samples": 0},
+            {"gemm": "fc2 fwd", "pair_ms": 0.25, "two_by_two_ms": 0.26, "speedup": 0.96, "pair_TFLOPs": 640.0,
+             "two_by_two_TFLOPs": 615.0, "same_bits": False, "host_behind_samples": 0}]
+    result = {"gpu": "GPU", "date": "today", "reps": 15, "inner": 10, "rows": rows,
+              "shape": {"experts": 8, "tokens_per_expert": 2048, "hidden": 2688, "ffn": 1856, "skew": False}}
+    text = markdown(result)
+    assert "| fc1 wgrad | 0.260 | 0.200 | 1.300 | 620 | 806 | yes |" in text
+    assert "| fc2 fwd | 0.250 | 0.260 | 0.960 | 640 | 615 | **no** |" in text
+    if chart(result, tmp_path / "c.png"):
+        assert (tmp_path / "c.png").stat().st_size > 0
