@@ -36,7 +36,7 @@ def _gemms(e, tokens, h, f, skew, torch):
     from te_offload_ops import kernels as K
 
     s = _uneven_splits(e, tokens) if skew else torch.full((e,), tokens, dtype=torch.int64)
-    s = s.cuda()
+    s = s.to(device="cuda", dtype=torch.int32)  # int32: no conversion kernel inside the timed calls
     t = e * tokens
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -61,6 +61,22 @@ def _gemms(e, tokens, h, f, skew, torch):
     }
 
 
+def _problem() -> str | None:
+    """Why this machine cannot run it: a GPU and TE (the package imports it), an sm_90 GPU and the
+    CuTe DSL (the kernels)."""
+    import importlib.util
+
+    import torch
+
+    if (problem := cuda_problem()):
+        return problem
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"the kernels need an sm_90 GPU (H100/H200), found {torch.cuda.get_device_name()}"
+    if importlib.util.find_spec("cutlass") is None:
+        return "the CuTe DSL (nvidia-cutlass-dsl) is not installed"
+    return None
+
+
 def _with(cluster_m: str, fn):
     def call():
         os.environ[ENV] = cluster_m
@@ -79,10 +95,13 @@ def measure(args) -> dict:
 
     from bench_kernels import _time_interleaved
 
+    from te_offload_ops.kernels import api
+
     gemms = _gemms(args.experts, args.tokens, args.hidden, args.ffn, args.skew, torch)
     rows = []
     for i, (name, (flops, fn, buffer)) in enumerate(gemms.items(), 1):
         outs = {}
+        compiled_before = set(api.compile_times())
         for cm in ("1", "2"):
             os.environ[ENV] = cm
             if buffer is not None:  # the add accumulates: compare one call from equal starts
@@ -92,13 +111,17 @@ def measure(args) -> dict:
             else:
                 outs[cm] = fn()
         same = _same_bits(outs["1"], outs["2"], torch)
+        # did a 2 x 2 kernel run at all? (one n-block, or TEO_GEMM_CLUSTER_N=1, leaves the pair)
+        ran_2x2 = any(("cluster_m", 2) in key for key in set(api.compile_times()) - compiled_before)
         times = _time_interleaved({"pair": _with("1", fn), "2x2": _with("2", fn)}, args.reps, args.inner)
         pair_ms, two_ms = times["pair"][0], times["2x2"][0]
         rows.append({"gemm": name, "pair_ms": pair_ms, "two_by_two_ms": two_ms, "speedup": pair_ms / two_ms,
                      "pair_TFLOPs": flops / pair_ms / 1e9, "two_by_two_TFLOPs": flops / two_ms / 1e9,
-                     "same_bits": same, "host_behind_samples": times["pair"][2] + times["2x2"][2]})
+                     "same_bits": same, "ran_2x2": ran_2x2,
+                     "host_behind_samples": times["pair"][2] + times["2x2"][2]})
         print(f"[{i}/{len(gemms)}] {name}: pair {pair_ms:.3f} ms, 2x2 {two_ms:.3f} ms "
-              f"(x{pair_ms / two_ms:.3f}), same bits: {same}", flush=True)
+              f"(x{pair_ms / two_ms:.3f}), same bits: {same}{'' if ran_2x2 else ' (no 2 x 2 kernel ran)'}",
+              flush=True)
     os.environ.pop(ENV, None)
     return {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc)
             .strftime("%Y-%m-%d %H:%M UTC"), "shape": {"experts": args.experts, "tokens_per_expert": args.tokens,
@@ -116,7 +139,8 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['gemm']} | {r['pair_ms']:.3f} | {r['two_by_two_ms']:.3f} | {r['speedup']:.3f} | "
-                     f"{r['pair_TFLOPs']:.0f} | {r['two_by_two_TFLOPs']:.0f} | {'yes' if r['same_bits'] else '**no**'} |")
+                     f"{r['pair_TFLOPs']:.0f} | {r['two_by_two_TFLOPs']:.0f} | {'yes' if r['same_bits'] else '**no**'} |"
+                     + ("" if r.get("ran_2x2", True) else " (no 2 x 2 kernel ran: the pair both times)"))
     return "\n".join(lines) + "\n"
 
 
@@ -153,7 +177,7 @@ def main(argv=None) -> int:
     for name in ("experts", "tokens", "hidden", "ffn", "reps", "inner"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if (problem := cuda_problem()):
+    if (problem := _problem()):
         print(f"bench_cluster2x2.py cannot run here: {problem}", file=sys.stderr)
         return 2
     result = measure(args)

@@ -64,9 +64,10 @@ next2)
     # for the repo): 2 x 2 clusters (opt-in, issue 11's lever): the same bits as the pair, each
     # GEMM's speed, then the Megatron-settings benchmark with and without them (limits: 540 s)
     pytest_ 130 tests/test_kernels_gpu.py -k "two_by_two or cluster_slots"
-    run 90 python3 benchmarks/bench_cluster2x2.py --out "$OUT/results"
-    run 160 python3 benchmarks/bench_megatron_settings.py --rounds 7 --out "$OUT/results"
-    run 160 env TEO_GEMM_CLUSTER_M=2 python3 benchmarks/bench_megatron_settings.py --rounds 7 \
+    run 60 python3 benchmarks/bench_cluster2x2.py --out "$OUT/results"
+    run 60 python3 benchmarks/bench_cluster2x2.py --skew --out "$OUT/results"
+    run 130 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only --out "$OUT/results"
+    run 130 env TEO_GEMM_CLUSTER_M=2 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only \
         --out "$OUT/results/cluster2x2"
     ;;
 next3)

@@ -142,7 +142,7 @@ def pick_cluster(n: int, tile) -> int:
     return 2 if -(-n // tile[1]) >= 2 else 1
 
 
-CLUSTER_M_ENV = "TEO_GEMM_CLUSTER_M"  # "2": 2 x 2 clusters for the weight gradients (opt-in)
+CLUSTER_M_ENV = "TEO_GEMM_CLUSTER_M"  # "2": 2 x 2 clusters for every GEMM that has two n-blocks (opt-in)
 
 
 def pick_cluster_m(wgrad_m, n: int, tile, cluster_n: int) -> int:
@@ -151,7 +151,7 @@ def pick_cluster_m(wgrad_m, n: int, tile, cluster_n: int) -> int:
     m-blocks), else 1. Opt-in until measured: the GEMMs are bound by L2 sectors (Nsight Compute,
     2026-11-23) and this cuts their operand reads by about a quarter, at the cost of phantom tiles
     where a block count is odd (and, in the forward form, a whole B load where an m-pair straddles
-    two experts)."""
+    two experts). A value other than 1 or 2 raises for every GEMM (it names them all)."""
     want = os.environ.get(CLUSTER_M_ENV, "") or "1"
     if want not in ("1", "2"):
         raise ValueError(f"{CLUSTER_M_ENV} must be 1 or 2, got {want!r}")

@@ -57,11 +57,13 @@ stages (the pair's barriers count on it) but stores nothing.  In the
 weight-gradient form each expert's tile count is padded to even, so that a
 pair never spans two experts (their token counts, i.e. k-tiles, differ).
 
-With ``cluster_m == 2`` as well (weight-gradient form only, opt-in) four CTAs
-form a 2 x 2 cluster on (m-pair, n-pair) blocks of one expert: the n-pair
-shares A and the m-pair shares B, each CTA loading half of both and
-multicasting them; a block past M or N is a phantom that still loads its
-halves for its partners.
+With ``cluster_m == 2`` as well (opt-in) four CTAs form a 2 x 2 cluster on
+(m-pair, n-pair) blocks: the n-pair shares A and the m-pair shares B, each
+CTA loading half of both and multicasting them.  Weight gradient: the blocks
+of one expert (the same tokens).  Forward / dgrad: m-blocks numbered across
+experts; an m-pair of two experts loads each B whole instead.  A block past
+the last m-block (M) or past N is a phantom that still loads its halves for
+its partners and skips its epilogue.
 
 A tile may start in the middle of the token matrix (rows are not aligned to
 BM), so the A tile is read through a shifted TMA coordinate space; rows past
@@ -327,10 +329,13 @@ class GroupedGemmSm90:
             (bn, bk),
             num_multicast=self.cluster_m,
         )
-        # forward / dgrad under 2 x 2: an m-pair that straddles two experts loads each B whole
-        tma_b1, g_b1 = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(sb_layout, (None, None, 0)), (bn, bk),
-        )
+        # the operand a straddling group loads whole goes in the tma_a1 slot: A for a pair (two
+        # m-blocks), B for 2 x 2 in the forward / dgrad form (an m-pair of two experts); 2 x 2
+        # groups always share A
+        if cutlass.const_expr(self.cluster_m > 1 and self.wgrad_m is None):
+            tma_a1, g_a1 = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(sb_layout, (None, None, 0)), (bn, bk),
+            )
 
         if cutlass.const_expr(self.epilogue == "tma_f32"):
             # the staged box in TMA's 128-byte swizzle: bank-conflict-free writes, whole-line reads
@@ -363,10 +368,6 @@ class GroupedGemmSm90:
             ]
 
         self.smem_struct = Smem
-        # the operand a straddling group loads whole: A for a pair (two m-blocks), B for 2 x 2
-        # (an m-pair of two experts); 2 x 2 groups always share A
-        if cutlass.const_expr(self.cluster_m > 1):
-            tma_a1, g_a1 = tma_b1, g_b1
         self.kernel(
             tma_a, g_a, tma_a1, g_a1, tma_b, g_b, m_c, m_split, m_prob, m_z, m_act, m_part,
             tiled_mma, sa_layout, sb_layout, tma_c, g_c, box_layout,
@@ -381,8 +382,9 @@ class GroupedGemmSm90:
         """(m-block, n-block, shares A) of this CTA in tile group ``group``.
 
         Pairs: tiles run n-fastest; group g holds tiles g * cluster_n + rank.  The
-        pair shares its A tile when both tiles sit in one m-block.  2 x 2 (within one
-        expert): group g is m-pair g // n_pairs and n-pair g % n_pairs; the rank is
+        pair shares its A tile when both tiles sit in one m-block.  2 x 2 (the m-blocks
+        of one expert in the weight-gradient form, of all experts in the forward form):
+        group g is m-pair g // n_pairs and n-pair g % n_pairs; the rank is
         rm + 2 * rn (the pipeline's (1, 2, 2, 1) cluster layout), and A is always shared
         (a block past M or N is a phantom that still loads its halves for its partners)."""
         if cutlass.const_expr(self.cluster_m > 1):
@@ -559,8 +561,8 @@ class GroupedGemmSm90:
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
-            if cutlass.const_expr(self.cluster_n > 1):
-                cpasync.prefetch_descriptor(tma_a1)
+            if cutlass.const_expr(self.cluster_n > 1 and (self.cluster_m == 1 or self.wgrad_m is None)):
+                cpasync.prefetch_descriptor(tma_a1)  # the whole-tile descriptor, where one is used
             cpasync.prefetch_descriptor(tma_b)
             if cutlass.const_expr(self.epilogue == "tma_f32"):
                 cpasync.prefetch_descriptor(tma_c)
@@ -802,6 +804,10 @@ class GroupedGemmSm90:
                 elif cutlass.const_expr(self.epilogue in MAIN_GRAD_EPILOGUES):
                     self._epilogue_main_grad(expert, row0 - expert * self.wgrad_m, n_blk, rows_here,
                                              cols_here, acc, c_id, thr_mma, m_c, m_part)
+                elif cutlass.const_expr(self.cluster_m > 1):
+                    if rows_here > 0:  # a phantom (uniform over the tile's threads) stores nothing
+                        self._epilogue(etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r,
+                                       thr_mma, c_id, thr_cp, cp_id, st, m_c, m_z, m_act, m_part)
                 else:
                     self._epilogue(etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r,
                                    thr_mma, c_id, thr_cp, cp_id, st, m_c, m_z, m_act, m_part)
