@@ -16,6 +16,7 @@ import transformer_engine.pytorch as te
 
 import te_offload_ops as teo
 from te_offload_ops.engines import offload_context
+from te_offload_ops.policy import MIN_OFFLOAD_NUMEL
 from te_offload_ops.fused.selection import kernel_problem
 from offload_spy import SaveRecorder, SpyEngine
 
@@ -216,7 +217,7 @@ def _expert_grads(op) -> list:
     return deltas
 
 
-def offloadable_activation_bytes(recorder, layer: int, min_numel: int = 256 * 1024) -> int:
+def offloadable_activation_bytes(recorder, layer: int, min_numel: int = MIN_OFFLOAD_NUMEL) -> int:
     """Bytes of the activations ``layer`` saved that an engine honouring the marks may offload.
 
     Views of one buffer (the per-expert slices) count once per distinct byte range.

@@ -23,10 +23,11 @@ from offload_spy import SpyEngine
 from te_fused_standins import TESave, carriers_of, make_ops, te_slot_owners, watch_te_saves
 from te_offload_ops.engines import offload_context
 from te_offload_ops.fused import fuse_te_grouped_mlp
+from te_offload_ops.policy import MIN_OFFLOAD_NUMEL
 
 RECIPES = {"mxfp8": MXFP8BlockScaling, "nvfp4": NVFP4BlockScaling}
 OPS = ("fc1", "act", "fc2")
-LARGE = 256 * 1024  # TE V2 offloads tensors of at least this many elements
+LARGE = MIN_OFFLOAD_NUMEL  # TE V2 offloads tensors of at least this many elements
 
 
 # per-op offload flags (fc1, activation, fc2) and (activation, recipe) cases the GPU tests run

@@ -9,6 +9,7 @@ from engines import Config, make_inputs, make_stack, run_step
 from test_gpu_engines import POLICIES, _assert_moves_follow_policy, _assert_same, _check_path
 from te_offload_ops import engines_teo
 from te_offload_ops.engines import offload_context
+from te_offload_ops.policy import MIN_OFFLOAD_NUMEL
 
 LAYERS = 3
 
@@ -31,7 +32,7 @@ def expected_bytes(recorder, layer: int) -> int:
     mine = [e for e in recorder.entries if e.op.startswith(f"L{layer}.")]
     kept = {(e.data_ptr, e.nbytes) for e in mine if e.kept}
     return _union_bytes({(e.data_ptr, e.nbytes) for e in mine
-                         if e.kind == "activation" and e.numel >= 256 * 1024 and (e.data_ptr, e.nbytes) not in kept})
+                         if e.kind == "activation" and e.numel >= MIN_OFFLOAD_NUMEL and (e.data_ptr, e.nbytes) not in kept})
 
 
 def _moved_by_layer(moved: dict) -> dict[int, int]:

@@ -12,6 +12,7 @@ from conftest import requires_gpu
 from engines import Config, forward_plan, make_inputs, make_stack, offloadable_activation_bytes, run_step
 from offload_spy import Saved
 from te_offload_ops.fused.selection import DISABLE_ENV
+from te_offload_ops.policy import MIN_OFFLOAD_NUMEL
 
 
 
@@ -43,7 +44,7 @@ def _assert_moves_follow_policy(moved: dict, offload, entries, layers: list[int]
         for name, flag in zip(("fc1", "act", "fc2"), offload):
             op = f"L{layer}.{name}"
             large = {(e.data_ptr, e.nbytes) for e in entries
-                     if e.op == op and e.kind == "activation" and e.numel >= 256 * 1024}
+                     if e.op == op and e.kind == "activation" and e.numel >= MIN_OFFLOAD_NUMEL}
             if flag:
                 assert by_key.get((op, "activation"), 0) >= sum(n for _, n in large), (op, by_key)
 
