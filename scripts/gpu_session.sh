@@ -62,10 +62,10 @@ next1)
 next2)
     # call 2 (carry .dev/cute; the tree that travels must stay under 64 MiB with it: about 3.4 MiB
     # for the repo): 2 x 2 clusters (opt-in, issue 11's lever): the same bits as the pair, each
-    # GEMM's speed, then the Megatron-settings benchmark with and without them (limits: 540 s)
-    pytest_ 130 tests/test_kernels_gpu.py -k "two_by_two or cluster_slots"
-    run 60 python3 benchmarks/bench_cluster2x2.py --out "$OUT/results"
-    run 60 python3 benchmarks/bench_cluster2x2.py --skew --out "$OUT/results"
+    # GEMM's speed, then the Megatron-settings benchmark with and without them (limits: 530 s)
+    pytest_ 170 tests/test_kernels_gpu.py -k "two_by_two or cluster_slots"
+    run 50 python3 benchmarks/bench_cluster2x2.py --out "$OUT/results"
+    run 50 python3 benchmarks/bench_cluster2x2.py --skew --out "$OUT/results"
     run 130 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only --out "$OUT/results"
     run 130 env TEO_GEMM_CLUSTER_M=2 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only \
         --out "$OUT/results/cluster2x2"
@@ -88,17 +88,14 @@ next5)
     pytest_ 150 tests/test_gpu_graphs.py tests/test_gpu_large_operands.py tests/test_graph_capture.py
     ;;
 ncu)
-    # issue 11: where the main_grad add's 5% goes (carry .dev/cute): one wgrad launch each under Nsight
-    # Compute, plain bf16 against the tma and red adds into fp32 main_grad (L2 sectors by operation)
-    # (limits: 4 x (90 + 30) s)
-    for v in "wgrad pingpong" "wgrad_main_grad pingpong --add tma" "wgrad_main_grad pingpong --add red" \
-             "wgrad_main_grad cooperative --add tma"; do
+    # issue 11: one wgrad launch each under Nsight Compute (carry .dev/cute), plain bf16 against the
+    # tma add into fp32 main_grad: L2 sectors by operation, DRAM bytes (benchmarks/results/ncu/README.md)
+    for v in "wgrad pingpong" "wgrad_main_grad pingpong --add tma"; do
         name=$(echo "$v" | tr ' ' '_' | tr -d '-')
-        run 90 ncu --profile-from-start off --launch-count 1 --clock-control none --section SpeedOfLight \
-            --section MemoryWorkloadAnalysis --section WarpStateStats --metrics \
-            lts__t_sectors_op_red.sum,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_atom.sum \
+        run 100 ncu --profile-from-start off --launch-count 1 --clock-control none --section SpeedOfLight \
+            --section MemoryWorkloadAnalysis --metrics \
+            lts__t_sectors_op_red.sum,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_atom.sum,lts__t_bytes.sum,dram__bytes.sum,gpu__time_duration.sum \
             -o "/tmp/ncu_$name" -f python3 benchmarks/profile_gemm.py $v
-        # the text only comes back: at most 8 files return from a call
         run 30 sh -c "ncu --import '/tmp/ncu_$name.ncu-rep' --page details > '$OUT/results/ncu_$name.txt'"
     done
     ;;
@@ -116,5 +113,9 @@ suite2)
     exit 2
     ;;
 esac
+# at most 8 files come back from a call: the results folder travels as one archive
+if [ -n "$(ls -A "$OUT/results" 2>/dev/null)" ]; then
+    tar czf "$OUT/results_$phase.tgz" -C "$OUT" results && rm -rf "$OUT/results"
+fi
 echo "--- summary ($log)"
 grep -E "^=== |passed|failed|error|FAILED|ERROR|x plain|target|graphed|^\[" "$log" | grep -v "^=== exit 0" | tail -60
