@@ -51,41 +51,13 @@ main)
     run 150 python3 benchmarks/bench_graphs.py --rounds 5 --steps 8 --out "$OUT/results"
     ;;
 next1)
-    # next session, call 1 (carry .dev/te): the TE-only files, teo's unfused GPU tests and the unfused
-    # profile test (cut by the time limit last session)
-    pytest_ 200 tests/test_te_fused_mlp.py tests/test_te_fused_mlp_gpu.py tests/test_policy.py tests/test_ops.py \
-        tests/test_gpu_ops.py
-    # (-k: a module name with "fused" in it would be deselected whole; these have none)
-    pytest_ 200 -s tests/test_gpu_engines.py tests/test_gpu_engine_teo.py tests/test_step_profile_gpu.py \
-        -k "not fused or unfused"
-    ;;
-next2)
-    # call 2 (carry .dev/cute; the tree that travels must stay under 64 MiB with it: about 3.4 MiB
-    # for the repo): 2 x 2 clusters (opt-in, issue 11's lever): the same bits as the pair, each
-    # GEMM's speed, then the Megatron-settings benchmark with and without them (limits: 530 s)
-    pytest_ 170 tests/test_kernels_gpu.py -k "two_by_two or cluster_slots"
-    run 50 python3 benchmarks/bench_cluster2x2.py --out "$OUT/results"
-    run 50 python3 benchmarks/bench_cluster2x2.py --skew --out "$OUT/results"
-    run 130 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only --out "$OUT/results"
-    run 130 env TEO_GEMM_CLUSTER_M=2 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only \
-        --out "$OUT/results/cluster2x2"
-    ;;
-next3)
-    # call 3: the wide shape, where n = L-1 could reach 1.03x by estimate, teo and V2; then the
-    # base policies not re-run after the split-size check left the compute stream
-    run 330 python3 benchmarks/moe_step.py --shapes wide --engines teo,v2 --no-cap --out "$OUT/results/wide"
-    run 230 python3 benchmarks/moe_step.py --shapes base --engines teo --policies mlp:2,mlp:8,layer:2,layer:6 \
+    # next session, call 1 (carry .dev/te): the TE-only files and teo's unfused GPU tests (the rest
+    # of the unfused GPU files run in next5)
+    # call 5 (as the budget allows): the rest of the suite, the base policies not re-run
+    pytest_ 330 -s tests/test_gpu_engines.py tests/test_gpu_ops.py tests/test_gpu_graphs.py \
+        tests/test_gpu_large_operands.py tests/test_graph_capture.py tests/test_step_profile_gpu.py
+    run 220 python3 benchmarks/moe_step.py --shapes base --engines teo --policies mlp:2,mlp:8,layer:2,layer:6 \
         --no-cap --out "$OUT/results"
-    ;;
-next4)
-    # call 4: the fused path's suite files
-    pytest_ 560 tests/test_kernels_gpu.py tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py
-    ;;
-next5)
-    # call 5 (as the budget allows): the wide shape's cap search, or the rest of the suite
-    run 400 python3 benchmarks/moe_step.py --shapes wide --engines teo --alloc-conf expandable_segments:True \
-        --policies mlp:4,mlp:7,layer:2,layer:4 --out "$OUT/results/wide_cap"
-    pytest_ 150 tests/test_gpu_graphs.py tests/test_gpu_large_operands.py tests/test_graph_capture.py
     ;;
 ncu)
     # issue 11: one wgrad launch each under Nsight Compute (carry .dev/cute), plain bf16 against the

@@ -83,6 +83,7 @@ def offload_context(
     classify: Optional[Callable[[torch.Tensor], Hashable]] = None,
     retain_pinned_cpu_buffers: bool = False,
     prefetch: Optional[int] = None,
+    release: Optional[str] = None,
 ):
     """Returns ``(context, sync_function, counter)`` for ``engine`` over ``model_layers`` layers.
 
@@ -93,6 +94,11 @@ def offload_context(
     ``prefetch`` ("teo" only): None (default) reloads each layer as early as it fits under the
     step's no-offload peak less what was offloaded; an int k starts layers i..i-k when layer i's
     backward begins (more overlap, more memory at the peak).
+    ``release`` ("teo" only): "layers" (default) gives each offloaded layer's GPU bytes back a fixed
+    number of layers later, the forward waiting for its copies there; "memory" holds them longer
+    while the previous step's figures say the forward stays under its end-of-forward memory, so
+    the forward waits less where copies are slower than compute (opt-in, see
+    ``engines_teo.sources_to_release``).
     "teo" accepts ``num_layers == model_layers``; its pinned buffers are always kept for reuse.
     """
     if engine not in ENGINES:
@@ -102,6 +108,8 @@ def offload_context(
                          + (" (it always reuses its pinned buffers)" if engine == "teo" else ""))
     if prefetch is not None and engine != "teo":
         raise ValueError(f"prefetch is an option of the teo engine, not of {engine!r}")
+    if release is not None and engine != "teo":
+        raise ValueError(f"release is an option of the teo engine, not of {engine!r}")
     counter = OffloadCounter(classify)
     if engine == "none":
         return contextlib.nullcontext(), (lambda t: t), counter
@@ -109,7 +117,7 @@ def offload_context(
         from .engines_teo import make_teo_context
 
         ctx, sync = make_teo_context(num_layers, model_layers, prefetch=prefetch,
-                                     counter=counter)
+                                     counter=counter, release=release or "layers")
         return ctx, sync, counter
     if engine != active_engine():
         raise RuntimeError(

@@ -16,7 +16,11 @@ modules leave); when it moves is this module's own schedule:
   ahead cannot free memory a copy still reads: ``record_stream`` would only return it once the
   host sees the copy done). The last layer with ``n = L`` has no later layer: its bytes go back
   when its ``sync`` is called (a wait for its copies: this frees it across whatever follows the
-  stack, such as an LM head, and it reloads at once when the backward begins);
+  stack, such as an LM head, and it reloads at once when the backward begins). With
+  ``release="memory"`` (opt-in) a layer whose release is due stays held while the previous step's
+  figures (the memory each stretch of forward reaches under the layer schedule, and the memory at
+  the start of backward) say the forward stays under its end with one layer's bytes to spare: the
+  forward waits on copies only where memory runs out (see :func:`sources_to_release`);
 * backward: reloads run on a second stream, into memory taken on the compute stream after the
   work queued there so far; a saved tensor's first use makes the compute stream wait for its own
   reload only. A reload goes back to the allocator as a tensor kept on the GPU does: the engine
@@ -71,7 +75,7 @@ from . import capture, policy
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["COPY_CHUNK_ENV", "PinnedBufferPool", "TeoEngine", "copy_chunk_bytes", "copy_pieces", "default_pool", "free_pinned_buffers", "layers_to_reload",
+__all__ = ["COPY_CHUNK_ENV", "RELEASES", "PinnedBufferPool", "TeoEngine", "sources_to_release", "copy_chunk_bytes", "copy_pieces", "default_pool", "free_pinned_buffers", "layers_to_reload",
            "make_teo_context", "peak_neutral_lead", "release_lag", "plan_saved", "reloads_at_backward_start",
            "reloads_at_region_end", "watch_region"]
 
@@ -181,6 +185,33 @@ def release_lag(num_layers: int, model_layers: int) -> int:
     forward then holds at most ``L - n`` layers' offloadable activations (at least the layer being
     run), as the peak at the start of backward does."""
     return max(model_layers - num_layers, 1)
+
+
+RELEASES = ("layers", "memory")
+
+
+def sources_to_release(due: list[tuple[int, int]], next_strict_bytes: Optional[int], end_bytes: Optional[int],
+                       margin: int) -> list[int]:
+    """``release="memory"``: which layers whose release is due (``due``: (layer, GPU bytes still held),
+    oldest first) give their bytes back now.
+
+    The layer schedule releases each at once, making the forward wait for its copies. Memory only
+    has to stay under what the forward reaches at its end (the start of backward, the step's
+    peak): a layer may be held while the memory the next stretch of forward reaches under the layer
+    schedule (``next_strict_bytes``, from the previous step) plus what stays held is within
+    ``end_bytes`` (the previous step's memory at the start of backward) less ``margin``. Without a
+    previous step's figures, all go. Oldest first: their copies end first."""
+    layers = [j for j, _ in due]
+    if next_strict_bytes is None or end_bytes is None:
+        return layers
+    held = sum(n for _, n in due)
+    out = []
+    for j, n in due:
+        if next_strict_bytes + held <= end_bytes - margin:
+            break
+        out.append(j)
+        held -= n
+    return out
 
 
 def peak_neutral_lead(num_layers: int, model_layers: int) -> int:
@@ -431,7 +462,7 @@ class TeoEngine:
     """Pack/unpack hooks and the schedule behind one teo context (one model's layers)."""
 
     def __init__(self, num_layers: int, model_layers: int, *, prefetch: Optional[int] = None,
-                 counter: Any = None, pool: Optional[PinnedBufferPool] = None):
+                 counter: Any = None, pool: Optional[PinnedBufferPool] = None, release: str = "layers"):
         for name, value in (("num_layers", num_layers), ("model_layers", model_layers), ("prefetch", prefetch)):
             if name == "prefetch" and value is None:
                 continue
@@ -443,7 +474,16 @@ class TeoEngine:
             raise ValueError(f"num_layers must be in 0..model_layers={model_layers}, got {num_layers}")
         if prefetch is not None and prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 layers (or None: peak-neutral), got {prefetch}")
+        if release not in RELEASES:
+            raise ValueError(f"release must be one of {RELEASES}, got {release!r}")
         self.num_layers, self.model_layers, self.prefetch = num_layers, model_layers, prefetch
+        self.release = release
+        # release="memory": this step's and the last step's figures (bytes the allocator holds)
+        self._memory = self._memory_allocated  # a seam for CPU tests
+        self._strict_at_entry: dict[int, int] = {}
+        self._end_bytes: Optional[int] = None
+        self._layer_bytes = 0
+        self._last_figures: Optional[tuple[dict, int, int]] = None  # (strict at entry, end, margin)
         self.counter = counter
         self.pool = pool if pool is not None else default_pool()
         self.copy_chunk = copy_chunk_bytes()
@@ -467,14 +507,46 @@ class TeoEngine:
             self._fwd_layer = 0
         else:
             self._fwd_layer += 1
-        self._release_sources(self._fwd_layer - release_lag(self.num_layers, self.model_layers))
-        return self._fwd_layer
+        j = self._fwd_layer
+        due = j - release_lag(self.num_layers, self.model_layers)
+        if self.release == "layers":
+            self._release_sources(due)
+        else:
+            self._release_by_memory(j, due)
+        return j
+
+    def _memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated(self._device if self._device is not None else torch.cuda.current_device())
+
+    def _held_bytes(self, layer: int) -> int:
+        copies = self._layers.get(layer)
+        if copies is None or copies.released:
+            return 0
+        return sum(c.nbytes for c in copies.copies if c.source is not None)
+
+    def _release_by_memory(self, j: int, due: int) -> None:
+        """``release="memory"``: layers due for release (``<= due``) are held while the last step's
+        figures say the forward stays under its end-of-forward memory (:func:`sources_to_release`)."""
+        pending = [(i, self._held_bytes(i)) for i in sorted(self._layers) if i <= due and self._held_bytes(i)]
+        figures = self._last_figures
+        if figures is None:
+            go = [i for i, _ in pending]
+        else:
+            strict, end, margin = figures
+            go = sources_to_release(pending, strict.get(j + 1, end), end, margin)
+        for i in go:
+            self._release_sources(i)
+        still = sum(self._held_bytes(i) for i, _ in pending)
+        self._strict_at_entry[j] = self._memory() - still  # what the layer schedule would hold here
 
     def layer_done(self, layer: int) -> None:
         """Layer ``layer``'s forward ended (its sync): a layer with no later one to release it at
-        gives its bytes back now."""
+        gives its bytes back now (under release="memory", the last layer gives back all still held)."""
         if layer + release_lag(self.num_layers, self.model_layers) >= self.model_layers:
             self._release_sources(layer)
+        if self.release == "memory" and layer == self.model_layers - 1:
+            for i in sorted(self._layers):
+                self._release_sources(i)
 
     def _release_sources(self, layer: int) -> None:
         """The compute stream waits for ``layer``'s copies to the host; its GPU bytes go back."""
@@ -504,12 +576,17 @@ class TeoEngine:
     def abandon_step(self) -> None:
         """A layer's forward raised: this step's copies go back and the next entry is layer 0 of a
         new step (else every later step would be counted from the failed layer on)."""
+        self._end_bytes = None  # no figures from a step that did not run through
         self._end_step()
         self._fwd_layer = None
         self._finish_queued = False
 
     def _end_step(self) -> None:
         """The step's host copies go back to the pool (a reuse waits for their last GPU use)."""
+        if self.release == "memory":  # a step that reached its backward leaves its figures to the next
+            if self._end_bytes is not None and self._strict_at_entry:
+                self._last_figures = (dict(self._strict_at_entry), self._end_bytes, self._layer_bytes)
+            self._strict_at_entry, self._end_bytes, self._layer_bytes = {}, None, 0
         if not self._layers:
             return
         for layer in list(self._layers):
@@ -601,6 +678,7 @@ class TeoEngine:
 
     def backward_boundary(self, layer: int) -> None:
         """Layer ``layer``'s backward begins: drop later layers' reloads, reload this one and prefetch."""
+        self._note_forward_end()
         if not self._finish_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
             self._finish_queued = True
@@ -608,6 +686,13 @@ class TeoEngine:
             self._release_reload(done)
         for j in reloads_at_backward_start(layer, self.prefetch, self.num_layers, self.model_layers):
             self._reload(j)
+
+    def _note_forward_end(self) -> None:
+        """release="memory": the memory at the start of backward (the step's peak) and the largest
+        layer's offloaded bytes (the margin), once per step."""
+        if self.release == "memory" and self._end_bytes is None:
+            self._end_bytes = self._memory()
+            self._layer_bytes = max((sum(c.nbytes for c in lc.copies) for lc in self._layers.values()), default=0)
 
     def region_backward_done(self, layer: int) -> None:
         """The backward of what ran in layer ``layer``'s context is over and autograd released its
@@ -792,7 +877,8 @@ class TeoContext:
 
 
 def make_teo_context(num_layers: int, model_layers: int, *, prefetch: Optional[int] = None, counter: Any = None,
-                     pool: Optional[PinnedBufferPool] = None):
+                     pool: Optional[PinnedBufferPool] = None, release: str = "layers"):
     """``(context, sync_function)`` of a new teo engine (see the module docstring)."""
-    ctx = TeoContext(TeoEngine(num_layers, model_layers, prefetch=prefetch, counter=counter, pool=pool))
+    ctx = TeoContext(TeoEngine(num_layers, model_layers, prefetch=prefetch, counter=counter, pool=pool,
+                               release=release))
     return ctx, ctx.sync

@@ -757,3 +757,111 @@ def test_a_layer_that_raises_ends_the_step_and_the_next_starts_at_layer_0():
         step(fail_at=1)
     assert not ctx._inside and cpu_offload.OFFLOAD_SYNCHRONIZER is None
     assert step() == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# release="memory": sources held past the layer schedule while the forward stays under its end
+
+
+def test_sources_to_release_keeps_the_oldest_last_only_while_memory_allows():
+    due = [(0, 100), (1, 100), (2, 100)]
+    assert engines_teo.sources_to_release(due, None, 1000, 10) == [0, 1, 2]  # no figures yet: all
+    assert engines_teo.sources_to_release(due, 500, 1000, 10) == []  # 500 + 300 <= 990: all held
+    assert engines_teo.sources_to_release(due, 750, 1000, 10) == [0]  # 750 + 300 > 990; 750 + 200 fits
+    assert engines_teo.sources_to_release(due, 850, 1000, 10) == [0, 1]
+    assert engines_teo.sources_to_release(due, 1000, 1000, 10) == [0, 1, 2]  # the forward's end: none held
+    assert engines_teo.sources_to_release([], 1000, 1000, 10) == []
+
+
+def _finish_step(engine):
+    """The step's end as the backward's would be, without its reloads (fake copies have no host side)."""
+    engine._layers.clear()
+    engine._end_step()
+
+
+def _run_forward_with_fake_memory(engine, L, n, per_layer, memory):
+    """One forward: each layer adds ``per_layer`` bytes; an offloaded layer's saves are a held
+    source of the same size (fake copies). Returns the memory seen at each layer entry."""
+    seen = []
+    for k in range(L):
+        engine.enter_layer()
+        seen.append(memory["now"])
+        memory["now"] += per_layer
+        if k < n:
+            engine._layers[k] = _fake_layer_copies(k, count=1)
+            engine._layers[k].copies[0].nbytes = per_layer
+        engine.layer_done(k)
+    return seen
+
+
+def test_memory_release_holds_sources_longer_yet_never_past_the_forwards_end(monkeypatch):
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    L, n, per_layer = 8, 7, 100
+    engine = TeoEngine(n, L, release="memory")
+    memory = {"now": 0}
+
+    def allocated():  # the bytes tensors hold: the running total less the sources given back
+        given_back = sum(c.nbytes for lc in engine._layers.values() for c in lc.copies if c.source is None)
+        return memory["now"] - given_back
+
+    engine._memory = allocated
+    # step 1: no figures yet, the layer schedule (lag 1): layer k's bytes go back at layer k+1
+    _run_forward_with_fake_memory(engine, L, n, per_layer, memory)
+    assert all(engine._layers[k].released for k in range(n))
+    engine._note_forward_end()
+    end = allocated()
+    assert end == per_layer  # only the layer not offloaded is left at the forward's end
+    _finish_step(engine)
+    assert engine._last_figures is not None and engine._last_figures[1] == end
+    # step 2: each layer's activations are 100 bytes, the end-of-forward memory 100 with a margin
+    # of one layer: nothing can be held (the layer schedule already sits at the end's level)
+    memory["now"] = 0
+    _run_forward_with_fake_memory(engine, L, n, per_layer, memory)
+    assert all(engine._layers[k].released for k in range(n))
+
+
+def test_memory_release_holds_a_layer_where_later_layers_have_not_grown_yet(monkeypatch):
+    """Layers that keep activations on the GPU (attention, say) leave room early in the forward:
+    the sources of the first offloaded layers stay held there, and all are given back by the end."""
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    L, n = 4, 3
+    engine = TeoEngine(n, L, release="memory")
+    memory = {"now": 0}
+    kept_per_layer, moved_per_layer = 300, 100  # each layer keeps 300 bytes, 100 are offloaded
+
+    def allocated():
+        given_back = sum(c.nbytes for lc in engine._layers.values() for c in lc.copies if c.source is None)
+        return memory["now"] - given_back
+
+    engine._memory = allocated
+    held_at_entry = []
+    for step in range(2):
+        memory["now"] = 0
+        held_at_entry.clear()
+        for k in range(L):
+            engine.enter_layer()
+            held_at_entry.append([j for j, lc in engine._layers.items() if not lc.released])
+            memory["now"] += kept_per_layer + moved_per_layer
+            if k < n:
+                engine._layers[k] = _fake_layer_copies(k, count=1)
+                engine._layers[k].copies[0].nbytes = moved_per_layer
+            engine.layer_done(k)
+        assert all(engine._layers[k].released for k in range(n))  # by the forward's end
+        engine._note_forward_end()
+        assert allocated() == L * kept_per_layer + moved_per_layer  # the same end under both schedules
+        _finish_step(engine)
+        if step == 0:  # the layer schedule: layer k-1 given back when layer k enters
+            assert held_at_entry == [[], [], [], []]
+    # the end is 1300 bytes (margin 100): at layer 1's entry the next stretch reaches 600 under the
+    # layer schedule, + 100 held; at layer 2's 900 + 200
+    assert held_at_entry[1] == [0] and held_at_entry[2] == [0, 1]
+    assert held_at_entry[3] == []  # the last stretch reaches the end: everything goes back
+
+
+def test_release_is_an_option_of_teo_only():
+    with pytest.raises(ValueError, match="release must be one of"):
+        TeoEngine(1, 2, release="lazy")
+    with pytest.raises(ValueError, match="release is an option of the teo engine"):
+        offload_context("v2", num_layers=1, model_layers=2, release="memory")
