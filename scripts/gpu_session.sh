@@ -51,8 +51,35 @@ main)
     run 150 python3 benchmarks/bench_graphs.py --rounds 5 --steps 8 --out "$OUT/results"
     ;;
 next1)
-    # next session, call 1 (carry .dev/te): the TE-only files and teo's unfused GPU tests (the rest
-    # of the unfused GPU files run in next5)
+    # next session, call 1 (carry .dev/te): the TE-only files and teo's unfused GPU tests (the other
+    # unfused GPU files run in call 5)
+    pytest_ 150 tests/test_te_fused_mlp.py tests/test_te_fused_mlp_gpu.py tests/test_policy.py tests/test_ops.py
+    # (-k: a module name with "fused" in it would be deselected whole; this one has none)
+    pytest_ 120 -s tests/test_gpu_engine_teo.py -k "not fused or unfused"
+    ;;
+next2)
+    # call 2 (carry .dev/cute; the tree that travels must stay under 64 MiB with it: about 3.4 MiB
+    # for the repo): 2 x 2 clusters (opt-in, issue 11's lever): the same bits as the pair, each
+    # GEMM's speed, then the Megatron-settings benchmark with and without them (limits: 530 s)
+    pytest_ 170 tests/test_kernels_gpu.py -k "two_by_two or cluster_slots"
+    run 50 python3 benchmarks/bench_cluster2x2.py --out "$OUT/results"
+    run 50 python3 benchmarks/bench_cluster2x2.py --skew --out "$OUT/results"
+    run 130 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only --out "$OUT/results"
+    run 130 env TEO_GEMM_CLUSTER_M=2 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only \
+        --out "$OUT/results/cluster2x2"
+    ;;
+next3)
+    # call 3: the wide shape, where n = L-1 could reach 1.03x by estimate (teo, V2), then teo
+    # releasing by memory (teo-m) at base, where the layer schedule waits on copies
+    run 380 python3 benchmarks/moe_step.py --shapes wide --engines teo,v2 --no-cap --out "$OUT/results/wide"
+    run 180 python3 benchmarks/moe_step.py --shapes base --engines teo-m --policies mlp:6,mlp:7,mlp:8,layer:4 \
+        --no-cap --out "$OUT/results"
+    ;;
+next4)
+    # call 4: the fused path's suite files
+    pytest_ 560 tests/test_kernels_gpu.py tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py
+    ;;
+next5)
     # call 5 (as the budget allows): the rest of the suite, the base policies not re-run
     pytest_ 330 -s tests/test_gpu_engines.py tests/test_gpu_ops.py tests/test_gpu_graphs.py \
         tests/test_gpu_large_operands.py tests/test_graph_capture.py tests/test_step_profile_gpu.py

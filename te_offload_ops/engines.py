@@ -117,7 +117,7 @@ def offload_context(
         from .engines_teo import make_teo_context
 
         ctx, sync = make_teo_context(num_layers, model_layers, prefetch=prefetch,
-                                     counter=counter, release=release or "layers")
+                                     counter=counter, release="layers" if release is None else release)
         return ctx, sync, counter
     if engine != active_engine():
         raise RuntimeError(

@@ -197,10 +197,14 @@ def sources_to_release(due: list[tuple[int, int]], next_strict_bytes: Optional[i
 
     The layer schedule releases each at once, making the forward wait for its copies. Memory only
     has to stay under what the forward reaches at its end (the start of backward, the step's
-    peak): a layer may be held while the memory the next stretch of forward reaches under the layer
-    schedule (``next_strict_bytes``, from the previous step) plus what stays held is within
-    ``end_bytes`` (the previous step's memory at the start of backward) less ``margin``. Without a
-    previous step's figures, all go. Oldest first: their copies end first."""
+    peak): a layer may be held while the memory the layer schedule reaches at the end of the next
+    stretch of forward (``next_strict_bytes``, from the previous step) plus what stays held is
+    within ``end_bytes`` (the previous step's memory at the start of backward) less ``margin``
+    (room for what a stretch allocates and frees inside itself, which the figures at entries do
+    not see). Without figures, all go. Oldest first: their copies end first.
+
+    Steps assumed alike: a step shaped unlike the one before (other token counts per layer) may
+    go above its own layer-schedule peak by up to what is held less the margin."""
     layers = [j for j, _ in due]
     if next_strict_bytes is None or end_bytes is None:
         return layers
@@ -484,6 +488,7 @@ class TeoEngine:
         self._end_bytes: Optional[int] = None
         self._layer_bytes = 0
         self._last_figures: Optional[tuple[dict, int, int]] = None  # (strict at entry, end, margin)
+        self._figure_steps = 0
         self.counter = counter
         self.pool = pool if pool is not None else default_pool()
         self.copy_chunk = copy_chunk_bytes()
@@ -526,8 +531,13 @@ class TeoEngine:
 
     def _release_by_memory(self, j: int, due: int) -> None:
         """``release="memory"``: layers due for release (``<= due``) are held while the last step's
-        figures say the forward stays under its end-of-forward memory (:func:`sources_to_release`)."""
+        figures say the forward stays under its end-of-forward memory (:func:`sources_to_release`).
+
+        The figure kept for entry ``j`` is the memory the layer schedule holds as the stretch before
+        it ends (before its release at ``j``): what is held now less the layers it would have given
+        back earlier (``< due``)."""
         pending = [(i, self._held_bytes(i)) for i in sorted(self._layers) if i <= due and self._held_bytes(i)]
+        self._strict_at_entry[j] = self._memory() - sum(n for i, n in pending if i < due)
         figures = self._last_figures
         if figures is None:
             go = [i for i, _ in pending]
@@ -536,8 +546,6 @@ class TeoEngine:
             go = sources_to_release(pending, strict.get(j + 1, end), end, margin)
         for i in go:
             self._release_sources(i)
-        still = sum(self._held_bytes(i) for i, _ in pending)
-        self._strict_at_entry[j] = self._memory() - still  # what the layer schedule would hold here
 
     def layer_done(self, layer: int) -> None:
         """Layer ``layer``'s forward ended (its sync): a layer with no later one to release it at
@@ -585,7 +593,11 @@ class TeoEngine:
         """The step's host copies go back to the pool (a reuse waits for their last GPU use)."""
         if self.release == "memory":  # a step that reached its backward leaves its figures to the next
             if self._end_bytes is not None and self._strict_at_entry:
-                self._last_figures = (dict(self._strict_at_entry), self._end_bytes, self._layer_bytes)
+                # not the first such step's: buffers allocated once, in the middle of its forward,
+                # would make its earlier figures low
+                if self._figure_steps:
+                    self._last_figures = (dict(self._strict_at_entry), self._end_bytes, self._layer_bytes)
+                self._figure_steps += 1
             self._strict_at_entry, self._end_bytes, self._layer_bytes = {}, None, 0
         if not self._layers:
             return

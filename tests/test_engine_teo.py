@@ -779,85 +779,85 @@ def _finish_step(engine):
     engine._end_step()
 
 
-def _run_forward_with_fake_memory(engine, L, n, per_layer, memory):
-    """One forward: each layer adds ``per_layer`` bytes; an offloaded layer's saves are a held
-    source of the same size (fake copies). Returns the memory seen at each layer entry."""
-    seen = []
-    for k in range(L):
-        engine.enter_layer()
-        seen.append(memory["now"])
-        memory["now"] += per_layer
-        if k < n:
-            engine._layers[k] = _fake_layer_copies(k, count=1)
-            engine._layers[k].copies[0].nbytes = per_layer
-        engine.layer_done(k)
-    return seen
+class _MemoryStep:
+    """Fake forwards for release="memory": each layer adds ``kept`` bytes that stay and ``moved``
+    bytes that an offloaded layer (k < n) holds as a source until released. Records, per layer,
+    the layers still held after its entry and the memory at the end of its stretch."""
 
+    def __init__(self, monkeypatch, L, n, kept, moved):
+        stream = _FakeStream()
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+        self.engine = TeoEngine(n, L, release="memory")
+        self.engine._memory = self.allocated
+        self.L, self.n, self.kept, self.moved = L, n, kept, moved
+        self.now = 0
 
-def test_memory_release_holds_sources_longer_yet_never_past_the_forwards_end(monkeypatch):
-    stream = _FakeStream()
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    L, n, per_layer = 8, 7, 100
-    engine = TeoEngine(n, L, release="memory")
-    memory = {"now": 0}
+    def allocated(self):
+        given_back = sum(c.nbytes for lc in self.engine._layers.values() for c in lc.copies if c.source is None)
+        return self.now - given_back
 
-    def allocated():  # the bytes tensors hold: the running total less the sources given back
-        given_back = sum(c.nbytes for lc in engine._layers.values() for c in lc.copies if c.source is None)
-        return memory["now"] - given_back
-
-    engine._memory = allocated
-    # step 1: no figures yet, the layer schedule (lag 1): layer k's bytes go back at layer k+1
-    _run_forward_with_fake_memory(engine, L, n, per_layer, memory)
-    assert all(engine._layers[k].released for k in range(n))
-    engine._note_forward_end()
-    end = allocated()
-    assert end == per_layer  # only the layer not offloaded is left at the forward's end
-    _finish_step(engine)
-    assert engine._last_figures is not None and engine._last_figures[1] == end
-    # step 2: each layer's activations are 100 bytes, the end-of-forward memory 100 with a margin
-    # of one layer: nothing can be held (the layer schedule already sits at the end's level)
-    memory["now"] = 0
-    _run_forward_with_fake_memory(engine, L, n, per_layer, memory)
-    assert all(engine._layers[k].released for k in range(n))
-
-
-def test_memory_release_holds_a_layer_where_later_layers_have_not_grown_yet(monkeypatch):
-    """Layers that keep activations on the GPU (attention, say) leave room early in the forward:
-    the sources of the first offloaded layers stay held there, and all are given back by the end."""
-    stream = _FakeStream()
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    L, n = 4, 3
-    engine = TeoEngine(n, L, release="memory")
-    memory = {"now": 0}
-    kept_per_layer, moved_per_layer = 300, 100  # each layer keeps 300 bytes, 100 are offloaded
-
-    def allocated():
-        given_back = sum(c.nbytes for lc in engine._layers.values() for c in lc.copies if c.source is None)
-        return memory["now"] - given_back
-
-    engine._memory = allocated
-    held_at_entry = []
-    for step in range(2):
-        memory["now"] = 0
-        held_at_entry.clear()
-        for k in range(L):
+    def forward(self, backward=True):
+        engine, held, stretch_ends = self.engine, [], []
+        self.now = 0
+        for k in range(self.L):
+            if k:
+                stretch_ends.append(self.allocated())
             engine.enter_layer()
-            held_at_entry.append([j for j, lc in engine._layers.items() if not lc.released])
-            memory["now"] += kept_per_layer + moved_per_layer
-            if k < n:
+            held.append([j for j, lc in sorted(engine._layers.items()) if not lc.released])
+            self.now += self.kept + self.moved
+            if k < self.n:
                 engine._layers[k] = _fake_layer_copies(k, count=1)
-                engine._layers[k].copies[0].nbytes = moved_per_layer
+                engine._layers[k].copies[0].nbytes = self.moved
             engine.layer_done(k)
-        assert all(engine._layers[k].released for k in range(n))  # by the forward's end
-        engine._note_forward_end()
-        assert allocated() == L * kept_per_layer + moved_per_layer  # the same end under both schedules
-        _finish_step(engine)
-        if step == 0:  # the layer schedule: layer k-1 given back when layer k enters
-            assert held_at_entry == [[], [], [], []]
-    # the end is 1300 bytes (margin 100): at layer 1's entry the next stretch reaches 600 under the
-    # layer schedule, + 100 held; at layer 2's 900 + 200
-    assert held_at_entry[1] == [0] and held_at_entry[2] == [0, 1]
-    assert held_at_entry[3] == []  # the last stretch reaches the end: everything goes back
+        stretch_ends.append(self.allocated())
+        assert all(engine._layers[k].released for k in range(self.n))  # by the forward's end
+        end = self.allocated()
+        if backward:
+            engine._note_forward_end()
+            _finish_step(engine)
+        return held, stretch_ends, end
+
+
+@pytest.mark.parametrize("kept, layer_ends, held_then, ends_then", [
+    (300, [400, 700, 1000, 1300], [[], [0], [0, 1], []], [400, 800, 1200, 1300]),
+    # less room: at layer 2's entry holding both would leave no spare (1050 > 1100 - 100)
+    (250, [350, 600, 850, 1100], [[], [0], [1], []], [350, 700, 950, 1100]),
+])
+def test_memory_release_holds_sources_where_later_layers_have_not_grown_yet(monkeypatch, kept, layer_ends,
+                                                                           held_then, ends_then):
+    """Layers that keep activations on the GPU (attention, say) leave room early in the forward:
+    the first offloaded layers' sources stay held there, the memory never passes the forward's end
+    (nor its end less one layer's bytes before the last stretch), and all go back by the end."""
+    run = _MemoryStep(monkeypatch, L=4, n=3, kept=kept, moved=100)
+    for step in range(2):  # no figures, then the first step's (ignored): the layer schedule
+        held, ends, end = run.forward()
+        assert held == [[], [], [], []] and ends == layer_ends and end == layer_ends[-1]
+    for step in range(2):  # the figures of a step like this one
+        held, ends, end = run.forward()
+        assert held == held_then, step
+        assert ends == ends_then and end == layer_ends[-1]
+        assert max(ends[:-1]) <= end - run.moved  # one layer's bytes to spare before the last stretch
+
+
+def test_memory_release_holds_nothing_where_the_layer_schedule_is_already_at_the_end(monkeypatch):
+    run = _MemoryStep(monkeypatch, L=8, n=7, kept=0, moved=100)
+    for _ in range(4):
+        held, ends, end = run.forward()
+        assert held == [[]] * 8 and max(ends) <= end
+
+
+def test_memory_release_figures_come_only_from_steps_that_reached_their_backward(monkeypatch):
+    run = _MemoryStep(monkeypatch, L=4, n=3, kept=300, moved=100)
+    run.forward()
+    run.forward()
+    figures = run.engine._last_figures
+    assert figures is not None and figures[1] == 1300 and figures[2] == 100
+    run.forward(backward=False)  # a forward whose backward never ran (a logged loss) leaves them
+    run.engine._layers.clear()  # (fake copies have no host buffers to give back)
+    run.engine.abandon_step()
+    assert run.engine._last_figures == figures
+    held, _, _ = run.forward()
+    assert held == [[], [0], [0, 1], []]
 
 
 def test_release_is_an_option_of_teo_only():
