@@ -82,7 +82,8 @@ next4)
 next5)
     # call 5 (as the budget allows): the rest of the suite, the base policies not re-run
     pytest_ 330 -s tests/test_gpu_engines.py tests/test_gpu_ops.py tests/test_gpu_graphs.py \
-        tests/test_gpu_large_operands.py tests/test_graph_capture.py tests/test_step_profile_gpu.py
+        tests/test_gpu_large_operands.py tests/test_graph_capture.py tests/test_step_profile_gpu.py \
+        tests/test_gpu_engine_teo.py
     run 220 python3 benchmarks/moe_step.py --shapes base --engines teo --policies mlp:2,mlp:8,layer:2,layer:6 \
         --no-cap --out "$OUT/results"
     ;;

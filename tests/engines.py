@@ -143,13 +143,16 @@ def named_ops(stack) -> dict[str, torch.nn.Module]:
     return {f"L{i}.{name}": op for i, mlp in enumerate(stack) for name, op in zip(OP_NAMES, mlp)}
 
 
-def run_step(stack, inputs, engine: str, offload_layers: int | None = None, keep_grads: bool = False) -> dict:
+def run_step(stack, inputs, engine: str, offload_layers: int | None = None, keep_grads: bool = False,
+             context=None) -> dict:
     """Forward + backward of the whole stack; returns output, grads, memory and bytes moved.
 
     ``keep_grads``: grads from an earlier step stay allocated and are zeroed (as Megatron's
     main_grad buffers stay), so the step's peak is about activations, not grads being allocated;
     the output's grad is then made inside the step too (``(out * dy).sum()``, exactly ``dy``), as
-    a model's loss makes it, so that it counts at the peak as every later grad does."""
+    a model's loss makes it, so that it counts at the peak as every later grad does.
+    ``context``: an ``offload_context(...)`` triple to use (reused across steps) instead of a new one;
+    its counter then counts every step so far."""
     x, probs, dy, splits = inputs
     for p in [x, *probs, *(q for mlp in stack for q in mlp.parameters())]:
         if keep_grads and p.grad is not None:
@@ -163,8 +166,11 @@ def run_step(stack, inputs, engine: str, offload_layers: int | None = None, keep
     layers = len(stack)
     offload_layers = layers - 1 if offload_layers is None else offload_layers
     spy = SpyEngine(recorder) if engine == "spy" else None
-    ctx, sync, counter = offload_context("none" if spy else engine, num_layers=offload_layers,
-                                         model_layers=layers, classify=recorder.kind_of)
+    if context is not None:
+        ctx, sync, counter = context
+    else:
+        ctx, sync, counter = offload_context("none" if spy else engine, num_layers=offload_layers,
+                                             model_layers=layers, classify=recorder.kind_of)
 
     torch.cuda.synchronize()
     base_mem = torch.cuda.memory_allocated()

@@ -138,6 +138,26 @@ def test_whole_step_peak_falls_by_what_moved(num_layers, path):
 
 
 @requires_gpu
+@pytest.mark.parametrize("num_layers", [LAYERS - 1, LAYERS])
+def test_memory_release_is_exact_and_keeps_the_whole_step_peak(num_layers, path):
+    """release="memory" (one context over steps: the third holds sources by the second's figures)
+    gives the same bits and a whole-step active peak no higher than the layer schedule's."""
+    cfg = Config(layers=LAYERS, experts=4, hidden=1024, ffn=768, splits=(1024, 0, 3000, 72))
+    stack, inputs = make_stack(cfg), make_inputs(cfg)
+    run_step(stack, inputs, "none")  # allocates the grads
+    base = run_step(stack, inputs, "none", keep_grads=True)
+    layered = run_step(stack, inputs, "teo", offload_layers=num_layers, keep_grads=True)
+    context = offload_context("teo", num_layers=num_layers, model_layers=LAYERS, release="memory")
+    for _ in range(3):
+        run = run_step(stack, inputs, "teo", offload_layers=num_layers, keep_grads=True, context=context)
+    _assert_same(base, run)
+    assert context[0].engine._last_figures is not None  # the third step ran by figures
+    print(f"n={num_layers}: whole-step active peak, layer schedule {layered['step_active_peak'] / 2**20:.1f} MiB, "
+          f"memory release {run['step_active_peak'] / 2**20:.1f} MiB")
+    assert run["step_active_peak"] <= layered["step_active_peak"] + 2**20  # allocator rounding
+
+
+@requires_gpu
 def test_pinned_pool_does_not_grow_in_steady_state(path):
     cfg = Config(layers=LAYERS)
     stack, inputs = make_stack(cfg), make_inputs(cfg)
