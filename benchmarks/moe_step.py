@@ -523,7 +523,7 @@ def run_child(args) -> None:
     import torch
 
     engine = args.child
-    alloc = os.environ.get(ALLOC_ENV_NEW) or os.environ.get(ALLOC_ENV, "")  # the newer name wins where set
+    alloc = allocator_setting()
     out = {"engine": engine, "gpu": torch.cuda.get_device_name(), "alloc_conf": alloc,
            "pcie": measure_pcie(), "shapes": {}}
     p = out["pcie"]
@@ -600,7 +600,12 @@ def merge(args, children: list[dict]) -> dict:
 def alloc_conf(args, children: list[dict]) -> str:
     """The PYTORCH_CUDA_ALLOC_CONF the engine processes ran under ("" when unset), as they saw it."""
     seen = [c["alloc_conf"] for c in children if "alloc_conf" in c]
-    return seen[0] if seen else (args.alloc_conf or os.environ.get(ALLOC_ENV_NEW) or os.environ.get(ALLOC_ENV, ""))
+    return seen[0] if seen else (args.alloc_conf or allocator_setting())
+
+
+def allocator_setting() -> str:
+    """The allocator setting this process's environment gives ("" when unset): the newer name wins where set."""
+    return os.environ.get(ALLOC_ENV_NEW) or os.environ.get(ALLOC_ENV, "")
 
 
 def child_env(args, engine: str) -> dict:
