@@ -5,10 +5,10 @@ context and synchronization function plus an :class:`OffloadCounter` that adds u
 your choosing, the bytes the engine decided to copy to CPU. "v2" and "v1" are TE's
 (``te.get_cpu_offload_context``); TE picks one when it is imported (``NVTE_CPU_OFFLOAD_V1=1``
 selects V1), so one process runs one of them. "teo" is this package's schedule on TE's marks
-(``engines_teo``), read as V2 reads them: run it in a V2 process (the default). In a V1 process
-TE's own modules leave V1's marks instead (``mark_not_offload`` sets no ``_TE_do_not_offload``
-there), so teo would move their weights' non-Parameter copies (e.g. FP8 workspaces) too; this
-package's ops mark through the policy and are unaffected.
+(``engines_teo``), read as V2 reads them, so it runs in a V2 process (the default) and is refused
+in a V1 one: there TE's own modules leave V1's marks instead (``mark_not_offload`` sets no
+``_TE_do_not_offload``), and teo would move their weights' non-Parameter copies (e.g. FP8
+workspaces) too.
 """
 
 from __future__ import annotations

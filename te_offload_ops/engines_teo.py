@@ -480,6 +480,12 @@ class TeoEngine:
             raise ValueError(f"prefetch must be >= 0 layers (or None: peak-neutral), got {prefetch}")
         if release not in RELEASES:
             raise ValueError(f"release must be one of {RELEASES}, got {release!r}")
+        if cpu_offload.NVTE_CPU_OFFLOAD_V1:
+            # teo reads V2's marks; in a V1 process TE's modules leave V1's instead, so teo would
+            # move their weights' non-Parameter copies (FP8 workspaces) along with activations.
+            raise RuntimeError("the teo offload engine reads TE's V2 marks, but this process runs TE's V1 engine "
+                               "(NVTE_CPU_OFFLOAD_V1=1 when transformer_engine was imported): run teo in a process "
+                               "without NVTE_CPU_OFFLOAD_V1=1, or use offload_context('v1', ...)")
         self.num_layers, self.model_layers, self.prefetch = num_layers, model_layers, prefetch
         self.release = release
         # release="memory": this step's and the last step's figures (bytes the allocator holds)

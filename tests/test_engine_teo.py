@@ -55,6 +55,17 @@ def test_bad_arguments_are_refused(kwargs, error, match):
         offload_context("teo", **kwargs)
 
 
+def test_refused_in_a_process_running_te_v1(monkeypatch):
+    # TE's modules leave V1's marks there, which teo does not read: it would move FP8 workspaces
+    monkeypatch.setattr(cpu_offload, "NVTE_CPU_OFFLOAD_V1", True)
+    with pytest.raises(RuntimeError, match="this process runs TE's V1 engine \\(NVTE_CPU_OFFLOAD_V1=1"):
+        offload_context("teo", num_layers=1, model_layers=2)
+    with pytest.raises(RuntimeError, match="V1"):
+        engines_teo.make_teo_context(1, 2)
+    monkeypatch.setattr(cpu_offload, "NVTE_CPU_OFFLOAD_V1", False)
+    assert isinstance(offload_context("teo", num_layers=1, model_layers=2)[0], engines_teo.TeoContext)
+
+
 def test_prefetch_belongs_to_teo_only():
     with pytest.raises(ValueError, match="prefetch is an option of the teo engine, not of 'v2'"):
         offload_context("v2", num_layers=1, model_layers=2, prefetch=2)
