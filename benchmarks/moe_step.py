@@ -33,6 +33,7 @@ import gc
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -149,20 +150,50 @@ def parse_caps(text: Optional[str], shapes: list[str]) -> dict[str, float]:
     if not text:
         return {}
     if "=" not in text:
-        value = float(text)
-        if value <= 0:
-            raise ValueError(f"memory cap must be positive, got {value}")
-        return dict.fromkeys(shapes, value)
+        return dict.fromkeys(shapes, gib_value("--memory-cap", text))
     caps = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
         name = name.strip()
         if name not in shapes:
-            raise ValueError(f"memory cap for {name!r}: not one of the shapes run ({', '.join(shapes)})")
-        caps[name] = float(value)
-        if caps[name] <= 0:
-            raise ValueError(f"memory cap for {name!r} must be positive, got {value}")
+            raise ValueError(f"--memory-cap for {name!r}: not one of the shapes run ({', '.join(shapes)})")
+        caps[name] = gib_value(f"--memory-cap for {name!r}", value)
     return caps
+
+
+def gib_value(what: str, text) -> float:
+    """A positive, finite number of GiB, or a ValueError naming ``what`` and the text given."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: {str(text).strip()!r} is not a number of GiB") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a positive, finite number of GiB, got {str(text).strip()!r}")
+    return value
+
+
+def check_alloc_conf(text: str) -> None:
+    """The form of PYTORCH_CUDA_ALLOC_CONF (option:value, comma-separated): a typo fails here, not in a child."""
+    depth, item, items = 0, "", []
+    for ch in text:  # commas inside [...] (roundup_power2_divisions:[256:1,512:2]) do not separate
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            items.append(item)
+            item = ""
+        else:
+            item += ch
+    items.append(item)
+    bad = [i for i in items if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*:\S+", i.strip())]
+    if depth or bad:
+        raise ValueError(f"--alloc-conf: {text!r} is not option:value[,option:value...] "
+                         f"(e.g. expandable_segments:True); bad part(s): {bad or [text]}")
+
+
+def check_caps_fit(caps: dict[str, float], device_GiB: float, gpu: str) -> None:
+    """Refuses caps above the GPU: the allocator's fraction stops at 1.0, so such a cap would be reported, not enforced."""
+    over = {name: cap for name, cap in caps.items() if cap > device_GiB}
+    if over:
+        raise SystemExit(f"moe_step.py: --memory-cap {format_caps(over)} is above this GPU's {device_GiB:.1f} GiB ({gpu})")
 
 
 def format_caps(caps: dict[str, float]) -> str:
@@ -253,6 +284,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if not (math.isfinite(args.cap_slowdown) and 0 <= args.cap_slowdown < 1):
+        p.error(f"--cap-slowdown must be a fraction in [0, 1), got {args.cap_slowdown}")
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not args.engines or any(e not in ENGINE_ENV for e in args.engines):
         p.error(f"--engines takes {', '.join(ENGINE_ENV)}, got {args.engines}")
@@ -264,6 +297,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.profile = parse_profile_policies(args.profile, args.layers) if args.profile else None
         args.policies = parse_policies(args.policies, args.layers) if args.policies else default_policies(args.layers)
         args.caps = parse_caps(args.memory_cap, list(args.shapes))
+        if args.memory_target is not None:
+            args.memory_target = gib_value("--memory-target", args.memory_target)
+        if args.alloc_conf:
+            check_alloc_conf(args.alloc_conf)
     except ValueError as exc:
         p.error(str(exc))
     return args
@@ -530,6 +567,7 @@ def run_child(args) -> None:
     print(f"[{engine}] PCIe d2h {p['d2h_GBps']:.1f} GB/s, h2d {p['h2d_GBps']:.1f} GB/s, "
           f"both {p['bidirectional_each_GBps']:.1f} GB/s each", flush=True)
     device_GiB = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GiB
+    check_caps_fit(args.caps, device_GiB, out["gpu"])
     for name, shape in args.shapes.items():
         t0 = time.perf_counter()
         try:

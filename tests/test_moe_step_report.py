@@ -62,6 +62,39 @@ def test_bad_options_are_refused(argv, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, named", [
+    (["--memory-cap", "nan"], "--memory-cap must be a positive, finite number of GiB, got 'nan'"),
+    (["--memory-cap", "inf"], "got 'inf'"),
+    (["--memory-cap", "lots"], "--memory-cap: 'lots' is not a number of GiB"),
+    (["--memory-cap", "base=", "--shapes", "base"], "--memory-cap for 'base': '' is not a number of GiB"),
+    (["--memory-cap", "base=nan", "--shapes", "base"], "--memory-cap for 'base' must be a positive"),
+    (["--memory-target", "nan"], "--memory-target must be a positive, finite number of GiB, got 'nan'"),
+    (["--memory-target", "-2"], "--memory-target must be a positive"),
+    (["--cap-slowdown", "nan"], "--cap-slowdown must be a fraction in [0, 1), got nan"),
+    (["--cap-slowdown", "1.5"], "got 1.5"),
+    (["--alloc-conf", "expandable_segments"], "--alloc-conf: 'expandable_segments' is not option:value"),
+    (["--alloc-conf", "expandable_segments:True,"], "bad part(s): ['']"),
+    (["--alloc-conf", "roundup_power2_divisions:[256:1,512:2"], "is not option:value"),
+])
+def test_bad_values_are_refused_by_name(argv, named, capsys):
+    with pytest.raises(SystemExit) as exc:
+        moe_step.parse_args(argv)
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("conf", ["expandable_segments:True", "max_split_size_mb:512,expandable_segments:True",
+                                  "roundup_power2_divisions:[256:1,512:2,>:8],garbage_collection_threshold:0.6"])
+def test_allocator_settings_of_pytorch_form_are_taken(conf):
+    assert moe_step.parse_args(["--alloc-conf", conf]).alloc_conf == conf
+
+
+def test_a_cap_above_the_gpu_is_refused_not_silently_clipped():
+    moe_step.check_caps_fit({"base": 79.0}, 79.1, "H100")
+    with pytest.raises(SystemExit, match=r"--memory-cap moe-heavy=120 is above this GPU's 79.1 GiB \(H100\)"):
+        moe_step.check_caps_fit({"base": 30.0, "moe-heavy": 120.0}, 79.1, "H100")
+
+
 def test_policies_parse_all_and_drop_repeats():
     assert moe_step.parse_policies("mlp:all, layer:2,mlp:4", 4) == [Policy("mlp", 4), Policy("layer", 2)]
     assert moe_step.default_policies(1) == [Policy("mlp", 1), Policy("layer", 1)]
