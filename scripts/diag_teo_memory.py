@@ -5,14 +5,19 @@ Prints, per event (forward enter/sync, backward start, region end), memory alloc
 allocated peak since the previous event, in MiB above the step's start, and which layers hold
 reloads. Not a benchmark: one step after one warm-up step.
 """
+import argparse
 import os
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "benchmarks"))
-unfused = "--unfused" in sys.argv
-if unfused:
+cli = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+cli.add_argument("--unfused", action="store_true", help="this package's MLP ops through TE's unfused path")
+cli.add_argument("--layers", type=int, default=4, help="layers of the step (default 4)")
+cli.add_argument("policies", nargs="*", default=["layer:2", "mlp:3"], help="mlp:N / layer:N (default layer:2 mlp:3)")
+opts = cli.parse_args()
+if opts.unfused:
     os.environ["TEO_FUSED_SRELU_MLP"] = "0"
 os.environ.setdefault("NVTE_CPU_OFFLOAD_V1", "0")
 
@@ -21,14 +26,9 @@ import torch  # noqa: E402
 import moe_step  # noqa: E402
 from te_offload_ops import engines_teo  # noqa: E402
 
-argv = [a for a in sys.argv[1:] if a != "--unfused"]
-layers = "4"
-if "--layers" in argv:
-    i = argv.index("--layers")
-    layers = argv[i + 1]
-    del argv[i:i + 2]
-policies = argv or ["layer:2", "mlp:3"]
-args = moe_step.parse_args(["--quick", "--layers", layers, "--engines", "teo", "--no-cap",
+unfused, policies = opts.unfused, opts.policies
+# moe_step's parser checks the layers and policies and names what is wrong
+args = moe_step.parse_args(["--quick", "--layers", str(opts.layers), "--engines", "teo", "--no-cap",
                             "--policies", ",".join(policies)] + (["--unfused"] if unfused else []))
 bench = moe_step.StepBench("base", moe_step.SHAPES["base"], args, "teo")
 MiB = 2**20
