@@ -62,6 +62,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -503,6 +504,11 @@ class TeoEngine:
         self._device: Optional[torch.device] = None  # of the first tensor moved: reloads go there
         self.told_no_region_end = False
         self.told_extra_unpack = False
+        self.told_abandoned_forward = False
+        # the last layer output's backward-boundary hook, weakly: it dies with that layer's autograd
+        # graph, which in a forward that goes on stays referenced by what follows (None: unknown)
+        self._last_graph: Optional[weakref.ref] = None
+        self._backward_begun = False
         self._step = 0
         self._fwd_layer: Optional[int] = None
         self._layers: dict[int, _LayerCopies] = {}
@@ -512,10 +518,13 @@ class TeoEngine:
 
     def enter_layer(self) -> int:
         """A layer's forward begins; layer 0 again begins a new step. Returns the layer."""
+        if self._forward_abandoned():
+            self.abandon_step()
         if self._fwd_layer is None or self._fwd_layer == self.model_layers - 1:
             self._end_step()  # a forward whose backward never ran (or raised) leaves its buffers here
             self._finish_queued = False
             self._fwd_layer = 0
+            self._backward_begun = False
         else:
             self._fwd_layer += 1
         j = self._fwd_layer
@@ -525,6 +534,24 @@ class TeoEngine:
         else:
             self._release_by_memory(j, due)
         return j
+
+    def _forward_abandoned(self) -> bool:
+        """A forward cut short between layers (an error outside the context, caught by the caller):
+        its autograd graph is gone before its backward began. The next entry is then layer 0 of a
+        new step; counting on from the cut would offset every later step's layers, and a step
+        would end (its host buffers back to the pool) in the middle of the next forward."""
+        if (self._fwd_layer is None or self._fwd_layer == self.model_layers - 1 or self._backward_begun
+                or self._last_graph is None or self._last_graph() is not None):
+            return False
+        if not self.told_abandoned_forward:
+            self.told_abandoned_forward = True
+            _log.info("teo: the forward stopped after layer %d of %d and its autograd graph was freed before "
+                      "any backward: the next layer entered starts a new step", self._fwd_layer, self.model_layers)
+        return True
+
+    def note_layer_graph(self, hook: Optional[object]) -> None:
+        """``sync`` hands the hook it put on the layer output's grad_fn (None: a frozen layer, no graph)."""
+        self._last_graph = None if hook is None else weakref.ref(hook)
 
     def _memory_allocated(self) -> int:
         return torch.cuda.memory_allocated(self._device if self._device is not None else torch.cuda.current_device())
@@ -594,6 +621,7 @@ class TeoEngine:
         self._end_step()
         self._fwd_layer = None
         self._finish_queued = False
+        self._last_graph = None
 
     def _end_step(self) -> None:
         """The step's host copies go back to the pool (a reuse waits for their last GPU use)."""
@@ -696,6 +724,7 @@ class TeoEngine:
 
     def backward_boundary(self, layer: int) -> None:
         """Layer ``layer``'s backward begins: drop later layers' reloads, reload this one and prefetch."""
+        self._backward_begun = True
         self._note_forward_end()
         if not self._finish_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
@@ -826,6 +855,19 @@ _CAPTURE_MESSAGE = (
     "the offloaded layers outside the graph")
 
 
+class _BackwardBoundary:
+    """The prehook on a layer output's grad_fn that starts the layer's backward in the engine; it
+    lives as long as that autograd graph, which the engine watches through a weak reference."""
+
+    __slots__ = ("engine", "layer", "__weakref__")
+
+    def __init__(self, engine: TeoEngine, layer: int):
+        self.engine, self.layer = engine, layer
+
+    def __call__(self, _grads):
+        self.engine.backward_boundary(self.layer)
+
+
 class TeoContext:
     """The context and synchronization function of one teo engine, used as TE's pair is."""
 
@@ -876,6 +918,7 @@ class TeoContext:
             raise RuntimeError("teo offload sync function called before the context was ever entered")
         if isinstance(tensor, torch.Tensor) and not tensor.requires_grad:
             self.engine.layer_done(self._layer)
+            self.engine.note_layer_graph(None)
             return tensor  # a frozen layer: nothing of it was saved for a backward
         if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
             raise ValueError(
@@ -884,7 +927,9 @@ class TeoContext:
                 f"{getattr(tensor, 'requires_grad', None)}")
         layer, engine = self._layer, self.engine
         engine.layer_done(layer)
-        tensor.grad_fn.register_prehook(lambda _grads: engine.backward_boundary(layer))
+        boundary = _BackwardBoundary(engine, layer)
+        tensor.grad_fn.register_prehook(boundary)
+        engine.note_layer_graph(boundary)
         if self._since is not None:
             _, after = watch_region(tensor.grad_fn, self._since, lambda: engine.region_backward_done(layer))
             if not after and layer > 0 and not engine.told_no_region_end:

@@ -770,6 +770,60 @@ def test_a_layer_that_raises_ends_the_step_and_the_next_starts_at_layer_0():
     assert step() == [0, 1, 2]
 
 
+@pytest.mark.parametrize("num_layers", [0, 2])
+def test_a_forward_cut_between_layers_lets_the_next_step_start_at_layer_0(num_layers):
+    """An error outside the context (a router's, a dispatcher's), caught by the training loop: the
+    graph of the cut forward is freed, and the next step must count its layers from 0 (not go on
+    from the cut, which would end a step, and free its host buffers, in the middle of a forward).
+    (CPU tensors stay where they are: this is the engine's count, with its real autograd hooks.)"""
+    ctx, sync, _ = offload_context("teo", num_layers=num_layers, model_layers=4)
+    x = torch.randn(512, 512, requires_grad=True)
+
+    def step(fail_after=None):
+        seen, h = [], x * 1.0
+        for i in range(4):
+            with ctx:
+                seen.append(ctx._layer)
+                h = (h * 2).sin()
+            h = sync(h)
+            if i == fail_after:
+                raise RuntimeError("the router's error")
+        h.sum().backward()
+        return seen
+
+    assert step() == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match="the router's error"):
+        step(fail_after=1)
+    assert step() == [0, 1, 2, 3]  # was [2, 3, 0, 1], the step's end falling after its second layer
+    assert step() == [0, 1, 2, 3]
+
+
+def test_a_forward_whose_graph_is_still_referenced_is_not_taken_for_cut(monkeypatch):
+    """The check looks at the graph, not at time: a forward that goes on keeps its layers' graphs
+    referenced by what follows, so counting goes on; a graph dropped by the caller after its
+    backward began is no cut either."""
+    ctx, sync, _ = offload_context("teo", num_layers=0, model_layers=3)
+    x = torch.randn(4, requires_grad=True)
+    h, seen = x * 1.0, []
+    for _ in range(3):
+        with ctx:
+            seen.append(ctx._layer)
+            h = h * 2
+        h = sync(h)
+        h = h + 1  # what follows the layer holds its graph
+    assert seen == [0, 1, 2]
+    h.sum().backward()
+    del h  # the graph goes after its backward: the next entry is layer 0 by the count anyway
+    with ctx:
+        assert ctx._layer == 0
+        h = x * 2
+    h = sync(h)
+    keep = h * 1  # a partial forward whose graph the caller still holds is not cut: layer 1 next
+    with ctx:
+        assert ctx._layer == 1
+    del keep
+
+
 # ---------------------------------------------------------------------------------------------
 # release="memory": sources held past the layer schedule while the forward stays under its end
 
