@@ -8,7 +8,7 @@
 #   phase new    (call 2, carry .dev/cute, after `bash .dev/cute/setup.sh`): the GPU tests of code
 #                never run on a GPU, then the Megatron-settings benchmark, ~7 min
 #   phase main   the main job: moe_step quick (v2, teo), the unfused profile, CUDA graphs, ~6 min
-#   phases next1..next5 the next session's calls (see each), ncu: Nsight Compute of the wgrads
+#   phases next1..next4 the next session's calls (see each), ncu: Nsight Compute of the wgrads
 #   The tree that travels is limited to 64 MiB with what is carried: .dev/cute alone is 60.6 MiB,
 #   so a call carrying it works only while the repo's files stay under about 3.4 MiB.
 #   phase suite1 tests/test_kernels_gpu.py and the fused-path files, ~5 min
@@ -17,7 +17,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|ncu|suite1|suite2}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|ncu|suite1|suite2}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -51,41 +51,27 @@ main)
     run 150 python3 benchmarks/bench_graphs.py --rounds 5 --steps 8 --out "$OUT/results"
     ;;
 next1)
-    # next session, call 1 (carry .dev/te): the TE-only files and teo's unfused GPU tests (the other
-    # unfused GPU files run in call 5)
-    pytest_ 150 tests/test_te_fused_mlp.py tests/test_te_fused_mlp_gpu.py tests/test_policy.py tests/test_ops.py
-    # (-k: a module name with "fused" in it would be deselected whole; this one has none)
+    # next session, call 1 (carry .dev/te): the TE-only files, teo's CPU tests where a GPU is
+    # visible (the V1 refusal, the cut-forward detection), the engine tests (V1 in a subprocess),
+    # teo's unfused GPU tests
+    pytest_ 250 tests/test_te_fused_mlp.py tests/test_te_fused_mlp_gpu.py tests/test_engine_teo.py \
+        tests/test_gpu_engines.py
     pytest_ 120 -s tests/test_gpu_engine_teo.py -k "not fused or unfused"
     ;;
 next2)
     # call 2 (carry .dev/cute; the tree that travels must stay under 64 MiB with it: about 3.4 MiB
-    # for the repo): 2 x 2 clusters (opt-in, issue 11's lever): the same bits as the pair, each
-    # GEMM's speed, then the Megatron-settings benchmark with and without them (limits: 530 s)
-    pytest_ 170 tests/test_kernels_gpu.py -k "two_by_two or cluster_slots"
-    run 50 python3 benchmarks/bench_cluster2x2.py --out "$OUT/results"
-    run 50 python3 benchmarks/bench_cluster2x2.py --skew --out "$OUT/results"
-    run 130 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only --out "$OUT/results"
-    run 130 env TEO_GEMM_CLUSTER_M=2 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only \
-        --out "$OUT/results/cluster2x2"
+    # for the repo): issue 12's consolidated run at base, TE V2 and V1, teo and teo-m in one run
+    run 560 python3 benchmarks/moe_step.py --shapes base --engines v2,v1,teo,teo-m --no-cap --out "$OUT/results"
     ;;
 next3)
-    # call 3: the wide shape, where n = L-1 could reach 1.03x by estimate (teo, V2), then teo
-    # releasing by memory (teo-m) at base, where the layer schedule waits on copies
-    run 380 python3 benchmarks/moe_step.py --shapes wide --engines teo,v2 --no-cap --out "$OUT/results/wide"
-    run 180 python3 benchmarks/moe_step.py --shapes base --engines teo-m --policies mlp:6,mlp:7,mlp:8,layer:4 \
-        --no-cap --out "$OUT/results"
+    # call 3: the same at wide, then teo's fused GPU tests and the bad-input tests
+    run 380 python3 benchmarks/moe_step.py --shapes wide --engines v2,v1,teo,teo-m --no-cap --out "$OUT/results/wide"
+    pytest_ 180 -s tests/test_gpu_engine_teo.py tests/test_gpu_bad_inputs.py -k "fused and not unfused or bad"
     ;;
 next4)
-    # call 4: the fused path's suite files
-    pytest_ 560 tests/test_kernels_gpu.py tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py
-    ;;
-next5)
-    # call 5 (as the budget allows): the rest of the suite, the base policies not re-run
-    pytest_ 330 -s tests/test_gpu_engines.py tests/test_gpu_ops.py tests/test_gpu_graphs.py \
-        tests/test_gpu_large_operands.py tests/test_graph_capture.py tests/test_step_profile_gpu.py \
-        tests/test_gpu_engine_teo.py
-    run 220 python3 benchmarks/moe_step.py --shapes base --engines teo --policies mlp:2,mlp:8,layer:2,layer:6 \
-        --no-cap --out "$OUT/results"
+    # call 4: moe-heavy under teo-m with the cap search (expandable segments, as the fifth session's teo run)
+    run 560 python3 benchmarks/moe_step.py --shapes moe-heavy --engines teo-m --alloc-conf expandable_segments:True \
+        --out "$OUT/results"
     ;;
 ncu)
     # issue 11: one wgrad launch each under Nsight Compute (carry .dev/cute), plain bf16 against the
