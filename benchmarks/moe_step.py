@@ -173,9 +173,11 @@ def gib_value(what: str, text) -> float:
 
 
 def check_alloc_conf(text: str) -> None:
-    """The form of PYTORCH_CUDA_ALLOC_CONF (option:value, comma-separated): a typo fails here, not in a child."""
+    """The form of PYTORCH_CUDA_ALLOC_CONF (option:value, comma-separated; as PyTorch's parser,
+    blanks do not count and empty parts are skipped): a typo in the form fails here, not in a child.
+    (Option names and values are PyTorch's to check: they vary by version.)"""
     depth, item, items = 0, "", []
-    for ch in text:  # commas inside [...] (roundup_power2_divisions:[256:1,512:2]) do not separate
+    for ch in "".join(text.split()):  # commas inside [...] (roundup_power2_divisions:[256:1,512:2]) do not separate
         depth += (ch == "[") - (ch == "]")
         if ch == "," and depth == 0:
             items.append(item)
@@ -183,17 +185,23 @@ def check_alloc_conf(text: str) -> None:
         else:
             item += ch
     items.append(item)
-    bad = [i for i in items if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*:\S+", i.strip())]
+    bad = [i for i in items if i and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*:\S+", i)]
     if depth or bad:
         raise ValueError(f"--alloc-conf: {text!r} is not option:value[,option:value...] "
                          f"(e.g. expandable_segments:True); bad part(s): {bad or [text]}")
 
 
 def check_caps_fit(caps: dict[str, float], device_GiB: float, gpu: str) -> None:
-    """Refuses caps above the GPU: the allocator's fraction stops at 1.0, so such a cap would be reported, not enforced."""
+    """Refuses caps above the GPU (exit status BAD_ARGS_EXIT): the allocator's fraction stops at
+    1.0, so such a cap would be reported, not enforced."""
     over = {name: cap for name, cap in caps.items() if cap > device_GiB}
     if over:
-        raise SystemExit(f"moe_step.py: --memory-cap {format_caps(over)} is above this GPU's {device_GiB:.1f} GiB ({gpu})")
+        print(f"moe_step.py: --memory-cap {format_caps(over)} is above this GPU's {device_GiB:.3f} GiB ({gpu})",
+              file=sys.stderr)
+        raise SystemExit(BAD_ARGS_EXIT)
+
+
+BAD_ARGS_EXIT = 3  # a child found the arguments unusable on this GPU: the other engines' would too
 
 
 def format_caps(caps: dict[str, float]) -> str:
@@ -284,8 +292,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
-    if not (math.isfinite(args.cap_slowdown) and 0 <= args.cap_slowdown < 1):
-        p.error(f"--cap-slowdown must be a fraction in [0, 1), got {args.cap_slowdown}")
+    if not (math.isfinite(args.cap_slowdown) and args.cap_slowdown >= 0):
+        p.error(f"--cap-slowdown must be a finite fraction >= 0 (0.05: up to 5% slower), got {args.cap_slowdown}")
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not args.engines or any(e not in ENGINE_ENV for e in args.engines):
         p.error(f"--engines takes {', '.join(ENGINE_ENV)}, got {args.engines}")
@@ -561,13 +569,14 @@ def run_child(args) -> None:
 
     engine = args.child
     alloc = allocator_setting()
+    device_GiB = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GiB
+    if not args.no_cap and not args.profile:  # caps are used only by the cap search
+        check_caps_fit(args.caps, device_GiB, torch.cuda.get_device_name())
     out = {"engine": engine, "gpu": torch.cuda.get_device_name(), "alloc_conf": alloc,
            "pcie": measure_pcie(), "shapes": {}}
     p = out["pcie"]
     print(f"[{engine}] PCIe d2h {p['d2h_GBps']:.1f} GB/s, h2d {p['h2d_GBps']:.1f} GB/s, "
           f"both {p['bidirectional_each_GBps']:.1f} GB/s each", flush=True)
-    device_GiB = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GiB
-    check_caps_fit(args.caps, device_GiB, out["gpu"])
     for name, shape in args.shapes.items():
         t0 = time.perf_counter()
         try:
@@ -703,7 +712,10 @@ def main(argv=None) -> int:
         env = child_env(args, engine)
         extra = ["--memory-cap", format_caps(caps)] if caps and caps != args.caps else []
         cmd = [sys.executable, __file__, *argv, *extra, "--child", engine, "--child-out", str(child_out)]
-        if subprocess.run(cmd, env=env).returncode != 0 or not child_out.exists():
+        code = subprocess.run(cmd, env=env).returncode
+        if code == BAD_ARGS_EXIT:  # the same arguments would fail every engine's process
+            return 2
+        if code != 0 or not child_out.exists():
             print(f"moe_step.py: the {engine} process failed (output above)", file=sys.stderr)
             failed.append(engine)
             continue

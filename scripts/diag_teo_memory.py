@@ -16,7 +16,7 @@ cli = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawD
 cli.add_argument("--unfused", action="store_true", help="this package's MLP ops through TE's unfused path")
 cli.add_argument("--layers", type=int, default=4, help="layers of the step (default 4)")
 cli.add_argument("policies", nargs="*", default=["layer:2", "mlp:3"], help="mlp:N / layer:N (default layer:2 mlp:3)")
-opts = cli.parse_args()
+opts = cli.parse_intermixed_args()  # policies before or after the options
 if opts.unfused:
     os.environ["TEO_FUSED_SRELU_MLP"] = "0"
 os.environ.setdefault("NVTE_CPU_OFFLOAD_V1", "0")

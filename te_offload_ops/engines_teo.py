@@ -508,7 +508,6 @@ class TeoEngine:
         # the last layer output's backward-boundary hook, weakly: it dies with that layer's autograd
         # graph, which in a forward that goes on stays referenced by what follows (None: unknown)
         self._last_graph: Optional[weakref.ref] = None
-        self._backward_begun = False
         self._step = 0
         self._fwd_layer: Optional[int] = None
         self._layers: dict[int, _LayerCopies] = {}
@@ -524,7 +523,6 @@ class TeoEngine:
             self._end_step()  # a forward whose backward never ran (or raised) leaves its buffers here
             self._finish_queued = False
             self._fwd_layer = 0
-            self._backward_begun = False
         else:
             self._fwd_layer += 1
         j = self._fwd_layer
@@ -540,7 +538,7 @@ class TeoEngine:
         its autograd graph is gone before its backward began. The next entry is then layer 0 of a
         new step; counting on from the cut would offset every later step's layers, and a step
         would end (its host buffers back to the pool) in the middle of the next forward."""
-        if (self._fwd_layer is None or self._fwd_layer == self.model_layers - 1 or self._backward_begun
+        if (self._fwd_layer is None or self._fwd_layer == self.model_layers - 1
                 or self._last_graph is None or self._last_graph() is not None):
             return False
         if not self.told_abandoned_forward:
@@ -724,7 +722,6 @@ class TeoEngine:
 
     def backward_boundary(self, layer: int) -> None:
         """Layer ``layer``'s backward begins: drop later layers' reloads, reload this one and prefetch."""
-        self._backward_begun = True
         self._note_forward_end()
         if not self._finish_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)

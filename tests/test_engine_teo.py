@@ -800,8 +800,7 @@ def test_a_forward_cut_between_layers_lets_the_next_step_start_at_layer_0(num_la
 
 def test_a_forward_whose_graph_is_still_referenced_is_not_taken_for_cut(monkeypatch):
     """The check looks at the graph, not at time: a forward that goes on keeps its layers' graphs
-    referenced by what follows, so counting goes on; a graph dropped by the caller after its
-    backward began is no cut either."""
+    referenced by what follows, so counting goes on."""
     ctx, sync, _ = offload_context("teo", num_layers=0, model_layers=3)
     x = torch.randn(4, requires_grad=True)
     h, seen = x * 1.0, []
