@@ -325,10 +325,14 @@ def test_targets_are_judged_per_engine_from_the_worst_policy():
     result = _result()
     rep.finish(result)
     t = {(x["engine"], x["target"]): x for x in result["shapes"][0]["targets"]}
-    # V2 could not run MLP 8/8: its MLP target is not met whatever the other rows say
+    # n < L and n = L apart: V2's worst n < L is MLP 7/8; it could not run MLP 8/8 at all, so its
+    # n = L target is not met although no value was measured
     assert t[("v2", "mlp_step")]["met"] is False
     assert t[("v2", "mlp_step")]["value"] == pytest.approx(93.0 / 60.0)
-    assert t[("v1", "mlp_step")]["value"] == pytest.approx(64.0 / 61.0) and t[("v1", "mlp_step")]["met"] is False
+    assert t[("v2", "mlp_step_all")]["value"] is None and t[("v2", "mlp_step_all")]["met"] is False
+    assert t[("v1", "mlp_step")]["value"] == pytest.approx(61.5 / 61.0) and t[("v1", "mlp_step")]["met"] is True
+    assert t[("v1", "mlp_step_all")]["value"] == pytest.approx(64.0 / 61.0)
+    assert t[("v1", "mlp_step_all")]["met"] is False
     # the worst n < L row (MLP 2/8 frees all it moved); MLP 8/8's 1100 of 1136 is left out (n = L)
     assert t[("v1", "freed")]["value"] == pytest.approx(1.0) and t[("v1", "freed")]["met"] is True
     assert t[("v2", "layer_bound")]["value"] is None and t[("v2", "layer_bound")]["met"] is None
@@ -344,8 +348,10 @@ def test_reports_hold_every_row_the_cap_table_targets_and_the_memory_choice(tmp_
     data = json.loads((tmp_path / "moe_step_test.json").read_text())
     assert data["shapes"][0]["memory_target"]["policy"] == "MLP 8/8"  # 7000 + 3900 MiB, the fastest under 11 GiB
     md = (tmp_path / "moe_step_test.md").read_text()
-    # rows, cap searches, targets (and v1's layer 4/8 against the peak-neutral bound)
-    assert md.count("\n| v2 |") == 4 + 2 + 4 and md.count("\n| v1 |") == 4 + 2 + 4 + 1
+    # rows, cap searches, targets (five: MLP n < L and n = L apart) and v1's layer 4/8 against the
+    # peak-neutral bound
+    assert md.count("\n| v2 |") == 4 + 2 + 5 and md.count("\n| v1 |") == 4 + 2 + 5 + 1
+    assert "MoE-MLP offload, n = L: step / no offload" in md
     assert "Whole layers against the peak-neutral bound" in md
     assert "did not run: ValueError: Cannot offload all layers" in md
     assert "TE V2 at n = L-1" in md
