@@ -519,6 +519,7 @@ class TeoEngine:
         """A layer's forward begins; layer 0 again begins a new step. Returns the layer."""
         if self._forward_abandoned():
             self.abandon_step()
+        self._last_graph = None  # the check looks at the previous layer's graph only (set by its sync)
         if self._fwd_layer is None or self._fwd_layer == self.model_layers - 1:
             self._end_step()  # a forward whose backward never ran (or raised) leaves its buffers here
             self._finish_queued = False
@@ -552,6 +553,8 @@ class TeoEngine:
         self._last_graph = None if hook is None else weakref.ref(hook)
 
     def _memory_allocated(self) -> int:
+        if self._device is None and not torch.cuda.is_available():
+            return 0  # nothing can have moved: no figures to keep (every due layer is released)
         return torch.cuda.memory_allocated(self._device if self._device is not None else torch.cuda.current_device())
 
     def _held_bytes(self, layer: int) -> int:

@@ -798,6 +798,37 @@ def test_a_forward_cut_between_layers_lets_the_next_step_start_at_layer_0(num_la
     assert step() == [0, 1, 2, 3]
 
 
+def test_a_layer_without_sync_is_not_taken_for_a_cut():
+    """Only the graph of the layer just before an entry counts: with layer 0's sync left out, the
+    last step's graph (gone with its backward) must not end the step at layer 1."""
+    ctx, sync, _ = offload_context("teo", num_layers=0, model_layers=3)
+    x = torch.randn(4, requires_grad=True)
+    for _ in range(3):
+        h, seen = x * 1.0, []
+        for i in range(3):
+            with ctx:
+                seen.append(ctx._layer)
+                h = h * 2
+            if i:
+                h = sync(h)
+        h.sum().backward()
+        assert seen == [0, 1, 2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only case: no CUDA to read memory from")
+def test_release_by_memory_runs_where_cuda_is_absent():
+    ctx, sync, _ = offload_context("teo", num_layers=1, model_layers=2, release="memory")
+    x = torch.randn(4, requires_grad=True)
+    for _ in range(3):  # the third step has figures of the second
+        h = x * 1.0
+        for _ in range(2):
+            with ctx:
+                h = h * 2
+            h = sync(h)
+        h.sum().backward()
+    assert torch.equal(x.grad, torch.full((4,), 12.0))
+
+
 def test_a_forward_whose_graph_is_still_referenced_is_not_taken_for_cut(monkeypatch):
     """The check looks at the graph, not at time: a forward that goes on keeps its layers' graphs
     referenced by what follows, so counting goes on."""
