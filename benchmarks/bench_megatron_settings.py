@@ -22,7 +22,9 @@ Each is timed back to back (wall time per step, host cost included) and with the
 a one-layer step queued behind a sleep kernel must wait at the end of its backward for its own
 forward's copy (by design: a bad step raises before backward() returns), so its GPU cost is
 taken from the profiler (device time per step, plain vs split_check) and its host cost from
-the back-to-back wall time. Writes JSON, markdown and a PNG.
+the back-to-back wall time. The profiler also lists main_grad's kernels against plain's: how much
+of its extra GPU time is kernels running longer (and which), how much is between them.
+Writes JSON, markdown and a PNG.
 """
 
 from __future__ import annotations
@@ -133,8 +135,9 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
             wall[v].append(median_ms(lambda: step(v), iters=3))
             if v != "split_check":
                 gpu[v].append(host_ahead_ms(lambda: step(v)) or float("nan"))
-    busy = {v: sum(k["us_per_step"] for k in profile_kernels(lambda: step(v), steps=10, top=0)) / 1e3
-            for v in ("plain", "split_check")}
+    kernels = {v: profile_kernels(lambda: step(v), steps=10, top=0)
+               for v in ("plain", "split_check", "main_grad") if v in VARIANTS}
+    busy = {v: sum(k["us_per_step"] for k in rows) / 1e3 for v, rows in kernels.items()}
     os.environ.pop("TEO_CHECK_SPLIT_SIZES", None)
     os.environ.pop("TEO_MAIN_GRAD_ADD", None)
     kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"] = default_way[1]
@@ -153,9 +156,39 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
     row["split_check_cost"] = {"wall": row["variants"]["split_check"]["wall_ms"] / base["wall_ms"] - 1,
                                "gpu_busy": busy["split_check"] / busy["plain"] - 1,
                                "gpu_busy_ms": busy}
+    if "main_grad" in kernels:
+        row["main_grad_kernels"] = kernel_diff(kernels["plain"], kernels["main_grad"])
     del mlps, x, probs, dy
     torch.cuda.empty_cache()
     return row
+
+
+def kernel_diff(plain: list[dict], other: list[dict]) -> list[dict]:
+    """Per kernel name: us per step in each profile and the difference, largest difference first
+    (a kernel only one of them runs counts 0 in the other)."""
+    a = {k["kernel"]: k["us_per_step"] for k in plain}
+    b = {k["kernel"]: k["us_per_step"] for k in other}
+    rows = [{"kernel": name, "plain_us": a.get(name, 0.0), "other_us": b.get(name, 0.0),
+             "diff_us": b.get(name, 0.0) - a.get(name, 0.0)} for name in dict.fromkeys([*a, *b])]
+    rows.sort(key=lambda r: -abs(r["diff_us"]))
+    return rows
+
+
+def kernel_diff_lines(row, top: int = 8) -> list[str]:
+    """Markdown: where main_grad's extra GPU time goes, kernels against the gap between them."""
+    diff = row.get("main_grad_kernels")
+    if not diff or "main_grad" not in row["variants"]:
+        return []
+    busy = sum(r["diff_us"] for r in diff)
+    gpu = (row["variants"]["main_grad"]["gpu_ms"] - row["variants"]["plain"]["gpu_ms"]) * 1e3
+    lines = ["", f"Where main_grad's extra GPU time goes (E={row['E']}, {row['tokens_per_expert']} tokens per "
+             f"expert; profiler, us per step): {gpu:+.1f} us of GPU time (host ahead), of which kernels "
+             f"{busy:+.1f} us and the rest ({gpu - busy:+.1f} us) between or around them.", "",
+             "| kernel | plain us | main_grad us | difference us |", "|---|---|---|---|"]
+    for r in diff[:top]:
+        name = r["kernel"].replace("|", "/")
+        lines.append(f"| {name} | {r['plain_us']:.1f} | {r['other_us']:.1f} | {r['diff_us']:+.1f} |")
+    return lines
 
 
 def _settings(row) -> list[str]:
@@ -182,6 +215,8 @@ def markdown(result) -> str:
                          f"{d['gpu_vs_plain']:.3f} |")
         c = r["split_check_cost"]
         lines.append(f"{cfg} split check (vs plain) | {c['wall']:+.2%} | {c['gpu_busy']:+.2%} busy | | |")
+    for r in result["rows"]:
+        lines += kernel_diff_lines(r)
     unfused = {f"{r['E']}x{r['tokens_per_expert']}:{v}" for r in result["rows"] for v, p in r["paths"].items() if p != "fused"}
     if unfused:
         lines += ["", "Ran unfused (not comparable): " + ", ".join(sorted(unfused))]

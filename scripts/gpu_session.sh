@@ -60,8 +60,10 @@ next1)
     ;;
 next2)
     # call 2 (carry .dev/cute; the tree that travels must stay under 64 MiB with it: about 3.4 MiB
-    # for the repo): issue 12's consolidated run at base, TE V2 and V1, teo and teo-m in one run
-    run 560 python3 benchmarks/moe_step.py --shapes base --engines v2,v1,teo,teo-m --no-cap --out "$OUT/results"
+    # for the repo): issue 12's consolidated run at base, TE V2 and V1, teo and teo-m in one run;
+    # then issue 11: where main_grad's extra time goes, kernel by kernel (the profile against plain)
+    run 420 python3 benchmarks/moe_step.py --shapes base --engines v2,v1,teo,teo-m --no-cap --out "$OUT/results"
+    run 150 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only --out "$OUT/results"
     ;;
 next3)
     # call 3: the same at wide, then teo's fused GPU tests and the bad-input tests

@@ -91,3 +91,26 @@ def test_cluster2x2_report_flags_outputs_that_differ(tmp_path):
     assert "| fc2 fwd | 0.250 | 0.260 | 0.960 | 640 | 615 | **no** |" in text
     if chart(result, tmp_path / "c.png"):
         assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_megatron_settings_report_splits_main_grads_extra_time_into_kernels_and_the_rest():
+    import bench_megatron_settings as bms
+
+    plain = [{"kernel": "wgrad_bf16", "us_per_step": 500.0}, {"kernel": "dgrad", "us_per_step": 600.0},
+             {"kernel": "copy|x", "us_per_step": 5.0}]
+    main_grad = [{"kernel": "wgrad_main_grad", "us_per_step": 545.0}, {"kernel": "dgrad", "us_per_step": 610.0},
+                 {"kernel": "copy|x", "us_per_step": 5.0}]
+    diff = bms.kernel_diff(plain, main_grad)
+    assert [(d["kernel"], d["diff_us"]) for d in diff] == [
+        ("wgrad_main_grad", 545.0), ("wgrad_bf16", -500.0), ("dgrad", 10.0), ("copy|x", 0.0)]
+    variants = {v: {"wall_ms": 1.0, "gpu_ms": g, "wall_vs_plain": 1.0, "gpu_vs_plain": g / 1.5}
+                for v, g in (("plain", 1.5), ("main_grad", 1.584))}
+    row = {"E": 8, "tokens_per_expert": 2048, "H": 2688, "F": 1856, "paths": {}, "variants": variants,
+           "split_check_cost": {"wall": 0.0, "gpu_busy": 0.0}, "main_grad_kernels": diff}
+    md = bms.markdown({"gpu": "H100", "date": "today", "rounds": 3, "rows": [row]})
+    # 84 us more GPU time; the kernels account for 45 + 10 = 55 of it, 29 us between them
+    assert "+84.0 us of GPU time (host ahead), of which kernels +55.0 us and the rest (+29.0 us)" in md
+    assert "| dgrad | 600.0 | 610.0 | +10.0 |" in md and "| copy/x | 5.0 | 5.0 | +0.0 |" in md
+    del row["main_grad_kernels"]  # a run without the profile (older JSON): no such section
+    assert "Where main_grad's extra GPU time goes" not in bms.markdown({"gpu": "H100", "date": "today", "rounds": 3,
+                                                                        "rows": [row]})
