@@ -60,20 +60,22 @@ next1)
     ;;
 next2)
     # call 2 (carry .dev/cute; the tree that travels must stay under 64 MiB with it: about 3.4 MiB
-    # for the repo): issue 12's consolidated run at base, TE V2 and V1, teo and teo-m in one run;
-    # then issue 11: where main_grad's extra time goes, kernel by kernel (the profile against plain)
-    run 420 python3 benchmarks/moe_step.py --shapes base --engines v2,v1,teo,teo-m --no-cap --out "$OUT/results"
+    # for the repo): issue 12's run at base with TE's engines (V2, V1: about 2 minutes each), then
+    # issue 11: where main_grad's extra time goes, kernel by kernel (the profile against plain)
+    run 330 python3 benchmarks/moe_step.py --shapes base --engines v2,v1 --no-cap --out "$OUT/results/base_te"
     run 150 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only --out "$OUT/results"
     ;;
 next3)
-    # call 3: the same at wide, then teo's fused GPU tests and the bad-input tests
-    run 380 python3 benchmarks/moe_step.py --shapes wide --engines v2,v1,teo,teo-m --no-cap --out "$OUT/results/wide"
-    pytest_ 180 -s tests/test_gpu_engine_teo.py tests/test_gpu_bad_inputs.py -k "fused and not unfused or bad"
+    # call 3: base with teo and teo-m, then teo's fused GPU tests and the bad-input tests
+    run 300 python3 benchmarks/moe_step.py --shapes base --engines teo,teo-m --no-cap --out "$OUT/results/base_teo"
+    pytest_ 200 -s tests/test_gpu_engine_teo.py tests/test_gpu_bad_inputs.py -k "fused and not unfused or bad"
     ;;
 next4)
-    # call 4: moe-heavy under teo-m with the cap search (expandable segments, as the fifth session's teo run)
-    run 560 python3 benchmarks/moe_step.py --shapes moe-heavy --engines teo-m --alloc-conf expandable_segments:True \
-        --out "$OUT/results"
+    # call 4: wide with V1 and teo-m (V2 and teo ran in the sixth session), then moe-heavy under
+    # teo-m without the cap search (expandable segments, as the fifth session's teo run)
+    run 330 python3 benchmarks/moe_step.py --shapes wide --engines v1,teo-m --no-cap --out "$OUT/results/wide"
+    run 230 python3 benchmarks/moe_step.py --shapes moe-heavy --engines teo-m --no-cap \
+        --policies mlp:2,mlp:4,layer:2,layer:4,layer:6 --alloc-conf expandable_segments:True --out "$OUT/results/heavy"
     ;;
 ncu)
     # issue 11: one wgrad launch each under Nsight Compute (carry .dev/cute), plain bf16 against the
