@@ -505,6 +505,7 @@ class TeoEngine:
         self.told_no_region_end = False
         self.told_extra_unpack = False
         self.told_abandoned_forward = False
+        self.told_other_device = False
         # the last layer output's backward-boundary hook, weakly: it dies with that layer's autograd
         # graph, which in a forward that goes on stays referenced by what follows (None: unknown)
         self._last_graph: Optional[weakref.ref] = None
@@ -651,6 +652,10 @@ class TeoEngine:
         if layer is None or layer >= self.num_layers or not isinstance(t, torch.Tensor):
             return t
         if self._device is not None and t.device != self._device:
+            if t.device.type != "cpu" and not self.told_other_device:  # host tensors stay anyway
+                self.told_other_device = True
+                _log.info("teo: tensors saved on %s stay there: one engine moves one GPU's tensors (%s's, the "
+                          "first it moved); use one context per GPU", t.device, self._device)
             return t  # one GPU per engine: its copy streams and reloads live on the first one's
         return self._pack(plan_saved(t), t, t)
 

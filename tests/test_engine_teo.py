@@ -606,12 +606,18 @@ def test_a_region_with_nothing_after_it_is_said_once(caplog):
     assert len(said) == 1 and "layer 1's region" in said[0]
 
 
-def test_tensors_on_another_device_than_the_engines_stay(cpu_is_offloadable):
+def test_tensors_on_another_device_than_the_engines_stay(cpu_is_offloadable, caplog):
     engine = TeoEngine(1, 1)
     engine.enter_layer()
     engine._device = torch.device("cuda", 1)  # the first tensor it moved was on cuda:1
     t = torch.empty(BIG)
-    assert engine.pack(t) is t
+    with caplog.at_level(logging.INFO, logger="te_offload_ops.engines_teo"):
+        assert engine.pack(t) is t  # a host tensor: nothing to say
+        assert not caplog.records
+        other = [torch.empty(BIG, device="meta") for _ in range(2)]  # stands for a second GPU's tensors
+        assert all(engine.pack(o) is o for o in other)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "tensors saved on meta stay there" in said[0] and "(cuda:1's" in said[0]
 
 
 # ------------------------------------------------------------------------------------------------
