@@ -46,7 +46,8 @@ modules leave); when it moves is this module's own schedule:
   might go between two of them (``benchmarks/bench_copy_interference.py`` measures whether it
   does, and what the pieces cost: one launch each, from the forward's host path). Reloads stay
   whole copies (a step's small copies go to the host);
-* one GPU per engine (the device of the first tensor it moves; tensors on others stay).
+* one GPU per engine (the device of the first tensor it moves; tensors on others stay, said once
+  in the log).
 
 Deliberately kept on the GPU (documented limits): tensor subclasses other than TE's
 ``QuantizedTensor`` (e.g. ``GroupedTensor``: its bytes live in several buffers whose layout this
