@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import re
 import statistics
@@ -165,9 +166,12 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
 
 def kernel_diff(plain: list[dict], other: list[dict]) -> list[dict]:
     """Per kernel name: us per step in each profile and the difference, largest difference first
-    (a kernel only one of them runs counts 0 in the other)."""
-    a = {k["kernel"]: k["us_per_step"] for k in plain}
-    b = {k["kernel"]: k["us_per_step"] for k in other}
+    (a kernel only one of them runs counts 0 in the other; names the profiler cut to the same
+    prefix add up)."""
+    a, b = {}, {}
+    for rows, into in ((plain, a), (other, b)):
+        for k in rows:
+            into[k["kernel"]] = into.get(k["kernel"], 0.0) + k["us_per_step"]
     rows = [{"kernel": name, "plain_us": a.get(name, 0.0), "other_us": b.get(name, 0.0),
              "diff_us": b.get(name, 0.0) - a.get(name, 0.0)} for name in dict.fromkeys([*a, *b])]
     rows.sort(key=lambda r: -abs(r["diff_us"]))
@@ -181,9 +185,13 @@ def kernel_diff_lines(row, top: int = 8) -> list[str]:
         return []
     busy = sum(r["diff_us"] for r in diff)
     gpu = (row["variants"]["main_grad"]["gpu_ms"] - row["variants"]["plain"]["gpu_ms"]) * 1e3
+    if math.isfinite(gpu):  # two measurements (host-ahead medians, a 10-step profile): the rest carries both's noise
+        head = (f"{gpu:+.1f} us of GPU time (host ahead), of which kernels {busy:+.1f} us (profiler) and "
+                f"the rest ({gpu - busy:+.1f} us, not in any kernel's time by this difference) between or around them.")
+    else:
+        head = f"kernels {busy:+.1f} us (profiler; no host-ahead GPU time to set it against)."
     lines = ["", f"Where main_grad's extra GPU time goes (E={row['E']}, {row['tokens_per_expert']} tokens per "
-             f"expert; profiler, us per step): {gpu:+.1f} us of GPU time (host ahead), of which kernels "
-             f"{busy:+.1f} us and the rest ({gpu - busy:+.1f} us) between or around them.", "",
+             f"expert; us per step): {head}", "",
              "| kernel | plain us | main_grad us | difference us |", "|---|---|---|---|"]
     for r in diff[:top]:
         name = r["kernel"].replace("|", "/")

@@ -51,6 +51,9 @@ main)
     run 150 python3 benchmarks/bench_graphs.py --rounds 5 --steps 8 --out "$OUT/results"
     ;;
 next1)
+    # next1..next4 run back to back on one machine: next1 installs TE (carry .dev/te), next2 the CuTe
+    # DSL (carry .dev/cute); next3 and next4 carry nothing and need both still installed (a machine
+    # idle past its release starts bare: run next1's setup and next2's again).
     # next session, call 1 (carry .dev/te): the TE-only files, teo's CPU tests where a GPU is
     # visible (the V1 refusal, the cut-forward detection), the engine tests (V1 in a subprocess),
     # teo's unfused GPU tests

@@ -98,7 +98,8 @@ def test_megatron_settings_report_splits_main_grads_extra_time_into_kernels_and_
 
     plain = [{"kernel": "wgrad_bf16", "us_per_step": 500.0}, {"kernel": "dgrad", "us_per_step": 600.0},
              {"kernel": "copy|x", "us_per_step": 5.0}]
-    main_grad = [{"kernel": "wgrad_main_grad", "us_per_step": 545.0}, {"kernel": "dgrad", "us_per_step": 610.0},
+    main_grad = [{"kernel": "wgrad_main_grad", "us_per_step": 545.0}, {"kernel": "dgrad", "us_per_step": 300.0},
+                 {"kernel": "dgrad", "us_per_step": 310.0},  # two kernels the profiler cut to one name
                  {"kernel": "copy|x", "us_per_step": 5.0}]
     diff = bms.kernel_diff(plain, main_grad)
     assert [(d["kernel"], d["diff_us"]) for d in diff] == [
@@ -109,8 +110,11 @@ def test_megatron_settings_report_splits_main_grads_extra_time_into_kernels_and_
            "split_check_cost": {"wall": 0.0, "gpu_busy": 0.0}, "main_grad_kernels": diff}
     md = bms.markdown({"gpu": "H100", "date": "today", "rounds": 3, "rows": [row]})
     # 84 us more GPU time; the kernels account for 45 + 10 = 55 of it, 29 us between them
-    assert "+84.0 us of GPU time (host ahead), of which kernels +55.0 us and the rest (+29.0 us)" in md
+    assert "+84.0 us of GPU time (host ahead), of which kernels +55.0 us (profiler) and the rest (+29.0 us" in md
     assert "| dgrad | 600.0 | 610.0 | +10.0 |" in md and "| copy/x | 5.0 | 5.0 | +0.0 |" in md
+    variants["main_grad"]["gpu_ms"] = float("nan")  # no host-ahead time: the kernels alone
+    md = bms.markdown({"gpu": "H100", "date": "today", "rounds": 3, "rows": [row]})
+    assert "kernels +55.0 us (profiler; no host-ahead GPU time to set it against)" in md and "+nan" not in md
     del row["main_grad_kernels"]  # a run without the profile (older JSON): no such section
     assert "Where main_grad's extra GPU time goes" not in bms.markdown({"gpu": "H100", "date": "today", "rounds": 3,
                                                                         "rows": [row]})
