@@ -59,11 +59,18 @@ from moe_step_report import (  # noqa: E402
 # FLOPs per token grow with H^2, the MLP's saved bytes with H + F (2 x (H + F) per routed token), so
 # by estimate from the base run (FLOPs scaled at base's speed) its 7 MLP copies take about 0.7 of
 # the forward at 55 GB/s where base's take 1.0 (base: n = L-1 cannot reach 1.03x on PCIe; here it
-# could). Named only: not in the default run.
+# could). Named only: not in the default run. "big-ffn": Mixtral's width and FFN (H=4096, F=14336,
+# eight experts) with top-4: MoE activations about 65% of what a layer saves, and about 2.8x
+# base's forward FLOPs per saved byte (FLOPs per token 8 H^2 + 2 seq H + 4 top-k H F; saved bytes
+# about 19 H (measured at base) + 2 top-k (H + F)), so by estimate the copies hidden in a forward
+# 5% longer hold about 70% of its peak where base's hold a quarter: the shape where the
+# tokens-under-a-cap target (1.5x at <= 5% slower) could be in reach. Run it with --layers 4 on an
+# 80 GB GPU (4.0 B parameters: about 32 GB of weights, grads and optimizer state). Named only.
 SHAPES = {
     "base": {"hidden": 2688, "heads": 21, "ffn": 1856, "experts": 8, "topk": 2},
     "moe-heavy": {"hidden": 2048, "heads": 16, "ffn": 1024, "experts": 64, "topk": 8},
     "wide": {"hidden": 4096, "heads": 32, "ffn": 2048, "experts": 8, "topk": 2},
+    "big-ffn": {"hidden": 4096, "heads": 32, "ffn": 14336, "experts": 8, "topk": 4},
 }
 SHAPE_KEYS = ("hidden", "heads", "ffn", "experts", "topk")
 

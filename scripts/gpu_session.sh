@@ -8,7 +8,7 @@
 #   phase new    (call 2, carry .dev/cute, after `bash .dev/cute/setup.sh`): the GPU tests of code
 #                never run on a GPU, then the Megatron-settings benchmark, ~7 min
 #   phase main   the main job: moe_step quick (v2, teo), the unfused profile, CUDA graphs, ~6 min
-#   phases next1..next4 the next session's calls (see each), ncu: Nsight Compute of the wgrads
+#   phases next1..next5 the next session's calls (see each), ncu: Nsight Compute of the wgrads
 #   The tree that travels is limited to 64 MiB with what is carried: .dev/cute alone is 60.6 MiB,
 #   so a call carrying it works only while the repo's files stay under about 3.4 MiB.
 #   phase suite1 tests/test_kernels_gpu.py and the fused-path files, ~5 min
@@ -17,7 +17,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|ncu|suite1|suite2}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|ncu|suite1|suite2}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -51,8 +51,8 @@ main)
     run 150 python3 benchmarks/bench_graphs.py --rounds 5 --steps 8 --out "$OUT/results"
     ;;
 next1)
-    # next1..next4 run back to back on one machine: next1 installs TE (carry .dev/te), next2 the CuTe
-    # DSL (carry .dev/cute); next3 and next4 carry nothing and need both still installed (a machine
+    # next1..next5 run back to back on one machine: next1 installs TE (carry .dev/te), next2 the CuTe
+    # DSL (carry .dev/cute); next3..next5 carry nothing and need both still installed (a machine
     # idle past its release starts bare: run next1's setup and next2's again).
     # next session, call 1 (carry .dev/te): the TE-only files, teo's CPU tests where a GPU is
     # visible (the V1 refusal, the cut-forward detection), the engine tests (V1 in a subprocess),
@@ -74,10 +74,15 @@ next3)
     pytest_ 200 -s tests/test_gpu_engine_teo.py tests/test_gpu_bad_inputs.py -k "fused and not unfused or bad"
     ;;
 next4)
-    # call 4: wide with V1 and teo-m (V2 and teo ran in the sixth session), then moe-heavy under
-    # teo-m without the cap search (expandable segments, as the fifth session's teo run)
-    run 330 python3 benchmarks/moe_step.py --shapes wide --engines v1,teo-m --no-cap --out "$OUT/results/wide"
-    run 230 python3 benchmarks/moe_step.py --shapes moe-heavy --engines teo-m --no-cap \
+    # call 4: wide with V1 and teo-m (V2 and teo ran in the sixth session), then big-ffn (4 layers
+    # on 80 GB) under teo-m with the cap search: where the 1.5x-tokens cap target may be in reach
+    run 300 python3 benchmarks/moe_step.py --shapes wide --engines v1,teo-m --no-cap --out "$OUT/results/wide"
+    run 285 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-m \
+        --policies mlp:2,mlp:3,layer:1,layer:2 --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn"
+    ;;
+next5)
+    # call 5 (as the budget allows): moe-heavy under teo-m without the cap search
+    run 280 python3 benchmarks/moe_step.py --shapes moe-heavy --engines teo-m --no-cap \
         --policies mlp:2,mlp:4,layer:2,layer:4,layer:6 --alloc-conf expandable_segments:True --out "$OUT/results/heavy"
     ;;
 ncu)

@@ -29,6 +29,22 @@ def test_full_run_defaults_cover_both_shapes_and_the_issue_policies():
     assert args.caps == {}
 
 
+def test_the_big_ffn_shape_runs_only_when_named_and_its_moe_bytes_dominate():
+    assert "big-ffn" not in moe_step.parse_args([]).shapes
+    args = moe_step.parse_args(["--shapes", "big-ffn", "--layers", "4"])
+    big = args.shapes["big-ffn"]
+    assert big == {"hidden": 4096, "heads": 32, "ffn": 14336, "experts": 8, "topk": 4}
+    # the comment's estimate: MoE's saved bytes per token, 2 top-k (H + F), against about 19 H for
+    # the rest, and FLOPs per saved byte against base's
+    def per_token(s, seq=4096):
+        moe, rest = 2 * s["topk"] * (s["hidden"] + s["ffn"]), 19 * s["hidden"]
+        flops = 8 * s["hidden"] ** 2 + 2 * seq * s["hidden"] + 4 * s["topk"] * s["hidden"] * s["ffn"]
+        return moe / (moe + rest), flops / (moe + rest)
+    share, big_ratio = per_token(big)
+    _, base_ratio = per_token(moe_step.SHAPES["base"])
+    assert 0.6 < share < 0.7 and 2.5 < big_ratio / base_ratio < 3.2
+
+
 def test_the_wide_shape_runs_only_when_named():
     args = moe_step.parse_args(["--shapes", "wide,base"])
     assert list(args.shapes) == ["wide", "base"]
