@@ -449,6 +449,8 @@ def markdown(result: dict) -> str:
         lines.append(f"- {engine} process: PCIe d2h {p['d2h_GBps']:.1f} GB/s, h2d {p['h2d_GBps']:.1f} GB/s, "
                      f"both at once {p['bidirectional_each_GBps']:.1f} GB/s each")
     lines.append(f"- allocator: PYTORCH_CUDA_ALLOC_CONF {alloc_conf_text(result.get('alloc_conf'))}")
+    for part in result.get("combined_from", []):  # moe_step_combine.py: runs made in separate calls
+        lines.append(f"- from {Path(part['source']).name} ({part['date']}): {', '.join(part['engines'])}")
     for s in result["shapes"]:
         lines += ["", f"## {s['name']}: {_shape_line(s)}", ""]
         for engine, error in s.get("failed", {}).items():

@@ -1,6 +1,7 @@
 """CPU checks of benchmarks/moe_step.py: its options, policies, bound, cap search and reports,
 from synthetic results (the GPU run itself is tests/test_moe_step_gpu.py)."""
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -581,3 +582,62 @@ def test_a_line_at_or_below_what_fits_does_not_walk_up_one_batch_per_trial():
     assert rep.next_cap_batch(trials, (8, near * 8 / 20), H100_CAP_ABOVE, max_batch=128) == 60
     trials.append({"batch": 60, "fits": True, "peak_above_MiB": near})
     assert rep.next_cap_batch(trials, (8, near * 8 / 20), H100_CAP_ABOVE, max_batch=128) == 80
+
+
+# ------------------------------------------------------------------------------------------------
+# One report from runs made in separate calls (moe_step_combine.py)
+
+
+def _split_by_engine(result):
+    """The synthetic two-engine result as two one-engine runs, as separate calls would write them."""
+    parts = []
+    for engine in result["config"]["engines"]:
+        part = copy.deepcopy(result)
+        part["config"]["engines"] = [engine]
+        part["pcie"] = {engine: result["pcie"][engine]}
+        for s in part["shapes"]:
+            s["runs"] = [r for r in s["runs"] if r["engine"] == engine]
+        part["date"] = f"2026-11-24 0{len(parts)}:00 UTC"
+        parts.append(part)
+    return parts
+
+
+def test_runs_made_apart_combine_to_the_report_one_run_gives(tmp_path):
+    import moe_step_combine
+
+    whole = _result()
+    rep.finish(whole, memory_target_GiB=11.0)
+    parts = _split_by_engine(_result())
+    for part in parts:
+        rep.finish(part)  # as written by each call: derived values present, then derived again
+    paths = []
+    for i, part in enumerate(parts):
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(part))
+    assert moe_step_combine.main([*map(str, paths), "--stem", "both"]) == 0
+    both = json.loads((tmp_path / "both.json").read_text())
+    assert both["shapes"][0]["targets"] == whole["shapes"][0]["targets"]
+    assert [r["engine"] for r in both["shapes"][0]["runs"]] == ["v2", "v1"]
+    assert both["date"] == "2026-11-24 00:00 UTC / 2026-11-24 01:00 UTC"
+    md = (tmp_path / "both.md").read_text()
+    assert "- from part0.json (2026-11-24 00:00 UTC): v2" in md and md.count("\n| v1 |") == 4 + 2 + 5 + 1
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda r: r.update(gpu="NVIDIA H200"), "gpu differs between the runs"),
+    (lambda r: r["config"].update(iters=9), "config.iters differs"),
+    (lambda r: r["shapes"][0].update(batch=4), "shape 'base': batch is 2 in an earlier run, 4 in"),
+    (lambda r: r["pcie"].update(v2=PCIE), "engine 'v2' is in more than one run"),
+    (lambda r: r.update(benchmark="moe_step_profile"), "is not a moe_step result"),
+])
+def test_runs_that_cannot_be_compared_are_refused_by_name(change, named, tmp_path, capsys):
+    import moe_step_combine
+
+    parts = _split_by_engine(_result())
+    change(parts[1])
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, part in zip(paths, parts):
+        path.write_text(json.dumps(part))
+    assert moe_step_combine.main(list(map(str, paths))) == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "a_combined.json").exists()
