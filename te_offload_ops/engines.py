@@ -116,8 +116,8 @@ def offload_context(
     if engine == "teo":
         from .engines_teo import make_teo_context
 
-        ctx, sync = make_teo_context(num_layers, model_layers, prefetch=prefetch,
-                                     counter=counter, release="layers" if release is None else release)
+        kwargs = {} if release is None else {"release": release}  # teo's own default otherwise
+        ctx, sync = make_teo_context(num_layers, model_layers, prefetch=prefetch, counter=counter, **kwargs)
         return ctx, sync, counter
     if engine != active_engine():
         raise RuntimeError(

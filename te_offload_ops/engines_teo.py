@@ -482,7 +482,9 @@ class TeoEngine:
             raise ValueError(f"prefetch must be >= 0 layers (or None: peak-neutral), got {prefetch}")
         if release not in RELEASES:
             raise ValueError(f"release must be one of {RELEASES}, got {release!r}")
-        if cpu_offload.NVTE_CPU_OFFLOAD_V1:
+        from .engines import active_engine  # engines imports this module lazily
+
+        if active_engine() == "v1":
             # teo reads V2's marks; in a V1 process TE's modules leave V1's instead, so teo would
             # move their weights' non-Parameter copies (FP8 workspaces) along with activations.
             raise RuntimeError("the teo offload engine reads TE's V2 marks, but this process runs TE's V1 engine "
@@ -496,7 +498,9 @@ class TeoEngine:
         self._end_bytes: Optional[int] = None
         self._layer_bytes = 0
         self._last_figures: Optional[tuple[dict, int, int]] = None  # (strict at entry, end, margin)
-        self._figure_steps = 0
+        self._had_figure_step = False
+        # release="memory": how often a layer due for release was held instead (public, for tests)
+        self.layers_held = 0
         self.counter = counter
         self.pool = pool if pool is not None else default_pool()
         self.copy_chunk = copy_chunk_bytes()
@@ -572,7 +576,7 @@ class TeoEngine:
         The figure kept for entry ``j`` is the memory the layer schedule holds as the stretch before
         it ends (before its release at ``j``): what is held now less the layers it would have given
         back earlier (``< due``)."""
-        pending = [(i, self._held_bytes(i)) for i in sorted(self._layers) if i <= due and self._held_bytes(i)]
+        pending = [(i, n) for i in sorted(self._layers) if i <= due for n in (self._held_bytes(i),) if n]
         self._strict_at_entry[j] = self._memory() - sum(n for i, n in pending if i < due)
         figures = self._last_figures
         if figures is None:
@@ -580,6 +584,7 @@ class TeoEngine:
         else:
             strict, end, margin = figures
             go = sources_to_release(pending, strict.get(j + 1, end), end, margin)
+        self.layers_held += len(pending) - len(go)
         for i in go:
             self._release_sources(i)
 
@@ -632,9 +637,9 @@ class TeoEngine:
             if self._end_bytes is not None and self._strict_at_entry:
                 # not the first such step's: buffers allocated once, in the middle of its forward,
                 # would make its earlier figures low
-                if self._figure_steps:
+                if self._had_figure_step:
                     self._last_figures = (dict(self._strict_at_entry), self._end_bytes, self._layer_bytes)
-                self._figure_steps += 1
+                self._had_figure_step = True
             self._strict_at_entry, self._end_bytes, self._layer_bytes = {}, None, 0
         if not self._layers:
             return

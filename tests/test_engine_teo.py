@@ -933,11 +933,14 @@ def test_memory_release_holds_sources_where_later_layers_have_not_grown_yet(monk
     for step in range(2):  # no figures, then the first step's (ignored): the layer schedule
         held, ends, end = run.forward()
         assert held == [[], [], [], []] and ends == layer_ends and end == layer_ends[-1]
+    assert run.engine.layers_held == 0
     for step in range(2):  # the figures of a step like this one
         held, ends, end = run.forward()
         assert held == held_then, step
         assert ends == ends_then and end == layer_ends[-1]
         assert max(ends[:-1]) <= end - run.moved  # one layer's bytes to spare before the last stretch
+    # the public count of holds: each layer still held after an entry was due there (both steps)
+    assert run.engine.layers_held == 2 * sum(len(h) for h in held_then)
 
 
 def test_memory_release_holds_nothing_where_the_layer_schedule_is_already_at_the_end(monkeypatch):
@@ -945,6 +948,7 @@ def test_memory_release_holds_nothing_where_the_layer_schedule_is_already_at_the
     for _ in range(4):
         held, ends, end = run.forward()
         assert held == [[]] * 8 and max(ends) <= end
+    assert run.engine.layers_held == 0
 
 
 def test_memory_release_figures_come_only_from_steps_that_reached_their_backward(monkeypatch):

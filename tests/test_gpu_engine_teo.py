@@ -1,8 +1,6 @@
 """GPU: the teo offload engine is exact, moves what the policy allows (never weights), frees what it
 moves, reuses its pinned buffers and never synchronizes with the host."""
 
-import os
-
 import pytest
 import torch
 
@@ -10,12 +8,12 @@ from conftest import requires_gpu
 from engines import Config, make_inputs, make_stack, run_step
 from test_gpu_engines import POLICIES, _assert_moves_follow_policy, _assert_same, _check_path
 from te_offload_ops import engines_teo
-from te_offload_ops.engines import offload_context
+from te_offload_ops.engines import active_engine, offload_context
 from te_offload_ops.policy import MIN_OFFLOAD_NUMEL
 
 LAYERS = 3
 
-if os.environ.get("NVTE_CPU_OFFLOAD_V1") == "1":  # teo refuses a process running TE's V1 engine
+if active_engine() == "v1":  # teo refuses a process running TE's V1 engine
     pytestmark = pytest.mark.skip(reason="this process runs TE's V1 engine (NVTE_CPU_OFFLOAD_V1=1), which teo refuses")
 
 
@@ -142,23 +140,34 @@ def test_whole_step_peak_falls_by_what_moved(num_layers, path):
     assert freed >= 0.95 * counted
 
 
+MEMORY_LAYERS = 5
+
+
 @requires_gpu
-@pytest.mark.parametrize("num_layers", [LAYERS - 1, LAYERS])
+@pytest.mark.parametrize("num_layers", [MEMORY_LAYERS - 1, MEMORY_LAYERS])
 def test_memory_release_is_exact_and_keeps_the_whole_step_peak(num_layers, path):
     """release="memory" (one context over steps: the third holds sources by the second's figures)
-    gives the same bits and a whole-step active peak no higher than the layer schedule's."""
-    cfg = Config(layers=LAYERS, experts=4, hidden=1024, ffn=768, splits=(1024, 0, 3000, 72))
+    gives the same bits and a whole-step active peak no higher than the layer schedule's.
+
+    Each layer keeps its input (fc1 not offloaded, hidden 1024 per token) and moves about half as
+    much (ffn 256): early in the forward there is room to hold a layer past its release, which the
+    engine's public count must show (else the test would only compare the layer schedule with itself)."""
+    cfg = Config(layers=MEMORY_LAYERS, experts=4, hidden=1024, ffn=256, splits=(1024, 0, 3000, 72),
+                 offload=POLICIES["keep-fc1"])
     stack, inputs = make_stack(cfg), make_inputs(cfg)
     run_step(stack, inputs, "none")  # allocates the grads
     base = run_step(stack, inputs, "none", keep_grads=True)
     layered = run_step(stack, inputs, "teo", offload_layers=num_layers, keep_grads=True)
-    context = offload_context("teo", num_layers=num_layers, model_layers=LAYERS, release="memory")
+    context = offload_context("teo", num_layers=num_layers, model_layers=MEMORY_LAYERS, release="memory")
     for _ in range(3):
         run = run_step(stack, inputs, "teo", offload_layers=num_layers, keep_grads=True, context=context)
     _assert_same(base, run)
-    assert context[0].engine._last_figures is not None  # the third step ran by figures
+    engine = context[0].engine
+    assert engine._last_figures is not None  # the third step ran by figures
     print(f"n={num_layers}: whole-step active peak, layer schedule {layered['step_active_peak'] / 2**20:.1f} MiB, "
-          f"memory release {run['step_active_peak'] / 2**20:.1f} MiB")
+          f"memory release {run['step_active_peak'] / 2**20:.1f} MiB, layers held past their release "
+          f"{engine.layers_held}")
+    assert engine.layers_held > 0
     assert run["step_active_peak"] <= layered["step_active_peak"] + 2**20  # allocator rounding
 
 
@@ -318,7 +327,8 @@ def test_copies_in_pieces_keep_results_exact(path, monkeypatch):
     cfg = Config(layers=LAYERS)
     stack, inputs = make_stack(cfg), make_inputs(cfg)
     base = run_step(stack, inputs, "none")
-    run = run_step(stack, inputs, "teo", offload_layers=LAYERS)
-    assert sum(cfg.splits) * cfg.hidden * 2 > 1 << 20  # the input saved by fc1 alone crosses in two pieces
-    assert sum(run["moved"].values()) > 0
+    context = offload_context("teo", num_layers=LAYERS, model_layers=LAYERS)
+    assert context[0].engine.copy_chunk == 1 << 20  # the engine read the setting
+    run = run_step(stack, inputs, "teo", offload_layers=LAYERS, context=context)
+    assert sum(run["moved"].values()) > 1 << 20  # more than one piece crossed
     _assert_same(base, run)
