@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_common import cuda_problem, file_stem, pyplot, write_reports  # noqa: E402
+from bench_common import cuda_problem, file_stem, pyplot, save_png, write_reports  # noqa: E402
 
 ENV = "TEO_GEMM_CLUSTER_M"
 
@@ -158,7 +158,7 @@ def chart(result: dict, path) -> bool:
     ax.set_title(f"Grouped GEMMs, pair vs 2 x 2 clusters ({result['gpu']})")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
     return True
 

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_common import cuda_problem, file_stem, pyplot, write_reports  # noqa: E402
+from bench_common import cuda_problem, file_stem, pyplot, save_png, write_reports  # noqa: E402
 
 MiB = 1 << 20
 SMALL_BYTES = 512
@@ -138,7 +138,7 @@ def chart(result: dict, path: Path) -> bool:
     ax.set_title(f"{SMALL_BYTES} B copy behind a {result['mib']} MiB copy, {result['gpu']}", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     return True
 

@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_common import cuda_problem, file_stem, write_reports  # noqa: E402
+from bench_common import cuda_problem, file_stem, save_png, write_reports  # noqa: E402
 
 TARGET_FRACTION, TARGET_TFLOPS = 0.97, 620.0
 
@@ -239,7 +239,7 @@ def plot(result, path: Path) -> None:
     ax.set_title(f"Fused SReLU MLP, CUDA graph vs eager ({result['gpu']})")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
-from bench_common import cuda_problem, pyplot  # noqa: E402
+from bench_common import cuda_problem, pyplot, save_png  # noqa: E402
 from bench_common import write_reports as bench_common_write_reports  # noqa: E402
 
 VARIANTS = {  # name -> (experts, use_transformer_engine_op_fuser, offload_modules)
@@ -327,7 +327,7 @@ def chart(result: dict, path: Path) -> bool:
                  f"F={c['ffn']}, {c['seq'] * c['batch']} tokens top-{c['topk']} (grey: stock op fuser, "
                  "blue: stock modules, orange: ours)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     return True
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 import bench_common
-from bench_common import pyplot
+from bench_common import pyplot, save_png
 
 MiB = 2**20
 GiB = 2**30
@@ -531,7 +531,7 @@ def chart(result: dict, path: Path) -> bool:
         return False
     shapes = result["shapes"]
     fig, axes = plt.subplots(1, len(shapes), figsize=(8 * len(shapes), 6.5), squeeze=False)
-    markers = {"none": "*", "v2": "o", "v1": "s"}
+    markers = {"none": "*", "v2": "o", "v1": "s", "teo": "D", "teo-m": "P"}
     colors = {"none": "black", "mlp": "#4c72b0", "layer": "#dd8452"}
     for ax, s in zip(axes[0], shapes):
         seen = set()
@@ -557,7 +557,7 @@ def chart(result: dict, path: Path) -> bool:
         ax.legend(fontsize=8)
     fig.suptitle(f"MoE training step with activation offload, {result['gpu']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     return True
 

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import bench_common
-from bench_common import pyplot
+from bench_common import pyplot, save_png
 
 COLUMNS = [  # header, key, format
     ("engine", "engine", "{}"),
@@ -75,7 +75,7 @@ def chart(result: dict, path: Path) -> bool:
     fig.suptitle(f"Offload policies, {result['gpu']}: {c['layers']} layers ({c['offload_layers']} offloaded), "
                  f"E={c['experts']}x{c['tokens']} ({c['routing']}), H={c['hidden']}, F={c['ffn']}, {c['dtype']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     return True
 

@@ -623,7 +623,7 @@ def markdown(result: dict) -> str:
 
 def chart(result: dict, path: Path) -> bool:
     """One panel per profile: compute, D2H and H2D busy along one step, layers shaded."""
-    from bench_common import pyplot
+    from bench_common import pyplot, save_png
 
     plt = pyplot()
     profiles = [(s["name"], p) for s in result["shapes"] for p in s["profiles"] if not p.get("error")]
@@ -652,7 +652,7 @@ def chart(result: dict, path: Path) -> bool:
     axes[-1, 0].set_xlabel("ms from the step's first GPU op")
     fig.suptitle(f"MoE step timeline, {result['gpu']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     return True
 

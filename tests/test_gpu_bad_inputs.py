@@ -85,12 +85,14 @@ def test_gpu_split_sizes_raise_by_the_end_of_backward(mlp, path, copy):
 
 
 @requires_gpu
-def test_split_sizes_copy_never_holds_the_compute_stream(mlp, path, monkeypatch):
-    """An offload engine's large copy to the host is in flight on another stream (1 GiB, about
-    20 ms): the forward's work on the compute stream still finishes before it, although the check
-    copies the split sizes to the host in that same direction (on the compute stream the small copy
-    would wait on the copy engine behind the large one). The check resolves at the end of backward
-    and the step is exact."""
+def test_split_sizes_copy_never_holds_the_compute_stream(mlp, path, monkeypatch, tmp_path):
+    """The deferred check copies the split sizes to the host on a side stream: on the compute
+    stream that small copy would queue on the copy engine behind an offload engine's large copy in
+    the same direction, and the forward's next kernels behind it. Read from the profiler's trace:
+    the forward's one device-to-host copy of E sizes runs on another stream than its GEMMs. The
+    check still resolves at the end of backward and the step is exact."""
+    import json
+
     if path == "unfused":
         pytest.skip("the unfused ops read split sizes on the host")
     monkeypatch.setenv(CHECK_ENV, "deferred")
@@ -98,15 +100,19 @@ def test_split_sizes_copy_never_holds_the_compute_stream(mlp, path, monkeypatch)
     x, probs, splits = _inputs()
     for p in mlp.parameters():
         p.grad = None
-    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
-    offload = torch.cuda.Stream()
     torch.cuda.synchronize()
-    with torch.cuda.stream(offload):
-        host.copy_(big, non_blocking=True)
-    y = mlp(x, splits, probs, splits)
-    torch.cuda.current_stream().synchronize()
-    assert not offload.query(), "the compute stream waited for the large copy to the host"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y = mlp(x, splits, probs, splits)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")]
+    size_copies = [e for e in gpu if e["cat"] == "gpu_memcpy" and "DtoH" in e["name"]
+                   and e.get("args", {}).get("bytes") == splits.numel() * splits.element_size()]
+    kernel_streams = {e["args"]["stream"] for e in gpu if e["cat"] == "kernel"}
+    assert len(size_copies) == 1, [(e["name"], e.get("args", {}).get("bytes")) for e in gpu if e["cat"] == "gpu_memcpy"]
+    assert kernel_streams, "no kernels in the forward's trace"
+    assert size_copies[0]["args"]["stream"] not in kernel_streams
     y.float().square().sum().backward()
     torch.cuda.synchronize()
     _same(good, (y.detach(), x.grad, probs.grad, [p.grad.clone() for p in mlp.parameters()]))

@@ -379,7 +379,27 @@ def test_reports_hold_every_row_the_cap_table_targets_and_the_memory_choice(tmp_
     except ImportError:
         assert len(paths) == 2
     else:
-        assert (tmp_path / "moe_step_test.png").stat().st_size > 0
+        from PIL import Image
+
+        with Image.open(tmp_path / "moe_step_test.png") as chart:  # a palette PNG (bench_common.save_png)
+            assert chart.mode == "P" and len(chart.getcolors()) <= 64 and chart.size[0] > 400
+
+
+def test_save_png_keeps_a_chart_in_few_colours_and_fewer_bytes(tmp_path):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from bench_common import save_png
+    from PIL import Image
+
+    fig, ax = plt.subplots()
+    for k in range(6):
+        ax.plot(range(50), [((i * (k + 3)) % 17) for i in range(50)], marker="o", label=f"series {k}")
+    ax.legend()
+    fig.savefig(tmp_path / "full.png", dpi=110)
+    save_png(fig, tmp_path / "small.png", dpi=110)
+    plt.close(fig)
+    with Image.open(tmp_path / "full.png") as full, Image.open(tmp_path / "small.png") as small:
+        assert small.size == full.size and small.mode == "P" and len(small.getcolors()) <= 64
+    assert (tmp_path / "small.png").stat().st_size < (tmp_path / "full.png").stat().st_size
 
 
 def test_merge_puts_each_engine_process_under_its_shape_and_keeps_failures_apart():
