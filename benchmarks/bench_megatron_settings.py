@@ -23,7 +23,8 @@ a one-layer step queued behind a sleep kernel must wait at the end of its backwa
 forward's copy (by design: a bad step raises before backward() returns), so its GPU cost is
 taken from the profiler (device time per step, plain vs split_check) and its host cost from
 the back-to-back wall time. The profiler also lists main_grad's kernels against plain's: how much
-of its extra GPU time is kernels running longer (and which), how much is between them.
+of its extra GPU time is kernels running longer (and which), how much is between them, and
+the same by GEMM (the profiler range each launch runs in, kernels.api.profile_label).
 Writes JSON, markdown and a PNG.
 """
 
@@ -139,6 +140,8 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
     kernels = {v: profile_kernels(lambda: step(v), steps=10, top=0)
                for v in ("plain", "split_check", "main_grad") if v in VARIANTS}
     busy = {v: sum(k["us_per_step"] for k in rows) / 1e3 for v, rows in kernels.items()}
+    # by GEMM: a profile of its own (CPU events too, for the ranges), not mixed into the busy times
+    gemms = {v: gemm_ranges(lambda: step(v)) for v in ("plain", "main_grad") if v in VARIANTS}
     os.environ.pop("TEO_CHECK_SPLIT_SIZES", None)
     os.environ.pop("TEO_MAIN_GRAD_ADD", None)
     kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"] = default_way[1]
@@ -159,6 +162,7 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
                                "gpu_busy_ms": busy}
     if "main_grad" in kernels:
         row["main_grad_kernels"] = kernel_diff(kernels["plain"], kernels["main_grad"])
+        row["main_grad_gemms"] = kernel_diff(gemms["plain"], gemms["main_grad"])
     del mlps, x, probs, dy
     torch.cuda.empty_cache()
     return row
@@ -176,6 +180,35 @@ def kernel_diff(plain: list[dict], other: list[dict]) -> list[dict]:
              "diff_us": b.get(name, 0.0) - a.get(name, 0.0)} for name in dict.fromkeys([*a, *b])]
     rows.sort(key=lambda r: -abs(r["diff_us"]))
     return rows
+
+
+def gemm_ranges(fn, steps: int = 10) -> list[dict]:
+    """GPU time per step of each GEMM of the fused op, by the profiler range its launch runs in
+    (``kernels.api.profile_label``: epilogue, wgrad or not, N x K), in ``kernel_diff``'s rows."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from te_offload_ops.kernels.api import PROFILE_LABEL
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CPU and e.name.startswith(PROFILE_LABEL):
+            name = gemm_row_name(e.name)
+            totals[name] = totals.get(name, 0.0) + e.device_time_total
+    return [{"kernel": name, "us_per_step": us / steps} for name, us in totals.items()]
+
+
+def gemm_row_name(label: str) -> str:
+    """A wgrad's range without its epilogue: plain's bf16 store and main_grad's fp32 add of the
+    same GEMM share a row (the other GEMMs keep theirs: fc2's forward and fc1's dgrad share N x K)."""
+    return re.sub(r"\[wgrad \S+ ", "[wgrad ", label)
 
 
 def kernel_diff_lines(row, top: int = 8) -> list[str]:
@@ -196,6 +229,16 @@ def kernel_diff_lines(row, top: int = 8) -> list[str]:
     for r in diff[:top]:
         name = r["kernel"].replace("|", "/")
         lines.append(f"| {name} | {r['plain_us']:.1f} | {r['other_us']:.1f} | {r['diff_us']:+.1f} |")
+    gemms = row.get("main_grad_gemms")
+    if gemms is not None:
+        lines += ["", "The same by GEMM (the profiler range around each launch: kind, epilogue, N x K; the "
+                  "profiler gives every GEMM kernel one name):", ""]
+        if not any(r["plain_us"] or r["other_us"] for r in gemms):
+            lines.append("(no GPU time reached the ranges: the profiler did not tie these launches to them)")
+        else:
+            lines += ["| GEMM | plain us | main_grad us | difference us |", "|---|---|---|---|"]
+            lines += [f"| {r['kernel']} | {r['plain_us']:.1f} | {r['other_us']:.1f} | {r['diff_us']:+.1f} |"
+                      for r in gemms]
     return lines
 
 

@@ -8,7 +8,8 @@
 #   phase new    (call 2, carry .dev/cute, after `bash .dev/cute/setup.sh`): the GPU tests of code
 #                never run on a GPU, then the Megatron-settings benchmark, ~7 min
 #   phase main   the main job: moe_step quick (v2, teo), the unfused profile, CUDA graphs, ~6 min
-#   phases next1..next5 the next session's calls (see each), ncu: Nsight Compute of the wgrads
+#   phases next1..next5 the seventh session's calls (see each), gemms: main_grad's extra time by
+#   GEMM, ncu: Nsight Compute of the wgrads
 #   The tree that travels is limited to 64 MiB with what is carried: .dev/cute alone is 60.6 MiB,
 #   so a call carrying it works only while the repo's files stay under about 3.4 MiB.
 #   phase suite1 tests/test_kernels_gpu.py and the fused-path files, ~5 min
@@ -17,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|ncu|suite1|suite2}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|ncu|suite1|suite2}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -84,6 +85,12 @@ next5)
     # call 5 (as the budget allows): moe-heavy under teo-m without the cap search
     run 280 python3 benchmarks/moe_step.py --shapes moe-heavy --engines teo-m --no-cap \
         --policies mlp:2,mlp:4,layer:2,layer:4,layer:6 --alloc-conf expandable_segments:True --out "$OUT/results/heavy"
+    ;;
+gemms)
+    # issue 11, after both setups: the Megatron-settings benchmark's default ways, now with main_grad's
+    # extra time split by GEMM (a profiler range around each launch), then the kernel GPU tests
+    run 200 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only --out "$OUT/results"
+    pytest_ 300 tests/test_kernels_gpu.py tests/test_kernels_api.py
     ;;
 ncu)
     # issue 11: one wgrad launch each under Nsight Compute (carry .dev/cute), plain bf16 against the

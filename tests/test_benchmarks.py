@@ -115,6 +115,23 @@ def test_megatron_settings_report_splits_main_grads_extra_time_into_kernels_and_
     variants["main_grad"]["gpu_ms"] = float("nan")  # no host-ahead time: the kernels alone
     md = bms.markdown({"gpu": "H100", "date": "today", "rounds": 3, "rows": [row]})
     assert "kernels +55.0 us (profiler; no host-ahead GPU time to set it against)" in md and "+nan" not in md
+    assert "The same by GEMM" not in md  # a run without the ranges (older JSON)
+    name = bms.gemm_row_name
+    assert name("te_offload_ops.gemm[wgrad tma_f32 n=2688 k=2048]") == "te_offload_ops.gemm[wgrad n=2688 k=2048]"
+    assert name("te_offload_ops.gemm[gemm srelu n=1856 k=2688]") == "te_offload_ops.gemm[gemm srelu n=1856 k=2688]"
+    row["main_grad_gemms"] = bms.kernel_diff(
+        [{"kernel": name("te_offload_ops.gemm[wgrad store n=2688 k=2048]"), "us_per_step": 250.0},
+         {"kernel": name("te_offload_ops.gemm[gemm srelu n=1856 k=2688]"), "us_per_step": 300.0}],
+        [{"kernel": name("te_offload_ops.gemm[wgrad tma_f32 n=2688 k=2048]"), "us_per_step": 292.0},
+         {"kernel": name("te_offload_ops.gemm[gemm srelu n=1856 k=2688]"), "us_per_step": 301.0}])
+    md = bms.markdown({"gpu": "H100", "date": "today", "rounds": 3, "rows": [row]})
+    assert "| te_offload_ops.gemm[wgrad n=2688 k=2048] | 250.0 | 292.0 | +42.0 |" in md
+    assert "| te_offload_ops.gemm[gemm srelu n=1856 k=2688] | 300.0 | 301.0 | +1.0 |" in md
+    row["main_grad_gemms"] = bms.kernel_diff([{"kernel": "te_offload_ops.gemm[a]", "us_per_step": 0.0}],
+                                             [{"kernel": "te_offload_ops.gemm[a]", "us_per_step": 0.0}])
+    md = bms.markdown({"gpu": "H100", "date": "today", "rounds": 3, "rows": [row]})
+    assert "no GPU time reached the ranges" in md and "| te_offload_ops.gemm[a]" not in md
+    del row["main_grad_gemms"]
     del row["main_grad_kernels"]  # a run without the profile (older JSON): no such section
     assert "Where main_grad's extra GPU time goes" not in bms.markdown({"gpu": "H100", "date": "today", "rounds": 3,
                                                                         "rows": [row]})

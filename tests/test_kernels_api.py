@@ -169,3 +169,25 @@ def test_expert_weights_read_in_place_or_packed(stride0, offset, expect):
     else:
         assert b_stride == expect and got.data_ptr() == b.data_ptr()
     assert torch.equal(got, b)
+
+
+def test_launches_run_in_a_named_profiler_range_only_while_a_profiler_records(monkeypatch):
+    """The profiler gives every GEMM kernel of the DSL one cut name; each launch runs inside a
+    range naming its kind, epilogue and N x K, so benchmarks can split GPU time by GEMM."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from te_offload_ops.kernels import api
+
+    launched = []
+    monkeypatch.setattr(api, "_launch_now", lambda kern, *rest: launched.append(torch.autograd._profiler_enabled()))
+    wgrad = types.SimpleNamespace(wgrad_m=1856, epilogue="tma_f32", n=2688, k=2048)
+    fprop = types.SimpleNamespace(wgrad_m=None, epilogue="srelu", n=1856, k=2688)
+    assert api.profile_label(wgrad) == "te_offload_ops.gemm[wgrad tma_f32 n=2688 k=2048]"
+    assert api.profile_label(fprop) == "te_offload_ops.gemm[gemm srelu n=1856 k=2688]"
+    api._launch(fprop, None, [], 0)  # no profiler: launched, no range
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        api._launch(wgrad, None, [], 0)
+        api._launch(fprop, None, [], 0)
+    assert launched == [False, True, True]
+    names = [e.name for e in prof.events() if e.name.startswith(api.PROFILE_LABEL)]
+    assert names == [api.profile_label(wgrad), api.profile_label(fprop)]

@@ -333,7 +333,25 @@ def _cluster_slots(device_index: int, cluster_size: int) -> int:
     return min(clusters, sms // cluster_size) * cluster_size
 
 
+PROFILE_LABEL = "te_offload_ops.gemm"
+
+
+def profile_label(kern) -> str:
+    """The profiler range around a launch of ``kern``: the profiler cuts the DSL's kernel names
+    to one prefix for every GEMM, so the range names which (epilogue, wgrad, N x K) it was."""
+    kind = "wgrad" if getattr(kern, "wgrad_m", None) is not None else "gemm"
+    return f"{PROFILE_LABEL}[{kind} {getattr(kern, 'epilogue', '?')} n={kern.n} k={kern.k}]"
+
+
 def _launch(kern, compiled, tensors, num_tokens):
+    if torch.autograd._profiler_enabled():  # a range per launch, only while a profiler records
+        with torch.profiler.record_function(profile_label(kern)):
+            _launch_now(kern, compiled, tensors, num_tokens)
+        return
+    _launch_now(kern, compiled, tensors, num_tokens)
+
+
+def _launch_now(kern, compiled, tensors, num_tokens):
     if not getattr(kern, "launched", False) and capturing():  # the first call loads the module
         raise GraphCaptureError(_first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
     # persistent grid: one CTA per SM at most, and no more CTAs than a bound
