@@ -8,6 +8,9 @@ marks it leaves on each tensor at the moment the op fuser hands the tensors to a
 * TE V1 (``NVTE_CPU_OFFLOAD_V1=1``) offloads only tensors carrying ``activation_offloading``.
 * Megatron-style saved-tensor-hook engines offload what has no ``_TE_do_not_offload``.
 * This package's "teo" engine (``engines_teo``) moves what :func:`keep_reason` allows: V2's rule.
+  The policy says what *may* leave; an engine still keeps what it cannot carry as raw bytes, as
+  TE V2 does: teo keeps tensors on another GPU than the first it moved from, non-contiguous or
+  sparse ones, and subclasses other than TE's quantized tensors (``engines_teo.plan_saved``).
 
 So weights get ``mark_not_offload`` (never moved: they stay resident anyway and would only waste
 PCIe), activations of an op with ``offload=False`` get ``mark_not_offload`` too, and the other
