@@ -12,6 +12,9 @@ runs by up to 10%, so each round times every variant once and medians are taken 
                     boxes) and schedule S (coop: 128 x BN tiles, both
                     warpgroups on one tile; ping: 128 x 128, one warpgroup's epilogue under the
                     other's mainloop): the ablation behind the default
+* main_grad(tma,ping192) - tma under pingpong on 128 x 192 tiles (TEO_MAIN_GRAD_BN=192)
+* main_grad+prefetch - the default way, each wgrad tile's main_grad lines prefetched into L2
+                    first (TEO_MAIN_GRAD_PREFETCH=1, an experiment: only with --prefetch)
 * delay           - delay_wgrad_compute=True: fwd, bwd, then backward_dw() of both GroupedLinears
 * main_grad+delay - both, as Megatron runs them with its expert-parallel overlap
 * split_check     - plain with the deferred split-size check on (the default); the four above
@@ -48,8 +51,11 @@ from bench_common import save_png, write_reports  # noqa: E402
 # main_grad ablation: variant -> (TEO_MAIN_GRAD_ADD, schedule of the main_grad wgrad)
 MAIN_GRAD_WAYS = {"main_grad(rmw,ping)": ("rmw", "pingpong"), "main_grad(rmw,coop)": ("rmw", "cooperative"),
                   "main_grad(red,ping)": ("red", "pingpong"), "main_grad(red,coop)": ("red", "cooperative"),
-                  "main_grad(tma,ping)": ("tma", "pingpong"), "main_grad(tma,coop)": ("tma", "cooperative")}
-VARIANTS = ("plain", "main_grad", *MAIN_GRAD_WAYS, "delay", "main_grad+delay", "split_check")
+                  "main_grad(tma,ping)": ("tma", "pingpong"), "main_grad(tma,coop)": ("tma", "cooperative"),
+                  "main_grad(tma,ping192)": ("tma", "pingpong", "192")}
+# the default way with TEO_MAIN_GRAD_PREFETCH=1 (the wgrad prefetches main_grad into L2): with --prefetch
+PREFETCH = "main_grad+prefetch"
+VARIANTS = ("plain", "main_grad", *MAIN_GRAD_WAYS, PREFETCH, "delay", "main_grad+delay", "split_check")
 SETTINGS = VARIANTS[1:-1]  # compared with plain, split-size check off
 SWEEP = [(8, 2048, 2688, 1856), (8, 4096, 2688, 1856), (32, 1024, 2048, 768), (32, 2048, 4096, 1536),
          (64, 512, 2048, 768)]
@@ -65,6 +71,10 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (each times every variant)")
     p.add_argument("--default-way-only", action="store_true",
                    help="time main_grad the default way only, not each add x schedule (fewer kernels to compile)")
+    p.add_argument("--ways", nargs="+", choices=list(MAIN_GRAD_WAYS), metavar="WAY",
+                   help=f"time only these of the main_grad ways (default: all of {list(MAIN_GRAD_WAYS)})")
+    p.add_argument("--prefetch", action="store_true",
+                   help=f"also time {PREFETCH} (TEO_MAIN_GRAD_PREFETCH=1)")
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args(argv)
     for name in ("experts", "tokens", "hidden", "ffn", "rounds"):
@@ -119,8 +129,10 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
         for t in (x, probs, *mlp.parameters()):
             t.grad = None
         os.environ["TEO_CHECK_SPLIT_SIZES"] = "deferred" if variant == "split_check" else "off"
-        add, schedule = MAIN_GRAD_WAYS.get(variant, default_way)
+        add, schedule, *bn = MAIN_GRAD_WAYS.get(variant, default_way)
         os.environ["TEO_MAIN_GRAD_ADD"] = add
+        os.environ["TEO_MAIN_GRAD_BN"] = bn[0] if bn else "128"
+        os.environ["TEO_MAIN_GRAD_PREFETCH"] = "1" if variant == PREFETCH else "0"
         kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"] = schedule
         mlp(x, splits, probs, splits).backward(dy)
         for op in (mlp[0], mlp[2]):
@@ -141,9 +153,11 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
                for v in ("plain", "split_check", "main_grad") if v in VARIANTS}
     busy = {v: sum(k["us_per_step"] for k in rows) / 1e3 for v, rows in kernels.items()}
     # by GEMM: a profile of its own (CPU events too, for the ranges), not mixed into the busy times
-    gemms = {v: gemm_ranges(lambda: step(v)) for v in ("plain", "main_grad") if v in VARIANTS}
+    gemms = {v: gemm_ranges(lambda: step(v)) for v in VARIANTS if v == "plain" or v.startswith("main_grad")}
     os.environ.pop("TEO_CHECK_SPLIT_SIZES", None)
     os.environ.pop("TEO_MAIN_GRAD_ADD", None)
+    os.environ.pop("TEO_MAIN_GRAD_PREFETCH", None)
+    os.environ.pop("TEO_MAIN_GRAD_BN", None)
     kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"] = default_way[1]
     flop = 6 * 2 * T * H * F
     row = {"E": E, "tokens_per_expert": tokens, "H": H, "F": F, "paths": paths, "variants": {},
@@ -163,6 +177,8 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
     if "main_grad" in kernels:
         row["main_grad_kernels"] = kernel_diff(kernels["plain"], kernels["main_grad"])
         row["main_grad_gemms"] = kernel_diff(gemms["plain"], gemms["main_grad"])
+        # every main_grad way's GEMMs, us per step: {variant: {GEMM: us}}
+        row["gemm_us"] = {v: {r["kernel"]: r["us_per_step"] for r in rows} for v, rows in gemms.items()}
     del mlps, x, probs, dy
     torch.cuda.empty_cache()
     return row
@@ -183,8 +199,11 @@ def kernel_diff(plain: list[dict], other: list[dict]) -> list[dict]:
 
 
 def gemm_ranges(fn, steps: int = 10) -> list[dict]:
-    """GPU time per step of each GEMM of the fused op, by the profiler range its launch runs in
-    (``kernels.api.profile_label``: epilogue, wgrad or not, N x K), in ``kernel_diff``'s rows."""
+    """GPU time per step of each GEMM of the fused op, in ``kernel_diff``'s rows, named by the
+    profiler range its launch runs in (``kernels.api.profile_label``: wgrad or not, epilogue, N x K).
+    The profiler does not tie the DSL's driver-API launches to their ranges (measured: no device
+    time reached them), so ranges and GEMM kernels are paired in order (one stream: the n-th
+    launch is the n-th kernel); empty when their counts differ."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -197,11 +216,28 @@ def gemm_ranges(fn, steps: int = 10) -> list[dict]:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    totals: dict[str, float] = {}
+    ranges, kernels = [], []
     for e in prof.events():
         if e.device_type == DeviceType.CPU and e.name.startswith(PROFILE_LABEL):
-            name = gemm_row_name(e.name)
-            totals[name] = totals.get(name, 0.0) + e.device_time_total
+            ranges.append((e.time_range.start, e.name))
+        elif e.device_type == DeviceType.CUDA and GEMM_KERNEL in e.name:
+            kernels.append((e.time_range.start, e.time_range.elapsed_us()))
+    return pair_in_order(ranges, kernels, steps)
+
+
+GEMM_KERNEL = "GroupedGemmSm90"  # in the profiler's name of every DSL GEMM kernel
+
+
+def pair_in_order(ranges, kernels, steps: int) -> list[dict]:
+    """``ranges``: (start, label) of each launch's range; ``kernels``: (start, us) of each GEMM
+    kernel. The n-th range by start goes with the n-th kernel by start; us per step by
+    :func:`gemm_row_name`. Empty when the counts differ (a pairing would be a guess)."""
+    if len(ranges) != len(kernels):
+        return []
+    totals: dict[str, float] = {}
+    for (_, label), (_, us) in zip(sorted(ranges), sorted(kernels)):
+        name = gemm_row_name(label)
+        totals[name] = totals.get(name, 0.0) + us
     return [{"kernel": name, "us_per_step": us / steps} for name, us in totals.items()]
 
 
@@ -231,14 +267,28 @@ def kernel_diff_lines(row, top: int = 8) -> list[str]:
         lines.append(f"| {name} | {r['plain_us']:.1f} | {r['other_us']:.1f} | {r['diff_us']:+.1f} |")
     gemms = row.get("main_grad_gemms")
     if gemms is not None:
-        lines += ["", "The same by GEMM (the profiler range around each launch: kind, epilogue, N x K; the "
-                  "profiler gives every GEMM kernel one name):", ""]
+        lines += ["", "The same by GEMM (each launch's profiler range, naming kind, epilogue and N x K, "
+                  "paired in order with the GEMM kernels: the profiler gives every GEMM kernel one name):", ""]
         if not any(r["plain_us"] or r["other_us"] for r in gemms):
-            lines.append("(no GPU time reached the ranges: the profiler did not tie these launches to them)")
+            lines.append("(no pairing: the counts of launch ranges and GEMM kernels differed)")
         else:
             lines += ["| GEMM | plain us | main_grad us | difference us |", "|---|---|---|---|"]
             lines += [f"| {r['kernel']} | {r['plain_us']:.1f} | {r['other_us']:.1f} | {r['diff_us']:+.1f} |"
                       for r in gemms]
+    return lines
+
+
+def gemm_table_lines(row) -> list[str]:
+    """Markdown: each GEMM's us per step under plain and every main_grad way timed (when more
+    than the default way was)."""
+    table = row.get("gemm_us") or {}
+    if len(table) <= 2 or not all(table.values()):
+        return []
+    names = list(dict.fromkeys(name for us in table.values() for name in us))
+    lines = ["", "GPU time per GEMM, us per step (the same pairing), by variant:", "",
+             "| GEMM | " + " | ".join(table) + " |", "|---|" + "---|" * len(table)]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(f"{us.get(name, 0.0):.1f}" for us in table.values()) + " |")
     return lines
 
 
@@ -268,6 +318,7 @@ def markdown(result) -> str:
         lines.append(f"{cfg} split check (vs plain) | {c['wall']:+.2%} | {c['gpu_busy']:+.2%} busy | | |")
     for r in result["rows"]:
         lines += kernel_diff_lines(r)
+        lines += gemm_table_lines(r)
     unfused = {f"{r['E']}x{r['tokens_per_expert']}:{v}" for r in result["rows"] for v, p in r["paths"].items() if p != "fused"}
     if unfused:
         lines += ["", "Ran unfused (not comparable): " + ", ".join(sorted(unfused))]
@@ -312,7 +363,9 @@ def main(argv=None) -> int:
     plan = SWEEP if args.sweep else [(args.experts, args.tokens, args.hidden, args.ffn)]
     rows = []
     for i, (E, tokens, H, F) in enumerate(plan, 1):
-        variants = tuple(v for v in VARIANTS if v not in MAIN_GRAD_WAYS) if args.default_way_only else VARIANTS
+        ways = () if args.default_way_only else args.ways or tuple(MAIN_GRAD_WAYS)
+        variants = tuple(v for v in VARIANTS if (v in ways or v not in MAIN_GRAD_WAYS)
+                         and (args.prefetch or v != PREFETCH))
         row = measure(E, tokens, H, F, args.rounds, variants)
         rows.append(row)
         v = row["variants"]

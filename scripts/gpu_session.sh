@@ -9,7 +9,7 @@
 #                never run on a GPU, then the Megatron-settings benchmark, ~7 min
 #   phase main   the main job: moe_step quick (v2, teo), the unfused profile, CUDA graphs, ~6 min
 #   phases next1..next5 the seventh session's calls (see each), gemms: main_grad's extra time by
-#   GEMM, ncu: Nsight Compute of the wgrads
+#   GEMM, prefetch: main_grad with its L2 prefetch against without, ncu: Nsight Compute of the wgrads
 #   The tree that travels is limited to 64 MiB with what is carried: .dev/cute alone is 60.6 MiB,
 #   so a call carrying it works only while the repo's files stay under about 3.4 MiB.
 #   phase suite1 tests/test_kernels_gpu.py and the fused-path files, ~5 min
@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|ncu|suite1|suite2}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|prefetch|ping192|ncu|suite1|suite2}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -89,8 +89,27 @@ next5)
 gemms)
     # issue 11, after both setups: the Megatron-settings benchmark's default ways, now with main_grad's
     # extra time split by GEMM (a profiler range around each launch), then the kernel GPU tests
+    # the SM clock, power and throttle reasons sampled through it: does the fp32 traffic cost clock?
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active \
+        --format=csv -lms 100 >"$OUT/results/smi_gemms.csv" 2>&1 &
+    smi=$!
     run 200 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only --out "$OUT/results"
+    kill $smi
     pytest_ 300 tests/test_kernels_gpu.py tests/test_kernels_api.py
+    ;;
+prefetch)
+    # issue 11, after both setups: main_grad with each wgrad tile's fp32 lines prefetched into L2
+    # (TEO_MAIN_GRAD_PREFETCH=1) against the default way, and the main_grad GPU tests with it on
+    run 240 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only --prefetch --out "$OUT/results"
+    run 240 env TEO_MAIN_GRAD_PREFETCH=1 python3 -m pytest -q -ra -p no:cacheprovider \
+        tests/test_gpu_megatron_settings.py -k main_grad
+    ;;
+ping192)
+    # issue 11, after both setups: the tma add under pingpong on 128 x 192 tiles (TEO_MAIN_GRAD_BN=192)
+    # against the default 128 x 128 and cooperative 128 x 192, per GEMM; its GPU tests first
+    pytest_ 200 tests/test_gpu_megatron_settings.py -k "192 or tma"
+    run 300 python3 benchmarks/bench_megatron_settings.py --rounds 7 --ways "main_grad(tma,ping192)" \
+        "main_grad(tma,coop)" --out "$OUT/results"
     ;;
 ncu)
     # issue 11: one wgrad launch each under Nsight Compute (carry .dev/cute), plain bf16 against the
