@@ -12,9 +12,6 @@ runs by up to 10%, so each round times every variant once and medians are taken 
                     boxes) and schedule S (coop: 128 x BN tiles, both
                     warpgroups on one tile; ping: 128 x 128, one warpgroup's epilogue under the
                     other's mainloop): the ablation behind the default
-* main_grad(tma,ping192) - tma under pingpong on 128 x 192 tiles (TEO_MAIN_GRAD_BN=192)
-* main_grad+prefetch - the default way, each wgrad tile's main_grad lines prefetched into L2
-                    first (TEO_MAIN_GRAD_PREFETCH=1, an experiment: only with --prefetch)
 * delay           - delay_wgrad_compute=True: fwd, bwd, then backward_dw() of both GroupedLinears
 * main_grad+delay - both, as Megatron runs them with its expert-parallel overlap
 * split_check     - plain with the deferred split-size check on (the default); the four above
@@ -51,11 +48,8 @@ from bench_common import save_png, write_reports  # noqa: E402
 # main_grad ablation: variant -> (TEO_MAIN_GRAD_ADD, schedule of the main_grad wgrad)
 MAIN_GRAD_WAYS = {"main_grad(rmw,ping)": ("rmw", "pingpong"), "main_grad(rmw,coop)": ("rmw", "cooperative"),
                   "main_grad(red,ping)": ("red", "pingpong"), "main_grad(red,coop)": ("red", "cooperative"),
-                  "main_grad(tma,ping)": ("tma", "pingpong"), "main_grad(tma,coop)": ("tma", "cooperative"),
-                  "main_grad(tma,ping192)": ("tma", "pingpong", "192")}
-# the default way with TEO_MAIN_GRAD_PREFETCH=1 (the wgrad prefetches main_grad into L2): with --prefetch
-PREFETCH = "main_grad+prefetch"
-VARIANTS = ("plain", "main_grad", *MAIN_GRAD_WAYS, PREFETCH, "delay", "main_grad+delay", "split_check")
+                  "main_grad(tma,ping)": ("tma", "pingpong"), "main_grad(tma,coop)": ("tma", "cooperative")}
+VARIANTS = ("plain", "main_grad", *MAIN_GRAD_WAYS, "delay", "main_grad+delay", "split_check")
 SETTINGS = VARIANTS[1:-1]  # compared with plain, split-size check off
 SWEEP = [(8, 2048, 2688, 1856), (8, 4096, 2688, 1856), (32, 1024, 2048, 768), (32, 2048, 4096, 1536),
          (64, 512, 2048, 768)]
@@ -73,8 +67,6 @@ def parse_args(argv=None):
                    help="time main_grad the default way only, not each add x schedule (fewer kernels to compile)")
     p.add_argument("--ways", nargs="+", choices=list(MAIN_GRAD_WAYS), metavar="WAY",
                    help=f"time only these of the main_grad ways (default: all of {list(MAIN_GRAD_WAYS)})")
-    p.add_argument("--prefetch", action="store_true",
-                   help=f"also time {PREFETCH} (TEO_MAIN_GRAD_PREFETCH=1)")
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args(argv)
     for name in ("experts", "tokens", "hidden", "ffn", "rounds"):
@@ -122,18 +114,27 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
 
     from te_offload_ops.kernels import api as kernels_api
 
-    default_way = (kernels_api.main_grad_add(), kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"])
+    # the library's own choice for this shape (kernels.main_grad_way), as the default variants get it
+    preset = os.environ.pop("TEO_MAIN_GRAD_ADD", None)
+    way_add, way_schedule = kernels_api.main_grad_way(T, E, preset)
+    default_schedule = kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"]
+    default_way = (way_add, way_schedule or kernels_api.pick_schedule("acc_f32", True))
 
     def step(variant):
         mlp = mlps[variant]
         for t in (x, probs, *mlp.parameters()):
             t.grad = None
         os.environ["TEO_CHECK_SPLIT_SIZES"] = "deferred" if variant == "split_check" else "off"
-        add, schedule, *bn = MAIN_GRAD_WAYS.get(variant, default_way)
-        os.environ["TEO_MAIN_GRAD_ADD"] = add
-        os.environ["TEO_MAIN_GRAD_BN"] = bn[0] if bn else "128"
-        os.environ["TEO_MAIN_GRAD_PREFETCH"] = "1" if variant == PREFETCH else "0"
-        kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"] = schedule
+        if variant in MAIN_GRAD_WAYS:
+            add, schedule = MAIN_GRAD_WAYS[variant]
+            os.environ["TEO_MAIN_GRAD_ADD"] = add
+            kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"] = schedule
+        else:  # left to the library (or to a TEO_MAIN_GRAD_ADD the run was started with)
+            if preset is None:
+                os.environ.pop("TEO_MAIN_GRAD_ADD", None)
+            else:
+                os.environ["TEO_MAIN_GRAD_ADD"] = preset
+            kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"] = default_schedule
         mlp(x, splits, probs, splits).backward(dy)
         for op in (mlp[0], mlp[2]):
             op.backward_dw()  # a no-op unless the wgrads were delayed
@@ -156,9 +157,9 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
     gemms = {v: gemm_ranges(lambda: step(v)) for v in VARIANTS if v == "plain" or v.startswith("main_grad")}
     os.environ.pop("TEO_CHECK_SPLIT_SIZES", None)
     os.environ.pop("TEO_MAIN_GRAD_ADD", None)
-    os.environ.pop("TEO_MAIN_GRAD_PREFETCH", None)
-    os.environ.pop("TEO_MAIN_GRAD_BN", None)
-    kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"] = default_way[1]
+    kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"] = default_schedule
+    if preset is not None:
+        os.environ["TEO_MAIN_GRAD_ADD"] = preset
     flop = 6 * 2 * T * H * F
     row = {"E": E, "tokens_per_expert": tokens, "H": H, "F": F, "paths": paths, "variants": {},
            "main_grad_default": {"add": default_way[0], "schedule": default_way[1]}}
@@ -364,8 +365,7 @@ def main(argv=None) -> int:
     rows = []
     for i, (E, tokens, H, F) in enumerate(plan, 1):
         ways = () if args.default_way_only else args.ways or tuple(MAIN_GRAD_WAYS)
-        variants = tuple(v for v in VARIANTS if (v in ways or v not in MAIN_GRAD_WAYS)
-                         and (args.prefetch or v != PREFETCH))
+        variants = tuple(v for v in VARIANTS if v in ways or v not in MAIN_GRAD_WAYS)
         row = measure(E, tokens, H, F, args.rounds, variants)
         rows.append(row)
         v = row["variants"]

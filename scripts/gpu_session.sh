@@ -9,7 +9,7 @@
 #                never run on a GPU, then the Megatron-settings benchmark, ~7 min
 #   phase main   the main job: moe_step quick (v2, teo), the unfused profile, CUDA graphs, ~6 min
 #   phases next1..next5 the seventh session's calls (see each), gemms: main_grad's extra time by
-#   GEMM, prefetch: main_grad with its L2 prefetch against without, ncu: Nsight Compute of the wgrads
+#   GEMM, sweep: the Megatron settings over the sweep's shapes, ncu: Nsight Compute of the wgrads
 #   The tree that travels is limited to 64 MiB with what is carried: .dev/cute alone is 60.6 MiB,
 #   so a call carrying it works only while the repo's files stay under about 3.4 MiB.
 #   phase suite1 tests/test_kernels_gpu.py and the fused-path files, ~5 min
@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|prefetch|ping192|ncu|suite1|suite2}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|hostab|way|ncu|suite1|suite2}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -97,19 +97,50 @@ gemms)
     kill $smi
     pytest_ 300 tests/test_kernels_gpu.py tests/test_kernels_api.py
     ;;
-prefetch)
-    # issue 11, after both setups: main_grad with each wgrad tile's fp32 lines prefetched into L2
-    # (TEO_MAIN_GRAD_PREFETCH=1) against the default way, and the main_grad GPU tests with it on
-    run 240 python3 benchmarks/bench_megatron_settings.py --rounds 7 --default-way-only --prefetch --out "$OUT/results"
-    run 240 env TEO_MAIN_GRAD_PREFETCH=1 python3 -m pytest -q -ra -p no:cacheprovider \
-        tests/test_gpu_megatron_settings.py -k main_grad
+sweep)
+    # issue 11, after both setups: the Megatron settings over the sweep's five MoE shapes (default ways)
+    run 560 python3 benchmarks/bench_megatron_settings.py --sweep --rounds 5 --default-way-only --out "$OUT/results"
     ;;
-ping192)
-    # issue 11, after both setups: the tma add under pingpong on 128 x 192 tiles (TEO_MAIN_GRAD_BN=192)
-    # against the default 128 x 128 and cooperative 128 x 192, per GEMM; its GPU tests first
-    pytest_ 200 tests/test_gpu_megatron_settings.py -k "192 or tma"
-    run 300 python3 benchmarks/bench_megatron_settings.py --rounds 7 --ways "main_grad(tma,ping192)" \
-        "main_grad(tma,coop)" --out "$OUT/results"
+host64)
+    # issue 11, after both setups: the host's time per step at E=64 (cProfile, plain and main_grad),
+    # then every main_grad way at E=64 x 512 (short wgrads: the fp32 add's traffic is what they wait on)
+    for v in plain main_grad; do
+        run 120 python3 benchmarks/profile_host.py --variant $v --top 30
+    done
+    run 400 python3 benchmarks/bench_megatron_settings.py -E 64 --tokens 512 -H 2048 -F 768 --rounds 5 \
+        --out "$OUT/results"
+    ;;
+host2)
+    # issue 11, after both setups, with the host-time savings at large E: the sweep (default ways),
+    # the rmw / cooperative ways at E=32 x 1024, and main_grad's host profile at E=64 again
+    run 300 python3 benchmarks/bench_megatron_settings.py --sweep --rounds 5 --default-way-only --out "$OUT/results"
+    run 200 python3 benchmarks/bench_megatron_settings.py -E 32 --tokens 1024 -H 2048 -F 768 --rounds 5 \
+        --ways "main_grad(rmw,coop)" "main_grad(rmw,ping)" "main_grad(tma,coop)" --out "$OUT/results"
+    run 60 python3 benchmarks/profile_host.py --variant main_grad --top 30
+    ;;
+tests2)
+    # the GPU tests of what the host-time savings touch: weights read in place, placeholder grads,
+    # the policy's marks under every engine
+    pytest_ 560 tests/test_gpu_megatron_settings.py tests/test_gpu_fused.py tests/test_gpu_engines.py \
+        tests/test_megatron_gpu.py
+    ;;
+hostab)
+    # issue 11, after both setups: host time per step at E=64, the session's starting package (old_pkg.tgz,
+    # git archive 5f0c1c0 te_offload_ops, untracked) against this tree, alternating, twice
+    mkdir -p /tmp/old && tar xzf old_pkg.tgz -C /tmp/old && cp -r benchmarks /tmp/old/
+    for round in 1 2; do
+        for tree in /tmp/old .; do
+            for v in plain main_grad; do
+                run 90 python3 $tree/benchmarks/profile_host.py --variant $v --top 12
+            done
+        done
+    done
+    ;;
+way)
+    # issue 11, after both setups: the add into main_grad chosen by tokens per expert (main_grad_way):
+    # its GPU tests, then the sweep with the default ways
+    pytest_ 150 tests/test_gpu_megatron_settings.py -k "main_grad"
+    run 240 python3 benchmarks/bench_megatron_settings.py --sweep --rounds 5 --default-way-only --out "$OUT/results"
     ;;
 ncu)
     # issue 11: one wgrad launch each under Nsight Compute (carry .dev/cute), plain bf16 against the

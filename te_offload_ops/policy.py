@@ -120,6 +120,13 @@ def _is_weight(obj: Any, weight_ids: set[int]) -> bool:
     return id(obj) in weight_ids or isinstance(obj, torch.nn.Parameter)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exactly these types: no storage, no subclass
+
+
+def _has_v1_marks(t: torch.Tensor) -> bool:
+    return hasattr(t, V1_OFFLOAD_ATTR) or hasattr(t, _V1_FORCE_CLEAR_ATTR)
+
+
 def _clear_v1_marks(t: torch.Tensor) -> None:
     for attr in (V1_OFFLOAD_ATTR, _V1_FORCE_CLEAR_ATTR):
         if hasattr(t, attr):
@@ -127,6 +134,8 @@ def _clear_v1_marks(t: torch.Tensor) -> None:
 
 
 def _keep_resident(obj: Any) -> None:
+    if type(obj) in _PLAIN and getattr(obj, KEEP_ATTR, False) and not _has_v1_marks(obj):
+        return  # marked by an earlier step (a weight is saved every step): nothing would change
     cpu_offload.mark_not_offload(obj)
     for t in _mark_carriers(obj):
         setattr(t, KEEP_ATTR, True)

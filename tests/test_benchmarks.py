@@ -34,7 +34,7 @@ def test_r_is_the_step_peak_freed_against_the_no_offload_run_of_its_own_ops():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 @pytest.mark.parametrize("script", ["moe_step.py", "offload_policies.py", "bench_fused_mlp.py", "bench_kernels.py",
                                     "ablate_epilogue.py", "bench_graphs.py", "bench_copy_interference.py",
-                                    "bench_cluster2x2.py"])
+                                    "bench_cluster2x2.py", "bench_megatron_settings.py", "profile_host.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
     proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
@@ -140,12 +140,22 @@ def test_megatron_settings_report_splits_main_grads_extra_time_into_kernels_and_
         ("te_offload_ops.gemm[gemm srelu n=8 k=8]", 21.0), ("te_offload_ops.gemm[wgrad n=8 k=8]", 35.0)]
     assert bms.pair_in_order(ranges, kernels[:3], steps=2) == []  # a kernel missing: no guess
     row["gemm_us"] = {"plain": {"g[wgrad n=8 k=0]": 235.0}, "main_grad": {"g[wgrad n=8 k=0]": 282.25},
-                      "main_grad(tma,ping192)": {"g[wgrad n=8 k=0]": 260.0}}
+                      "main_grad(tma,coop)": {"g[wgrad n=8 k=0]": 260.0}}
     md = bms.markdown({"gpu": "H100", "date": "today", "rounds": 3, "rows": [row]})
-    assert "| GEMM | plain | main_grad | main_grad(tma,ping192) |" in md
+    assert "| GEMM | plain | main_grad | main_grad(tma,coop) |" in md
     assert "| g[wgrad n=8 k=0] | 235.0 | 282.2 | 260.0 |" in md
-    del row["gemm_us"]["main_grad(tma,ping192)"]  # the default way alone: the diff table says it all
+    del row["gemm_us"]["main_grad(tma,coop)"]  # the default way alone: the diff table says it all
     assert "by variant" not in bms.markdown({"gpu": "H100", "date": "today", "rounds": 3, "rows": [row]})
     del row["main_grad_kernels"]  # a run without the profile (older JSON): no such section
     assert "Where main_grad's extra GPU time goes" not in bms.markdown({"gpu": "H100", "date": "today", "rounds": 3,
                                                                         "rows": [row]})
+
+
+def test_megatron_settings_times_the_main_grad_ways_asked_for():
+    import bench_megatron_settings as bms
+
+    assert bms.parse_args(["--ways", "main_grad(tma,coop)", "main_grad(red,ping)"]).ways == [
+        "main_grad(tma,coop)", "main_grad(red,ping)"]
+    assert bms.parse_args([]).ways is None  # all of them
+    with pytest.raises(SystemExit):
+        bms.parse_args(["--ways", "main_grad(tma,ping256)"])

@@ -222,3 +222,57 @@ def test_different_split_sizes_for_fc1_and_fc2_run_unfused(hopper):
             mlp(x, s, p, fc2_splits)
         reasons = mlp._module_groups[0]._forward_ops[0][0].last_fallback_reasons
         assert ("fc1 and fc2 were given different split_sizes tensors" in reasons) == expect_reason
+
+
+def test_expert_weights_view_is_reused_while_the_weights_stay_put():
+    """The in-place view is found once per set of weights: the same Parameters at the same
+    addresses give the same view back; a Parameter replaced (even by one at the same address) or
+    moved gives a fresh one."""
+    from engines import relay_expert_weights
+    from te_offload_ops.fused.expert_weights import expert_weights
+
+    op = mlp_ops()[0]
+    first = expert_weights(op)
+    assert expert_weights(op)[0] is first[0]
+    relay_expert_weights(op, order=[3, 2, 1, 0])  # moved: a new view, reversed
+    moved = expert_weights(op)
+    assert moved[0] is not first[0] and moved[1] and moved[0].data_ptr() != first[0].data_ptr()
+    old = op.weight2
+    op.weight2 = torch.nn.Parameter(old.detach())  # another Parameter over the same bytes
+    again = expert_weights(op)
+    assert again[0] is not moved[0] and torch.equal(again[0], moved[0]) and again[1]
+
+
+def test_dummy_grads_share_one_allocation_and_autograd_adopts_them():
+    """Megatron's placeholder grads: one allocation for all the experts, each view adopted by
+    autograd as that weight's .grad (not copied: the .grads still share the one storage);
+    zero_out_wgrad zeroes them; weights without grad_added_to_main_grad get None."""
+    from te_offload_ops.fused.weight_grads import _dummy_grads
+
+    params = [torch.nn.Parameter(torch.randn(3, 5)) for _ in range(4)]
+    for p in params[:3]:
+        p.grad_added_to_main_grad = False
+    params[1].zero_out_wgrad = True
+
+    class Placeholders(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, *ws):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return (g, *_dummy_grads(params))
+
+    x = torch.randn(2, requires_grad=True)
+    Placeholders.apply(x, *params).sum().backward()
+    assert [p.grad is None for p in params] == [False, False, False, True]
+    assert all(p.grad_added_to_main_grad for p in params[:3]) and not hasattr(params[3], "grad_added_to_main_grad")
+    storages = {p.grad.untyped_storage().data_ptr() for p in params[:3]}
+    assert len(storages) == 1  # adopted views of one block, not three copies
+    assert [p.grad.data_ptr() - params[0].grad.data_ptr() for p in params[:3]] == [0, 60, 120]
+    assert torch.count_nonzero(params[1].grad) == 0
+    mixed = [torch.nn.Parameter(torch.randn(3, 5)), torch.nn.Parameter(torch.randn(2, 5))]
+    for p in mixed:
+        p.grad_added_to_main_grad = False
+    grads = _dummy_grads(mixed)
+    assert [tuple(g.shape) for g in grads] == [(3, 5), (2, 5)]

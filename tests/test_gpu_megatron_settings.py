@@ -218,35 +218,3 @@ def test_main_grad_by_tma_reduce_adds_gives_the_same_bits(schedule):
     assert torch.equal(got["tma"], got["rmw"])
     assert torch.equal(got["tma"][0], start[0]) and torch.equal(got["tma"][-1], start[-1])
     assert torch.equal(got["tma"][1 + len(splits) - 1 - 1], start[1 + len(splits) - 1 - 1])  # the empty expert 1
-
-
-@requires_gpu
-@pytest.mark.parametrize("m,n", [(200, 936), (1856, 2688)])
-def test_main_grad_on_192_wide_pingpong_tiles(monkeypatch, m, n):
-    """TEO_MAIN_GRAD_BN=192: the tma add under pingpong on 128 x 192 tiles (a warpgroup holds a
-    128 x 192 accumulator). N=936 ends in a partial n-block with whole boxes past N; the sums
-    match the 128-wide tiles' (the same products per element, fp32), and nothing outside the
-    slots changes."""
-    from engines import fused_path_problem
-
-    if (problem := fused_path_problem()):
-        pytest.skip(problem)
-    from te_offload_ops.kernels import api, grouped_wgrad_main_grad
-
-    g = torch.Generator(device="cuda").manual_seed(7)
-    splits = [300, 0, 1000, 77, 129]
-    dy = torch.randn(sum(splits), m, device="cuda", dtype=torch.bfloat16, generator=g)
-    x = torch.randn(sum(splits), n, device="cuda", dtype=torch.bfloat16, generator=g)
-    s = torch.tensor(splits, device="cuda")
-    start = torch.randn(len(splits) + 2, m, n, device="cuda", generator=g)
-    got = {}
-    for bn in ("128", "192"):
-        monkeypatch.setenv(api.MAIN_GRAD_BN_ENV, bn)
-        arr = start.clone()
-        grouped_wgrad_main_grad(dy, x, s, list(arr[1:-1].unbind(0))[::-1], add="tma", schedule="pingpong")
-        got[bn] = arr
-    assert any(key[1] == (128, 192) and key[3] == "tma_f32" and key[9] == "pingpong" for key in api.compile_times())
-    torch.testing.assert_close(got["192"], got["128"], rtol=1e-5, atol=1e-4)
-    assert torch.equal(got["192"][0], start[0]) and torch.equal(got["192"][-1], start[-1])
-    assert torch.equal(got["192"][1 + len(splits) - 1 - 1], start[1 + len(splits) - 1 - 1])  # the empty expert 1
-    assert not torch.equal(got["192"], start)

@@ -191,3 +191,25 @@ def test_launches_run_in_a_named_profiler_range_only_while_a_profiler_records(mo
     assert launched == [False, True, True]
     names = [e.name for e in prof.events() if e.name.startswith(api.PROFILE_LABEL)]
     assert names == [api.profile_label(wgrad), api.profile_label(fprop)]
+
+
+def test_main_grad_way_follows_tokens_per_expert_unless_told(monkeypatch):
+    """The add into main_grad (and, for short wgrads, the schedule) by the mean tokens per
+    expert, as measured; an add given by argument or environment is used as given."""
+    from te_offload_ops.kernels import api
+
+    monkeypatch.delenv(api.MAIN_GRAD_ADD_ENV, raising=False)
+    monkeypatch.delenv(api.SCHEDULE_ENV, raising=False)
+    assert api.main_grad_way(8 * 2048, 8) == ("tma", None)
+    assert api.main_grad_way(8 * 1536, 8) == ("tma", None)
+    assert api.main_grad_way(32 * 1024, 32) == ("rmw", None)  # pick_schedule's pingpong
+    assert api.main_grad_way(64 * 512, 64) == ("rmw", "cooperative")
+    assert api.main_grad_way(64 * 512, 64, schedule="pingpong") == ("rmw", "pingpong")
+    assert api.main_grad_way(64 * 512, 64, add="tma") == ("tma", None)
+    monkeypatch.setenv(api.SCHEDULE_ENV, "pingpong")  # a schedule asked for everywhere stays
+    assert api.main_grad_way(64 * 512, 64) == ("rmw", None)
+    monkeypatch.setenv(api.MAIN_GRAD_ADD_ENV, "red")
+    assert api.main_grad_way(64 * 512, 64) == ("red", None)
+    monkeypatch.setenv(api.MAIN_GRAD_ADD_ENV, "fast")
+    with pytest.raises(ValueError, match="TEO_MAIN_GRAD_ADD must be one of"):
+        api.main_grad_way(8 * 2048, 8)

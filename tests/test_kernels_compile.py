@@ -409,39 +409,6 @@ def test_main_grad_by_tma_reduce_adds_one_bulk_reduction_per_box(schedule):
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
-@pytest.mark.parametrize("epilogue,schedule", [("tma_f32", "pingpong"), ("red_f32", "cooperative"),
-                                               ("acc_f32", "pingpong")])
-def test_main_grad_prefetch_issues_one_l2_prefetch_per_line_per_thread(epilogue, schedule):
-    """TEO_MAIN_GRAD_PREFETCH's kernels: each thread prefetches its share of the tile's 128-byte
-    fp32 lines (BM * BN / 32 over the tile's threads) into L2, before the tile's first MMA; the
-    epilogue is as without it."""
-    from te_offload_ops.kernels import compile_variant
-
-    kw = dict(wgrad_m=1856, schedule=schedule, options="--keep-ptx", call="python",
-              slot_stride=1856 * 2688 if epilogue == "tma_f32" else None)
-    kern, compiled, _ = compile_variant(torch.bfloat16, 2688, 0, 8, b_n_major=True, epilogue=epilogue,
-                                        prefetch_main_grad=True, **kw)
-    ptx = str(compiled.artifacts.PTX)
-    lines = kern.bm * kern.bn // 32 // kern.tile_threads
-    assert len(re.findall(r"prefetch\.global\.L2\b", ptx)) == lines
-    assert ptx.index("prefetch.global.L2") < ptx.index("wgmma.mma_async")
-    _, plain, _ = compile_variant(torch.bfloat16, 2688, 0, 8, b_n_major=True, epilogue=epilogue, **kw)
-    without = str(plain.artifacts.PTX)
-    assert "prefetch.global.L2" not in without
-    for op in (r"cp\.reduce\.async\.bulk", r"red\.relaxed\.gpu\.global", r"ld\.global\.v2", r"st\.global\.v2"):
-        assert len(re.findall(op, ptx)) == len(re.findall(op, without)), op
-    assert "ld.local" not in ptx and "st.local" not in ptx
-
-
-def test_main_grad_prefetch_needs_an_add():
-    from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
-
-    for epilogue in ("store_f32", "plain"):
-        with pytest.raises(ValueError, match="prefetch_main_grad goes with an epilogue that adds"):
-            GroupedGemmSm90(cutlass.BFloat16, 128, 0, 2, b_n_major=True, epilogue=epilogue, wgrad_m=64,
-                            prefetch_main_grad=True)
-
-
 def test_tma_epilogue_needs_a_slot_stride():
     from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
 

@@ -185,3 +185,18 @@ def test_weight_scales_are_kept_too(offload, engine, started):
     weight = fp8_storage()
     mark_saved_tensors([weight], offload=offload, weights=[weight])
     assert kept(weight._scale_inv) and not v1_marked(weight._scale_inv)
+
+
+def test_a_weight_kept_again_stays_kept_and_loses_a_v1_mark_set_since():
+    """Weights are saved every step: once kept, keeping them again changes nothing (and is
+    skipped), unless something marked them for V1 since, which keeping must still clear."""
+    from te_offload_ops import policy
+
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    policy.mark_saved_tensors([w], offload=True, weights=[w])
+    assert getattr(w, policy.KEEP_ATTR) is True and not hasattr(w, policy.V1_OFFLOAD_ATTR)
+    policy.mark_saved_tensors([w], offload=True, weights=[w])
+    assert getattr(w, policy.KEEP_ATTR) is True
+    setattr(w, policy.V1_OFFLOAD_ATTR, True)  # as TE's own ops mark their inputs under V1
+    policy.mark_saved_tensors([w], offload=True, weights=[w])
+    assert getattr(w, policy.KEEP_ATTR) is True and not hasattr(w, policy.V1_OFFLOAD_ATTR)

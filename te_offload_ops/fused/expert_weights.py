@@ -7,19 +7,33 @@ holds all experts back to back. The kernels want one (E, out, in) tensor.
 
 from __future__ import annotations
 
+import functools
 import logging
+import weakref
 
 import torch
 
 _log = logging.getLogger(__name__)
 _STACKED_NOTED: set = set()  # ops whose weights were said to be stacked (once each)
+# op -> (its weights, their addresses, the in-place view expert_weights found for them): the
+# layout checks walk every expert (~0.4 ms a call at E=64), the step calls it four times
+_VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@functools.lru_cache(maxsize=64)
+def _weight_names(num_groups: int) -> tuple[str, ...]:
+    return tuple(f"weight{i}" for i in range(num_groups))
 
 
 def weight_params(op) -> list[torch.Tensor]:
     """The op's weight Parameters in registration order (one when single_grouped_weight)."""
     if op.single_grouped_weight:
         return [op.weight]
-    return [getattr(op, f"weight{i}") for i in range(op.num_groups)]
+    names = _weight_names(op.num_groups)
+    registered = op._parameters  # where register_parameter puts them: no Module.__getattr__ per expert
+    if all(n in registered for n in names):
+        return [registered[n] for n in names]
+    return [getattr(op, n) for n in names]
 
 
 def weight_dtype(op) -> torch.dtype:
@@ -42,7 +56,29 @@ def expert_weights(op) -> tuple[torch.Tensor, bool]:
     E, n, k = op.num_groups, op.out_features, op.in_features
     if op.single_grouped_weight:
         return _grouped_data(op.weight).view(E, n, k), False
-    ws = [w.detach() for w in weight_params(op)]
+    params = weight_params(op)
+    ptrs = tuple(w.data_ptr() for w in params)
+    hit = _VIEWS.get(op)
+    if hit is not None and hit[1] == ptrs and all(a is b for a, b in zip(hit[0], params)):
+        return hit[2]  # the same Parameters at the same addresses: the same view
+    found = _find_view(params, E, n, k)
+    if found is not None:
+        _VIEWS[op] = (tuple(params), ptrs, found)
+        return found
+    _VIEWS.pop(op, None)
+    ws = [w.detach() for w in params]
+    if E == 1:
+        return ws[0].view(1, n, k), False
+    if id(op) not in _STACKED_NOTED:
+        _STACKED_NOTED.add(id(op))
+        _log.info("%s: its %d expert weights are not evenly spaced in one storage; each fused GEMM stacks "
+                  "them into a copy (%d MB)", type(op).__name__, E, E * n * k * ws[0].element_size() >> 20)
+    return torch.stack(ws), False
+
+
+def _find_view(params, E: int, n: int, k: int) -> tuple[torch.Tensor, bool] | None:
+    """``(view, reversed)`` of the experts' weights in place, or None where they must be stacked."""
+    ws = [w.detach() for w in params]
     w0 = ws[0]
     size = w0.element_size()
     storage = w0.untyped_storage()
@@ -59,13 +95,7 @@ def expert_weights(op) -> tuple[torch.Tensor, bool]:
             end = first.storage_offset() * size + (E - 1) * abs(step) + n * k * size
             if storage.nbytes() >= end:
                 return first.as_strided((E, n, k), (abs(step) // size, k, 1)), step < 0
-    if E == 1:
-        return w0.view(1, n, k), False
-    if id(op) not in _STACKED_NOTED:
-        _STACKED_NOTED.add(id(op))
-        _log.info("%s: its %d expert weights are not evenly spaced in one storage; each fused GEMM stacks "
-                  "them into a copy (%d MB)", type(op).__name__, E, E * n * k * size >> 20)
-    return torch.stack(ws), False
+    return None
 
 
 def stacked_weight(op) -> torch.Tensor:

@@ -43,16 +43,32 @@ def _dummy_grads(params) -> list[Optional[torch.Tensor]]:
     """What TE's ``get_dummy_wgrads_for_params`` gives Megatron: ``grad_added_to_main_grad`` set,
     and a placeholder ``.grad`` (zeros with ``zero_out_wgrad``) for each such parameter.
 
-    The placeholders are fresh allocations rather than TE's one cached buffer per shape: autograd
-    can adopt a tensor nobody else holds as ``.grad``, but copies a shared one: a full weight-sized copy per parameter and step."""
-    out: list[Optional[torch.Tensor]] = []
-    for p in params:
-        if not hasattr(p, "grad_added_to_main_grad"):
-            out.append(None)
-            continue
-        p.grad_added_to_main_grad = True
-        make = torch.zeros if getattr(p, "zero_out_wgrad", False) else torch.empty
-        out.append(make(p.shape, dtype=p.dtype, device=p.device))
+    The placeholders are fresh memory rather than TE's one cached buffer per shape: autograd
+    can adopt a tensor nobody else holds as ``.grad``, but copies a shared one: a full weight-sized
+    copy per parameter and step. One allocation holds all the experts' placeholders (views of it,
+    each adopted as its own ``.grad``): a torch.empty per expert cost ~8 us of host time each."""
+    need = [i for i, p in enumerate(params) if hasattr(p, "grad_added_to_main_grad")]
+    out: list[Optional[torch.Tensor]] = [None] * len(params)
+    if not need:
+        return out
+    p0 = params[need[0]]
+    zero = [getattr(params[i], "zero_out_wgrad", False) for i in need]
+    if all(params[i].shape == p0.shape and params[i].dtype == p0.dtype and params[i].device == p0.device
+           for i in need):
+        block = torch.empty((len(need), *p0.shape), dtype=p0.dtype, device=p0.device)
+        if all(zero):
+            block.zero_()
+        views = block.unbind(0)
+        for j, i in enumerate(need):
+            if zero[j] and not all(zero):
+                views[j].zero_()
+            out[i] = views[j]
+    else:  # mixed shapes (not TE's GroupedLinear): one each
+        for j, i in enumerate(need):
+            make = torch.zeros if zero[j] else torch.empty
+            out[i] = make(params[i].shape, dtype=params[i].dtype, device=params[i].device)
+    for i in need:
+        params[i].grad_added_to_main_grad = True
     return out
 
 

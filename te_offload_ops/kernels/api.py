@@ -167,7 +167,7 @@ def _compile(
     options: str | None = None, cluster_n: int = 1, wgrad_m: int | None = None,
     schedule: str = "cooperative", epi_cols: int | None = None, kernel_class=None,
     call: str = "python", slot_stride: int | None = None, b_layout: tuple = (None, False),
-    cluster_m: int = 1, prefetch_main_grad: bool = False,
+    cluster_m: int = 1,
 ):
     cutlass, cute, make_ptr, make_fake_stream = _cutlass()
     from .gemm_sm90 import MAIN_GRAD_EPILOGUES, GroupedGemmSm90
@@ -179,7 +179,6 @@ def _compile(
         **({"cluster_m": cluster_m} if cluster_m != 1 else {}),
         **({"slot_stride": slot_stride} if slot_stride is not None else {}),
         **({"b_stride": b_layout[0], "b_reversed": b_layout[1]} if b_layout != (None, False) else {}),
-        **({"prefetch_main_grad": True} if prefetch_main_grad else {}),
     )
     gmem = cute.AddressSpace.gmem
     fake = 1 << 20  # any aligned address: only the types matter at compile time
@@ -210,7 +209,7 @@ def _compile(
 
 def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=None, cluster_n=None,
                     wgrad_m=None, schedule=None, epi_cols=None, kernel_class=None, call=None, slot_stride=None,
-                    b_layout=(None, False), cluster_m=None, prefetch_main_grad=False):
+                    b_layout=(None, False), cluster_m=None):
     """Compile one variant without caching; returns (kernel object, compiled, seconds).
 
     Works without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile
@@ -228,15 +227,13 @@ def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=N
     if call not in CALLS:
         raise ValueError(f"call must be one of {CALLS}, got {call!r}")
     return _compile(dtype, n, k, e, bool(b_n_major), epilogue, tile, options, cluster_n, wgrad_m,
-                    schedule, epi_cols, kernel_class, call, slot_stride, tuple(b_layout), cluster_m,
-                    prefetch_main_grad)
+                    schedule, epi_cols, kernel_class, call, slot_stride, tuple(b_layout), cluster_m)
 
 
 def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, schedule=None,
-               slot_stride=None, b_layout=(None, False), prefetch_main_grad=False):
+               slot_stride=None, b_layout=(None, False)):
     """Compiled kernel for one variant (compiles and caches on first use). ``b_layout``: (elements
-    between the experts' weights or None for N * K, whether they lie in reverse expert order);
-    ``prefetch_main_grad``: see :func:`main_grad_prefetch`."""
+    between the experts' weights or None for N * K, whether they lie in reverse expert order)."""
     schedule = pick_schedule(epilogue, wgrad_m is not None, schedule, tile)
     tile = tuple(tile) if tile is not None else pick_tile(n, schedule)
     cluster_n = pick_cluster(n, tile)
@@ -250,8 +247,6 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
     b_layout = tuple(b_layout)
     if b_layout != (None, False):  # weights laid out other than one packed (E, N, K) tensor
         key = key[:-1] + (("b", *b_layout), call)
-    if prefetch_main_grad:
-        key = key[:-1] + ("prefetch_main_grad", call)
     hit = _CACHE.get(key)
     if hit is None and capturing():
         raise GraphCaptureError(_first_call_in_capture(key))
@@ -263,7 +258,7 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
                     kern, compiled, secs = _compile(
                         dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
                         wgrad_m=wgrad_m, schedule=schedule, call=call, slot_stride=slot_stride,
-                        b_layout=b_layout, cluster_m=cluster_m, prefetch_main_grad=prefetch_main_grad,
+                        b_layout=b_layout, cluster_m=cluster_m,
                     )
                 except Exception as exc:
                     if call != "tvm-ffi" or os.environ.get(CALL_ENV):
@@ -273,7 +268,7 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
                     kern, compiled, secs = _compile(
                         dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
                         wgrad_m=wgrad_m, schedule=schedule, call="python", slot_stride=slot_stride,
-                        b_layout=b_layout, cluster_m=cluster_m, prefetch_main_grad=prefetch_main_grad,
+                        b_layout=b_layout, cluster_m=cluster_m,
                     )
                     _TVM_FFI_FAILED.append(repr(exc)[:300])
                     _log.warning("the TVM-FFI kernel call path failed to compile (%s); using the "
@@ -678,45 +673,37 @@ def main_grad_add(choice: str | None = None) -> str:
     tensor, or Megatron's experts of one layer in its grad buffer; "red" for other layouts),
     "red" (8-byte fire-and-forget reductions done in L2: no load round trips in the epilogue) or
     "rmw" (loads, adds, stores). All give the same bits (each element gets one add per kernel).
-    On an H100, E=8 x 2048, H=2688, F=1856, fwd+bwd GPU time over the plain fused op, pingpong
-    schedule (which beat cooperative for each): tma 1.054x, red 1.073x, rmw 1.092x
-    (benchmarks/results/megatron_settings_*, 2026-11-23). The argument, else $TEO_MAIN_GRAD_ADD,
-    else "tma"."""
+    The argument, else $TEO_MAIN_GRAD_ADD, else "tma" (:func:`main_grad_way` picks by shape)."""
     choice = choice or os.environ.get(MAIN_GRAD_ADD_ENV) or "tma"
     if choice not in MAIN_GRAD_ADDS:
         raise ValueError(f"{MAIN_GRAD_ADD_ENV} must be one of {tuple(MAIN_GRAD_ADDS)}, got {choice!r}")
     return choice
 
 
-MAIN_GRAD_BN_ENV = "TEO_MAIN_GRAD_BN"  # "192": pingpong tma_f32 wgrads on 128 x 192 tiles (opt-in)
+# mean tokens per expert (the wgrads' K) below which the load-add-store epilogue beats TMA's
+# reduce-adds, and below which it runs best under the cooperative schedule
+RMW_BELOW_TOKENS, COOPERATIVE_BELOW_TOKENS = 1536, 768
 
 
-def main_grad_tile(epilogue: str, schedule: str | None, tile):
-    """The tile of a wgrad that adds into main_grad: the argument, else under the pingpong
-    schedule with the tma add 128 x $TEO_MAIN_GRAD_BN (128, the default, or 192: a warpgroup then
-    holds a 128 x 192 accumulator, which only the tma epilogue leaves room for), else the kernel's
-    choice (None)."""
-    if tile is not None:
-        return tile
-    bn = os.environ.get(MAIN_GRAD_BN_ENV, "") or "128"
-    if bn not in ("128", "192"):
-        raise ValueError(f"{MAIN_GRAD_BN_ENV} must be 128 or 192, got {bn!r}")
-    if bn == "128" or epilogue != "tma_f32" or pick_schedule(epilogue, True, schedule) != "pingpong":
-        return None
-    return (128, int(bn))
-
-
-MAIN_GRAD_PREFETCH_ENV = "TEO_MAIN_GRAD_PREFETCH"  # "1": the wgrad prefetches main_grad into L2 (opt-in)
-
-
-def main_grad_prefetch() -> bool:
-    """Whether the wgrad kernels that add into main_grad first prefetch each tile's fp32 lines into
-    L2 (as the tile's mainloop starts, so the epilogue's adds need not wait on HBM):
-    $TEO_MAIN_GRAD_PREFETCH "1" (an opt-in experiment until measured), "0" or unset: no."""
-    choice = os.environ.get(MAIN_GRAD_PREFETCH_ENV, "") or "0"
-    if choice not in ("0", "1"):
-        raise ValueError(f"{MAIN_GRAD_PREFETCH_ENV} must be 0 or 1, got {choice!r}")
-    return choice == "1"
+def main_grad_way(tokens: int, experts: int, add: str | None = None,
+                  schedule: str | None = None) -> tuple[str, str | None]:
+    """(add, schedule or None for :func:`pick_schedule`'s) of a wgrad into main_grad over
+    ``tokens`` rows and ``experts`` experts. An add given (argument or $TEO_MAIN_GRAD_ADD) is
+    used as given. Otherwise by the mean tokens per expert, as measured on an H100 (fwd+bwd GPU
+    time over the plain fused op, benchmarks/results/megatron_settings_*, 2026-11-24): the
+    shorter the wgrads' K, the more the fp32 add's traffic dominates them, and the way that
+    bears it best changes: E=8 x 2048 tma/pingpong 1.054x (rmw 1.092x); E=32 x 1024
+    rmw/pingpong 1.159x (tma 1.207x); E=64 x 512 rmw/cooperative 1.272x (tma 1.374x, rmw/pingpong
+    1.378x). The thresholds between the measured shapes are their midpoints."""
+    given = add or os.environ.get(MAIN_GRAD_ADD_ENV)
+    if given:
+        return main_grad_add(given), schedule
+    mean = tokens / max(experts, 1)
+    if mean >= RMW_BELOW_TOKENS:
+        return "tma", schedule
+    if schedule is None and mean < COOPERATIVE_BELOW_TOKENS and not os.environ.get(SCHEDULE_ENV):
+        schedule = "cooperative"
+    return "rmw", schedule
 
 
 def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool = True,
@@ -727,8 +714,8 @@ def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool 
     ``main_grads``: one (E, N, K) fp32 tensor or E fp32 (N, K) tensors at any addresses on dy's
     device (each expert's buffer is found through a table of 64-bit offsets). The CuTe kernel
     adds the fp32 accumulator into them in its epilogue: no bf16 temporary, no extra pass.
-    Experts with no tokens add nothing (or store zeros when overwriting). ``add``: see
-    :func:`main_grad_add`."""
+    Experts with no tokens add nothing (or store zeros when overwriting). ``add`` and the
+    schedule, where not given: see :func:`main_grad_way`."""
     _check_wgrad(dy, x, split_sizes)
     e, n, k = split_sizes.numel(), dy.shape[1], x.shape[1]
     bufs = _check_main_grads(main_grads, e, n, k, dy.device)
@@ -745,16 +732,13 @@ def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool 
             for g in bufs:
                 g.zero_()
         return
-    epilogue = MAIN_GRAD_ADDS[main_grad_add(add)] if accumulate else "store_f32"
+    add, schedule = main_grad_way(t, e, add, schedule)
+    epilogue = MAIN_GRAD_ADDS[add] if accumulate else "store_f32"
     layout = main_grad_slots([g.data_ptr() for g in bufs], n * k) if epilogue == "tma_f32" else None
     if epilogue == "tma_f32" and layout is None:  # buffers TMA cannot address as one array
         epilogue = MAIN_GRAD_ADDS["red"]
-    tile = main_grad_tile(epilogue, schedule, tile)
-    if tile is not None and tile[1] > 128 and schedule is None:
-        schedule = pick_schedule(epilogue, True)  # a preference that must not yield to the wider tile
     kern, compiled = get_kernel(dy.dtype, k, 0, e, b_n_major=True, epilogue=epilogue, tile=tile, wgrad_m=n,
-                                schedule=schedule, slot_stride=layout[0] if layout else None,
-                                prefetch_main_grad=accumulate and main_grad_prefetch())
+                                schedule=schedule, slot_stride=layout[0] if layout else None)
     base, offsets = _main_grad_offsets(bufs, dy.device, layout[1] if layout else None)
     dy, x = _aligned(dy), _aligned(x)
     _launch(

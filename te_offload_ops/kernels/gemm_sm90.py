@@ -144,7 +144,6 @@ class GroupedGemmSm90:
         slot_stride: int | None = None,
         b_stride: int | None = None,
         b_reversed: bool = False,
-        prefetch_main_grad: bool = False,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(f"unknown epilogue {epilogue!r}")
@@ -156,10 +155,9 @@ class GroupedGemmSm90:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.pingpong = schedule == "pingpong"
-        if self.pingpong and bn > (192 if epilogue == "tma_f32" else 128):
-            # a warpgroup then holds the whole 128 x BN fp32 accumulator: BN registers a thread;
-            # the tma_f32 epilogue (accumulator -> shared memory, no loads) leaves room for 192
-            raise ValueError("the pingpong schedule takes BN <= 128 (192 with the tma_f32 epilogue)")
+        if self.pingpong and bn > 128:
+            # a warpgroup then holds the whole 128 x BN fp32 accumulator: BN registers a thread
+            raise ValueError("the pingpong schedule takes BN <= 128")
         self.schedule = schedule
         # threads that share one tile (and its epilogue staging buffer)
         self.tile_threads = _WG if self.pingpong else 2 * _WG
@@ -172,11 +170,6 @@ class GroupedGemmSm90:
             raise ValueError(f"slot_stride must be a multiple of 4 elements (16 bytes) and at least M * N, "
                              f"got {slot_stride} for M={wgrad_m}, N={n}")
         self.slot_stride = slot_stride
-        # pull the tile's main_grad lines into L2 as its mainloop starts, so the epilogue's adds
-        # find them there instead of waiting on HBM (an opt-in experiment, issue 11)
-        if prefetch_main_grad and epilogue not in ("acc_f32", "red_f32", "tma_f32"):
-            raise ValueError(f"prefetch_main_grad goes with an epilogue that adds into main_grad, got {epilogue!r}")
-        self.prefetch_main_grad = bool(prefetch_main_grad)
         # the experts' weights (B) as the caller lays them out: b_stride elements apart (default
         # N * K, one packed tensor), in reverse expert order where b_reversed (Megatron's DDP
         # buffer puts later parameters first): expert e reads slot E - 1 - e
@@ -769,10 +762,6 @@ class GroupedGemmSm90:
                     if turn > 0:  # wait until the other warpgroup's mainloop has passed
                         cute.arch.barrier(barrier_id=_ORDER_BARRIER + cwg, number_of_threads=2 * _WG)
 
-                if cutlass.const_expr(self.prefetch_main_grad):
-                    if rows_here > 0:
-                        self._prefetch_main_grad(expert, row0 - expert * self.wgrad_m, n_blk, rows_here,
-                                                 cols_here, etid, m_c, m_part)
                 acc.fill(0.0)
                 # a phantom tile (the odd partner of a cluster pair) only passes its stages
                 live = rows_here > 0
@@ -1032,27 +1021,6 @@ class GroupedGemmSm90:
                                                 new[pr, i] = acc[(pr, h, g), mm, nn]
                                         cute.autovec_copy(new[None, i], t_g[(None, h, g), mm, nn])
                             i += 1
-
-    @cute.jit
-    def _prefetch_main_grad(self, expert, m_row0, n_blk, rows_here, cols_here, etid, m_c, m_off):
-        """Prefetch this tile's (rows_here, cols_here) window of expert ``expert``'s fp32 main_grad
-        into L2, one 128-byte line (32 columns) per instruction, spread over the tile's threads.
-        ``m_off``: the expert's element offset from the base, or its slot under tma_f32."""
-        bm, bn = self.bm, self.bn
-        if cutlass.const_expr(self.epilogue == "tma_f32"):
-            origin = cutlass.Int64(m_off[expert]) * self.slot_stride
-        else:
-            origin = cutlass.Int64(m_off[expert])
-        origin = origin + cutlass.Int64(m_row0) * self.n + n_blk * bn
-        per_row = bn // 32
-        for j in cutlass.range_constexpr(bm * per_row // self.tile_threads):
-            line = etid + j * self.tile_threads
-            r = line // per_row
-            c = (line % per_row) * 32
-            if r < rows_here:
-                if c < cols_here:
-                    ptr = m_c.iterator + (origin + cutlass.Int64(r) * self.n + c)
-                    cute.arch.prefetch(ptr.llvm_ptr, cache_level="L2")
 
     @cute.jit
     def _epilogue_main_grad_tma(self, expert, m_row0, n_blk, acc, c_id, etid, cwg, st, tma_c, g_c,
