@@ -732,8 +732,11 @@ def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool 
             for g in bufs:
                 g.zero_()
         return
-    add, schedule = main_grad_way(t, e, add, schedule)
-    epilogue = MAIN_GRAD_ADDS[add] if accumulate else "store_f32"
+    if accumulate:
+        add, schedule = main_grad_way(t, e, add, schedule)
+        epilogue = MAIN_GRAD_ADDS[add]
+    else:  # overwrite_main_grad: stores only, the schedule as before
+        epilogue = "store_f32"
     layout = main_grad_slots([g.data_ptr() for g in bufs], n * k) if epilogue == "tma_f32" else None
     if epilogue == "tma_f32" and layout is None:  # buffers TMA cannot address as one array
         epilogue = MAIN_GRAD_ADDS["red"]
