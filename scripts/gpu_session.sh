@@ -127,6 +127,8 @@ tests2)
 hostab)
     # issue 11, after both setups: host time per step at E=64, the session's starting package (old_pkg.tgz,
     # git archive 5f0c1c0 te_offload_ops, untracked) against this tree, alternating, twice
+    # make it first, here: git archive 5f0c1c0 te_offload_ops | gzip > old_pkg.tgz (not committed)
+    [ -f old_pkg.tgz ] || { echo "hostab: old_pkg.tgz is missing (see the comment above)" | tee -a "$log"; exit 2; }
     mkdir -p /tmp/old && tar xzf old_pkg.tgz -C /tmp/old && cp -r benchmarks /tmp/old/
     for round in 1 2; do
         for tree in /tmp/old .; do

@@ -224,23 +224,32 @@ def test_different_split_sizes_for_fc1_and_fc2_run_unfused(hopper):
         assert ("fc1 and fc2 were given different split_sizes tensors" in reasons) == expect_reason
 
 
-def test_expert_weights_view_is_reused_while_the_weights_stay_put():
-    """The in-place view is found once per set of weights: the same Parameters at the same
-    addresses give the same view back; a Parameter replaced (even by one at the same address) or
-    moved gives a fresh one."""
-    from engines import relay_expert_weights
-    from te_offload_ops.fused.expert_weights import expert_weights
+def test_expert_weights_layout_is_reused_while_the_weights_stay_put(monkeypatch):
+    """The in-place layout is found once per set of weights: the same Parameters at the same
+    addresses reuse it; a Parameter replaced (even by one at the same address) or moved is looked
+    at again. Nothing is kept that would hold weights alive once moved or replaced."""
+    from torch.multiprocessing.reductions import StorageWeakRef
 
+    from engines import relay_expert_weights
+    from te_offload_ops.fused import expert_weights as ew
+
+    found = []
+    real = ew._find_layout
+    monkeypatch.setattr(ew, "_find_layout", lambda *a: found.append(1) or real(*a))
     op = mlp_ops()[0]
-    first = expert_weights(op)
-    assert expert_weights(op)[0] is first[0]
-    relay_expert_weights(op, order=[3, 2, 1, 0])  # moved: a new view, reversed
-    moved = expert_weights(op)
-    assert moved[0] is not first[0] and moved[1] and moved[0].data_ptr() != first[0].data_ptr()
-    old = op.weight2
-    op.weight2 = torch.nn.Parameter(old.detach())  # another Parameter over the same bytes
-    again = expert_weights(op)
-    assert again[0] is not moved[0] and torch.equal(again[0], moved[0]) and again[1]
+    first = ew.expert_weights(op)
+    again = ew.expert_weights(op)
+    assert len(found) == 1 and again[0].data_ptr() == first[0].data_ptr() and again[0].stride() == first[0].stride()
+    buf = relay_expert_weights(op, order=[3, 2, 1, 0])  # moved: looked at again, now reversed
+    moved = ew.expert_weights(op)
+    assert len(found) == 2 and moved[1] and moved[0].data_ptr() == buf.data_ptr()
+    old = StorageWeakRef(buf.untyped_storage())
+    relay_expert_weights(op, order=[0, 1, 2, 3])  # moved again: the previous buffer must go
+    del buf, moved
+    assert old.expired()
+    op.weight2 = torch.nn.Parameter(op.weight2.detach())  # another Parameter over the same bytes
+    replaced = ew.expert_weights(op)
+    assert len(found) == 3 and not replaced[1]
 
 
 def test_dummy_grads_share_one_allocation_and_autograd_adopts_them():

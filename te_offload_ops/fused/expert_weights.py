@@ -15,9 +15,10 @@ import torch
 
 _log = logging.getLogger(__name__)
 _STACKED_NOTED: set = set()  # ops whose weights were said to be stacked (once each)
-# op -> (its weights, their addresses, the in-place view expert_weights found for them): the
-# layout checks walk every expert (~0.4 ms a call at E=64), the step calls it four times
-_VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# op -> (weak references to its weights, their addresses, the layout _find_layout found for them):
+# the layout checks walk every expert (~0.4 ms a call at E=64), the step calls it four times. No
+# tensor is kept: weights moved off the GPU (model.cpu()) or replaced must not stay alive here.
+_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @functools.lru_cache(maxsize=64)
@@ -58,14 +59,18 @@ def expert_weights(op) -> tuple[torch.Tensor, bool]:
         return _grouped_data(op.weight).view(E, n, k), False
     params = weight_params(op)
     ptrs = tuple(w.data_ptr() for w in params)
-    hit = _VIEWS.get(op)
-    if hit is not None and hit[1] == ptrs and all(a is b for a, b in zip(hit[0], params)):
-        return hit[2]  # the same Parameters at the same addresses: the same view
-    found = _find_view(params, E, n, k)
-    if found is not None:
-        _VIEWS[op] = (tuple(params), ptrs, found)
-        return found
-    _VIEWS.pop(op, None)
+    hit = _LAYOUTS.get(op)
+    if hit is not None and hit[1] == ptrs and all(r() is p for r, p in zip(hit[0], params)):
+        layout = hit[2]  # the same Parameters at the same addresses: the same layout
+    else:
+        layout = _find_layout(params, E, n, k)
+        if layout is None:
+            _LAYOUTS.pop(op, None)
+        else:
+            _LAYOUTS[op] = (tuple(weakref.ref(p) for p in params), ptrs, layout)
+    if layout is not None:
+        first, stride, reversed_order = layout
+        return params[first].detach().as_strided((E, n, k), (stride, k, 1)), reversed_order
     ws = [w.detach() for w in params]
     if E == 1:
         return ws[0].view(1, n, k), False
@@ -76,8 +81,9 @@ def expert_weights(op) -> tuple[torch.Tensor, bool]:
     return torch.stack(ws), False
 
 
-def _find_view(params, E: int, n: int, k: int) -> tuple[torch.Tensor, bool] | None:
-    """``(view, reversed)`` of the experts' weights in place, or None where they must be stacked."""
+def _find_layout(params, E: int, n: int, k: int) -> tuple[int, int, bool] | None:
+    """``(index of the lowest-addressed weight, elements from one expert to the next, reversed)``
+    where the experts' weights can be read in place as one strided tensor, else None."""
     ws = [w.detach() for w in params]
     w0 = ws[0]
     size = w0.element_size()
@@ -89,12 +95,13 @@ def _find_view(params, E: int, n: int, k: int) -> tuple[torch.Tensor, bool] | No
         evenly = step != 0 and abs(step) % size == 0 and all(
             w.data_ptr() == w0.data_ptr() + i * step for i, w in enumerate(ws))
         if evenly and abs(step) >= n * k * size:
-            first = w0 if step > 0 else ws[-1]  # the lowest address
+            first_index = 0 if step > 0 else E - 1  # the lowest address
+            first = ws[first_index]
             # adjacent addresses are not enough: separately allocated weights can sit back to
             # back in the caching allocator; a view must stay inside one storage
             end = first.storage_offset() * size + (E - 1) * abs(step) + n * k * size
             if storage.nbytes() >= end:
-                return first.as_strided((E, n, k), (abs(step) // size, k, 1)), step < 0
+                return first_index, abs(step) // size, step < 0
     return None
 
 
