@@ -85,9 +85,13 @@ ENGINE_ENV = {
     "teo-p1": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},  # a fixed one-layer prefetch
     "teo-c16": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "16"},  # teo copying in 16 MiB pieces
     "teo-m": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},  # teo releasing by memory
+    # teo holding up to 2 / 4 GiB of uncopied bytes past their layer's release (max_held_bytes)
+    "teo-h2": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},
+    "teo-h4": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},
 }
 # benchmark names -> offload_context's engine, options
-ENGINE_OPTIONS = {"teo-p1": ("teo", {"prefetch": 1}), "teo-c16": ("teo", {}), "teo-m": ("teo", {"release": "memory"})}
+ENGINE_OPTIONS = {"teo-p1": ("teo", {"prefetch": 1}), "teo-c16": ("teo", {}), "teo-m": ("teo", {"release": "memory"}),
+                  "teo-h2": ("teo", {"max_held_bytes": 2 << 30}), "teo-h4": ("teo", {"max_held_bytes": 4 << 30})}
 TE_ENGINES = ("v2", "v1")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 FUSION_ENV = "TEO_FUSED_SRELU_MLP"

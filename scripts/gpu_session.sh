@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|hostab|way|ncu|suite1|suite2}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -123,6 +123,30 @@ tests2)
     # the policy's marks under every engine
     pytest_ 560 tests/test_gpu_megatron_settings.py tests/test_gpu_fused.py tests/test_gpu_engines.py \
         tests/test_megatron_gpu.py
+    ;;
+holdtests)
+    # ninth session, call 1 (carry .dev/te): teo's CPU tests, its unfused GPU tests (max_held_bytes,
+    # copies freed as they end), the engines' GPU tests
+    pytest_ 250 tests/test_engine_teo.py tests/test_moe_step_report.py tests/test_gpu_engines.py
+    pytest_ 200 -s tests/test_gpu_engine_teo.py -k "not fused or unfused"
+    ;;
+hold)
+    # ninth session, call 2 (carry .dev/cute): big-ffn's cap target with teo holding up to 4 and 2 GiB
+    # of uncopied bytes past their layer's release (max_held_bytes), layer 2/4 and no offload only
+    for h in 4 2; do
+        run 250 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-h$h --policies layer:2 \
+            --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_h$h"
+    done
+    ;;
+hold2)
+    # ninth session, call 3 (after both setups): teo's held-bytes GPU tests on both paths, then
+    # max_held_bytes = 2 GiB where copies lag the forward (base MLP 6/8 to 8/8, layer 4/8; wide MLP
+    # 7/8, 8/8): with n = L the last layer's held bytes serve its backward in place
+    pytest_ 120 -s tests/test_gpu_engine_teo.py -k "held or seen_ended or memory_release"
+    run 220 python3 benchmarks/moe_step.py --shapes base --engines teo-h2 --policies mlp:6,mlp:7,mlp:8,layer:4 \
+        --no-cap --out "$OUT/results/base_h2"
+    run 200 python3 benchmarks/moe_step.py --shapes wide --engines teo-h2 --policies mlp:7,mlp:8 --no-cap \
+        --out "$OUT/results/wide_h2"
     ;;
 hostab)
     # issue 11, after both setups: host time per step at E=64, the session's starting package (old_pkg.tgz,

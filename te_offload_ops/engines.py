@@ -84,6 +84,7 @@ def offload_context(
     retain_pinned_cpu_buffers: bool = False,
     prefetch: Optional[int] = None,
     release: Optional[str] = None,
+    max_held_bytes: Optional[int] = None,
 ):
     """Returns ``(context, sync_function, counter)`` for ``engine`` over ``model_layers`` layers.
 
@@ -99,6 +100,9 @@ def offload_context(
     while the previous step's figures say the forward stays under its end-of-forward memory, so
     the forward waits less where copies are slower than compute (opt-in, see
     ``engines_teo.sources_to_release``).
+    ``max_held_bytes`` ("teo" only): bytes of released layers whose copies to the host are still
+    running that the forward may keep on the GPU instead of waiting for them (default 0); the step's
+    memory stays within the layer schedule's plus this much, so give it the room a memory cap leaves.
     "teo" accepts ``num_layers == model_layers``; its pinned buffers are always kept for reuse.
     """
     if engine not in ENGINES:
@@ -110,13 +114,17 @@ def offload_context(
         raise ValueError(f"prefetch is an option of the teo engine, not of {engine!r}")
     if release is not None and engine != "teo":
         raise ValueError(f"release is an option of the teo engine, not of {engine!r}")
+    if max_held_bytes is not None and engine != "teo":
+        raise ValueError(f"max_held_bytes is an option of the teo engine, not of {engine!r}")
     counter = OffloadCounter(classify)
     if engine == "none":
         return contextlib.nullcontext(), (lambda t: t), counter
     if engine == "teo":
         from .engines_teo import make_teo_context
 
-        kwargs = {} if release is None else {"release": release}  # teo's own default otherwise
+        kwargs = {} if release is None else {"release": release}  # teo's own defaults otherwise
+        if max_held_bytes is not None:
+            kwargs["max_held_bytes"] = max_held_bytes
         ctx, sync = make_teo_context(num_layers, model_layers, prefetch=prefetch, counter=counter, **kwargs)
         return ctx, sync, counter
     if engine != active_engine():

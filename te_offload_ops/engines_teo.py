@@ -7,10 +7,18 @@ modules leave); when it moves is this module's own schedule:
 
 * forward: each saved tensor of the first ``n`` layers starts its copy to pinned host memory the
   moment it is saved (on a copy stream, after the event TE's ``start_offload`` recorded, or one
-  recorded then). The engine holds the GPU bytes until layer ``i + b`` enters its context
-  (``b = max(L - n, 1)``, see :func:`release_lag`), where the stream the tensor was saved on and
-  the current one wait for layer ``i``'s copies and the bytes go back to the allocator, reusable
-  at once in stream order.
+  recorded then). The engine holds the GPU bytes until their copy ends: each time a tensor is
+  saved or a layer begins, the copies the host sees ended (an event query, no wait) give their
+  bytes back. By layer ``i + b``'s entry (``b = max(L - n, 1)``, see :func:`release_lag`) layer
+  ``i``'s must be gone: the stream the tensor was saved on and the current one wait for the copies
+  still running and the bytes go back to the allocator, reusable at once in stream order. With
+  ``max_held_bytes`` (opt-in, e.g. the room a memory cap leaves above the step's peak) up to that
+  many bytes of released layers stay held instead, the oldest waited for first, so the forward
+  waits only for what is past it; they go back as their copies end, and the step's memory stays
+  within the layer schedule's plus ``max_held_bytes`` everywhere. What is still held when the
+  backward begins stays until its layer's backward, which uses it in place (no copy back): with
+  ``n = L`` and ``max_held_bytes`` at least the last layer's bytes, that layer makes no round trip
+  (it is on the GPU at the step's peak under any schedule).
   That wait is the backpressure that keeps the forward within the no-offload peak less what
   is offloaded when copies are slower than the compute that makes activations (a host running
   ahead cannot free memory a copy still reads: ``record_stream`` would only return it once the
@@ -64,7 +72,7 @@ import logging
 import math
 import os
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -428,7 +436,7 @@ class _HostCopy:
     storage_ptr: int
     storage_ref: StorageWeakRef
     copied: Any  # event: the D2H copy is done
-    source: Optional[torch.Tensor] = None  # uint8 view of the GPU bytes, held until the layer's release
+    source: Optional[torch.Tensor] = None  # uint8 view of the GPU bytes, held until the copy is seen to end
     source_stream: Any = None  # the stream the tensor was saved on (its memory goes back there)
     gpu: Optional[torch.Tensor] = None  # uint8 bytes on the GPU (the reload, or the source) while reloaded
     reloaded: Any = None  # event: the H2D copy is done
@@ -468,8 +476,10 @@ class TeoEngine:
     """Pack/unpack hooks and the schedule behind one teo context (one model's layers)."""
 
     def __init__(self, num_layers: int, model_layers: int, *, prefetch: Optional[int] = None,
-                 counter: Any = None, pool: Optional[PinnedBufferPool] = None, release: str = "layers"):
-        for name, value in (("num_layers", num_layers), ("model_layers", model_layers), ("prefetch", prefetch)):
+                 counter: Any = None, pool: Optional[PinnedBufferPool] = None, release: str = "layers",
+                 max_held_bytes: int = 0):
+        for name, value in (("num_layers", num_layers), ("model_layers", model_layers), ("prefetch", prefetch),
+                            ("max_held_bytes", max_held_bytes)):
             if name == "prefetch" and value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
@@ -480,6 +490,9 @@ class TeoEngine:
             raise ValueError(f"num_layers must be in 0..model_layers={model_layers}, got {num_layers}")
         if prefetch is not None and prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 layers (or None: peak-neutral), got {prefetch}")
+        if max_held_bytes < 0:
+            raise ValueError(f"max_held_bytes must be >= 0 (0: wait for every copy at its layer's release), "
+                             f"got {max_held_bytes}")
         if release not in RELEASES:
             raise ValueError(f"release must be one of {RELEASES}, got {release!r}")
         from .engines import active_engine  # engines imports this module lazily
@@ -492,6 +505,10 @@ class TeoEngine:
                                "without NVTE_CPU_OFFLOAD_V1=1, or use offload_context('v1', ...)")
         self.num_layers, self.model_layers, self.prefetch = num_layers, model_layers, prefetch
         self.release = release
+        self.max_held_bytes = max_held_bytes
+        self.bytes_held_past_release = 0  # summed over releases: what stayed held instead of waited for (public)
+        # copies to the host whose GPU bytes the engine may still hold, in the copy stream's order
+        self._in_flight: deque = deque()
         # release="memory": this step's and the last step's figures (bytes the allocator holds)
         self._memory = self._memory_allocated  # a seam for CPU tests
         self._strict_at_entry: dict[int, int] = {}
@@ -533,6 +550,7 @@ class TeoEngine:
         else:
             self._fwd_layer += 1
         j = self._fwd_layer
+        self._drop_copied()
         due = j - release_lag(self.num_layers, self.model_layers)
         if self.release == "layers":
             self._release_sources(due)
@@ -598,20 +616,52 @@ class TeoEngine:
                 self._release_sources(i)
 
     def _release_sources(self, layer: int) -> None:
-        """The compute stream waits for ``layer``'s copies to the host; its GPU bytes go back."""
+        """``layer``'s GPU bytes go back: those still being copied once the compute stream has waited
+        for their copies, except up to ``max_held_bytes`` of them (see :meth:`_hold_within_limit`)."""
         copies = self._layers.get(layer)
         if copies is None or copies.released or not copies.copies:
             return
         copies.released = True
-        self._drop_sources(copies)
+        self._hold_within_limit()
+
+    def _hold_within_limit(self) -> None:
+        """Released layers' bytes whose copies have not ended (as far as the host has seen) stay on
+        the GPU up to ``max_held_bytes``; past that, the oldest go back after the streams waited for
+        their copies. What is held only shrinks between releases (:meth:`_drop_copied`), so the
+        forward's memory stays within the layer schedule's plus ``max_held_bytes`` at every point."""
+        held = [c for j in sorted(self._layers) if self._layers[j].released
+                for c in self._layers[j].copies if c.source is not None]  # in copy order: layers release in order
+        excess = sum(c.nbytes for c in held) - self.max_held_bytes
+        cut = 0
+        while excess > 0:
+            excess -= held[cut].nbytes
+            cut += 1
+        self._wait_and_drop(held[:cut])
+        self.bytes_held_past_release += sum(c.nbytes for c in held[cut:])
+
+    def _drop_copied(self) -> None:
+        """The bytes of every copy to the host that has ended go back to the allocator: an event
+        query, no wait (one copy stream runs the copies in order: the first not ended stops the scan)."""
+        queue = self._in_flight
+        while queue:
+            c = queue[0]
+            if c.source is not None:
+                if not c.copied.query():
+                    return
+                c.source = None  # its copy is over: the memory can be reused at once, in any stream's order
+            queue.popleft()
+
+    @classmethod
+    def _drop_sources(cls, copies: "_LayerCopies") -> None:
+        """All of a layer's GPU bytes go back after the streams waited for its copies."""
+        cls._wait_and_drop([c for c in copies.copies if c.source is not None])
 
     @staticmethod
-    def _drop_sources(copies: "_LayerCopies") -> None:
+    def _wait_and_drop(held: list) -> None:
         """The streams the sources were saved on, and the current one, wait for the copies to the
         host; then the bytes go back. (The memory returns to the stream it was allocated on, most
         often the one it was saved on or the current one; one copy stream runs the copies in
-        order, so its last event covers them all.)"""
-        held = [c for c in copies.copies if c.source is not None]
+        order, so the last one's event covers them all.)"""
         if not held:
             return
         last = held[-1].copied
@@ -641,6 +691,7 @@ class TeoEngine:
                     self._last_figures = (dict(self._strict_at_entry), self._end_bytes, self._layer_bytes)
                 self._had_figure_step = True
             self._strict_at_entry, self._end_bytes, self._layer_bytes = {}, None, 0
+        self._in_flight.clear()
         if not self._layers:
             return
         for layer in list(self._layers):
@@ -654,6 +705,8 @@ class TeoEngine:
     def pack(self, t: torch.Tensor) -> Any:
         if capture.capturing():
             raise capture.GraphCaptureError(_CAPTURE_MESSAGE)
+        if self._in_flight:
+            self._drop_copied()
         layer = self._fwd_layer
         if layer is None or layer >= self.num_layers or not isinstance(t, torch.Tensor):
             return t
@@ -686,6 +739,7 @@ class TeoEngine:
                 break
         if found is None:
             layer.copies.append(self._copy_to_host(t, storage, span))
+            self._in_flight.append(layer.copies[-1])
             found = len(layer.copies) - 1
             self._count(t, owner, span.nbytes)
         layer.copies[found].handles += 1
@@ -951,8 +1005,8 @@ class TeoContext:
 
 
 def make_teo_context(num_layers: int, model_layers: int, *, prefetch: Optional[int] = None, counter: Any = None,
-                     pool: Optional[PinnedBufferPool] = None, release: str = "layers"):
+                     pool: Optional[PinnedBufferPool] = None, release: str = "layers", max_held_bytes: int = 0):
     """``(context, sync_function)`` of a new teo engine (see the module docstring)."""
     ctx = TeoContext(TeoEngine(num_layers, model_layers, prefetch=prefetch, counter=counter, pool=pool,
-                               release=release))
+                               release=release, max_held_bytes=max_held_bytes))
     return ctx, ctx.sync

@@ -49,6 +49,8 @@ def test_teo_is_selected_through_offload_context():
     ({"num_layers": 1, "model_layers": 4, "prefetch": True}, TypeError, "prefetch must be an int, got bool"),
     ({"num_layers": 1, "model_layers": 4, "retain_pinned_cpu_buffers": True}, ValueError,
      "teo has no such option"),
+    ({"num_layers": 1, "model_layers": 4, "max_held_bytes": -1}, ValueError, "max_held_bytes must be >= 0 .*got -1"),
+    ({"num_layers": 1, "model_layers": 4, "max_held_bytes": 1.5}, TypeError, "max_held_bytes must be an int, got float"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -970,3 +972,116 @@ def test_release_is_an_option_of_teo_only():
         TeoEngine(1, 2, release="lazy")
     with pytest.raises(ValueError, match="release is an option of the teo engine"):
         offload_context("v2", num_layers=1, model_layers=2, release="memory")
+
+
+def test_max_held_bytes_is_an_option_of_teo_only():
+    with pytest.raises(ValueError, match="max_held_bytes is an option of the teo engine, not of 'v2'"):
+        offload_context("v2", num_layers=1, model_layers=2, max_held_bytes=1 << 30)
+    assert offload_context("teo", num_layers=1, model_layers=2, max_held_bytes=1 << 30)[0].engine.max_held_bytes == 1 << 30
+    assert offload_context("teo", num_layers=1, model_layers=2)[0].engine.max_held_bytes == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Copies that have ended give their bytes back at once; released layers may keep some held
+
+
+class _QueriedEvent:
+    """A copy's event the host can query: ``done`` says whether the copy ended."""
+
+    def __init__(self, name, done=False):
+        self.name, self.done = name, done
+
+    def query(self):
+        return self.done
+
+    def __repr__(self):
+        return self.name
+
+
+def _queued_copies(engine, layer, done):
+    """Layer ``layer``'s copies as _offload leaves them: in its layer and in the engine's copy queue."""
+    copies = _fake_layer_copies(layer, count=len(done))
+    for i, (c, d) in enumerate(zip(copies.copies, done)):
+        c.copied = _QueriedEvent(f"L{layer}.copy{i}", d)
+    engine._layers[layer] = copies
+    engine._in_flight.extend(copies.copies)
+    return copies.copies
+
+
+def test_copies_seen_ended_give_their_bytes_back_without_a_wait(monkeypatch):
+    """At a save or a layer entry the engine queries the oldest copies in order and lets go of the
+    ended ones: no stream waits, and a copy not ended stops the scan (the copy stream runs in order)."""
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    engine = TeoEngine(2, 4)
+    engine.enter_layer()
+    first = _queued_copies(engine, 0, done=[True, True, False])
+    assert engine.pack("not a tensor") == "not a tensor"  # any save scans
+    assert [c.source is None for c in first] == [True, True, False] and stream.waited == []
+    first[2].copied.done = True
+    later = _queued_copies(engine, 0, done=[False])
+    later[0].copied.done = True  # ended too, but behind one the host has not seen: its turn comes next scan
+    engine.enter_layer()
+    assert all(c.source is None for c in first + later) and stream.waited == [] and not engine._in_flight
+
+
+def test_released_layers_hold_up_to_max_held_bytes_waiting_for_the_oldest_copies(monkeypatch):
+    """n=2 of L=4 (layer i released at layer i+2's entry), 8-byte copies, max_held_bytes=8: at each
+    release the compute stream waits only for the oldest copies past the 8 held bytes."""
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    engine = TeoEngine(2, 4, max_held_bytes=8)
+    engine.enter_layer()
+    l0 = _queued_copies(engine, 0, done=[False, False])
+    engine.enter_layer()
+    l1 = _queued_copies(engine, 1, done=[False, False])
+    engine.enter_layer()  # layer 0 released: 16 bytes uncopied, 8 may stay
+    assert stream.waited == [l0[0].copied] and [c.source is None for c in l0] == [True, False]
+    engine.enter_layer()  # layer 1 released: 8 + 16 uncopied -> the oldest 16 go, after their copies
+    assert stream.waited == [l0[0].copied, l1[0].copied]
+    assert [c.source is None for c in l0 + l1] == [True, True, True, False]
+    assert engine.bytes_held_past_release == 8 + 8
+    l1[1].copied.done = True
+    engine.layer_done(3)
+    assert engine.pack("x") == "x" and l1[1].source is None and len(stream.waited) == 2
+
+
+def test_held_bytes_never_exceed_the_limit_over_a_forward(monkeypatch):
+    """Whatever ends when, the bytes of released layers still held stay within max_held_bytes after
+    every release, and nothing of a layer not yet released is waited for."""
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    L, n, limit = 6, 4, 20
+    engine = TeoEngine(n, L, max_held_bytes=limit)
+    made = []
+    for j in range(L):
+        engine.enter_layer()
+        released = [c for i, lc in engine._layers.items() if lc.released for c in lc.copies]
+        assert sum(c.nbytes for c in released if c.source is not None) <= limit
+        assert all(str(e).split(".")[0] in {f"L{i}" for i, lc in engine._layers.items() if lc.released}
+                   for e in stream.waited)
+        if j < n:
+            made += _queued_copies(engine, j, done=[False] * 3)
+        for c in made[: len(made) // 3]:  # the copy stream is a third of the way behind
+            c.copied.done = True
+        engine.layer_done(j)
+    assert len(stream.waited) > 0 and any(c.source is not None for c in made)  # some waited, some held
+
+
+def test_with_every_layer_offloaded_the_last_layers_held_bytes_serve_its_backward_in_place(monkeypatch):
+    """n = L = 2, max_held_bytes = one layer's 16 bytes: at the forward's end the older layer's
+    copies are waited for and the last layer's stay held; its backward uses them with no copy back."""
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    engine = TeoEngine(2, 2, max_held_bytes=16)
+    engine.enter_layer()
+    l0 = _queued_copies(engine, 0, done=[False, False])
+    engine.layer_done(0)
+    engine.enter_layer()  # layer 0 released: all 16 bytes may stay
+    assert stream.waited == []
+    l1 = _queued_copies(engine, 1, done=[False, False])
+    engine.layer_done(1)  # layer 1 released at its own end: 32 held -> layer 0's go after their copies
+    assert stream.waited == [l0[1].copied] and all(c.source is None for c in l0)
+    sources = [c.source for c in l1]
+    engine._reload(1)
+    assert all(c.gpu is s for c, s in zip(l1, sources)) and len(stream.waited) == 1

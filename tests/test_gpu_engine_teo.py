@@ -145,9 +145,11 @@ MEMORY_LAYERS = 5
 
 @requires_gpu
 @pytest.mark.parametrize("num_layers", [MEMORY_LAYERS - 1, MEMORY_LAYERS])
-def test_memory_release_is_exact_and_keeps_the_whole_step_peak(num_layers, path):
+def test_memory_release_is_exact_and_keeps_the_whole_step_peak(monkeypatch, num_layers, path):
     """release="memory" (one context over steps: the third holds sources by the second's figures)
-    gives the same bits and a whole-step active peak no higher than the layer schedule's.
+    gives the same bits and a whole-step active peak no higher than the layer schedule's. Copies
+    are slowed (a sleep before each on the copy stream): the engine gives back what has been
+    copied by itself, so only copies still running leave anything to hold.
 
     Each layer keeps its input (fc1 not offloaded, hidden 1024 per token) and moves about half as
     much (ffn 256): early in the forward there is room to hold a layer past its release, which the
@@ -157,6 +159,7 @@ def test_memory_release_is_exact_and_keeps_the_whole_step_peak(num_layers, path)
     stack, inputs = make_stack(cfg), make_inputs(cfg)
     run_step(stack, inputs, "none")  # allocates the grads
     base = run_step(stack, inputs, "none", keep_grads=True)
+    _slow_copies_to_host(monkeypatch)
     layered = run_step(stack, inputs, "teo", offload_layers=num_layers, keep_grads=True)
     context = offload_context("teo", num_layers=num_layers, model_layers=MEMORY_LAYERS, release="memory")
     for _ in range(3):
@@ -332,3 +335,74 @@ def test_copies_in_pieces_keep_results_exact(path, monkeypatch):
     run = run_step(stack, inputs, "teo", offload_layers=LAYERS, context=context)
     assert sum(run["moved"].values()) > 1 << 20  # more than one piece crossed
     _assert_same(base, run)
+
+
+def _slow_copies_to_host(monkeypatch, ns: int = 2_000_000):
+    """Each copy to the host queued behind a sleep of ``ns`` on the copy stream: copies still run
+    when their layer is released."""
+    to_host = engines_teo.TeoEngine._copy_to_host
+
+    def slow_to_host(self, t, storage, span):
+        d2h, _ = self._streams(t.device)
+        with torch.cuda.stream(d2h):
+            torch.cuda._sleep(ns)
+        return to_host(self, t, storage, span)
+
+    monkeypatch.setattr(engines_teo.TeoEngine, "_copy_to_host", slow_to_host)
+
+
+@requires_gpu
+@pytest.mark.parametrize("num_layers", [LAYERS - 1, LAYERS])
+def test_held_bytes_keep_steps_exact_and_the_peak_within_the_limit(monkeypatch, num_layers, path):
+    """max_held_bytes with slow copies: bytes of released layers stay held instead of waited for
+    (the engine's count shows it), results stay bitwise equal to no offload over steps with one
+    context, and the whole-step active peak stays within the layer schedule's plus the limit."""
+    cfg = Config(layers=LAYERS, experts=4, hidden=1024, ffn=768, splits=(1024, 0, 3000, 72))
+    stack, inputs = make_stack(cfg), make_inputs(cfg)
+    run_step(stack, inputs, "none")  # allocates the grads
+    base = run_step(stack, inputs, "none", keep_grads=True)
+    _slow_copies_to_host(monkeypatch)
+    layered = run_step(stack, inputs, "teo", offload_layers=num_layers, keep_grads=True)
+    limit = 12 << 20  # above the largest single copy (8 MiB): what is held goes by whole copies
+    context = offload_context("teo", num_layers=num_layers, model_layers=LAYERS, max_held_bytes=limit)
+    for _ in range(2):
+        run = run_step(stack, inputs, "teo", offload_layers=num_layers, keep_grads=True, context=context)
+        _assert_same(base, run)
+    engine = context[0].engine
+    print(f"n={num_layers}: held past release {engine.bytes_held_past_release / 2**20:.1f} MiB over 2 steps; whole-step "
+          f"active peak: layer schedule {layered['step_active_peak'] / 2**20:.1f} MiB, held "
+          f"{run['step_active_peak'] / 2**20:.1f} MiB (limit {limit / 2**20:.0f} MiB)")
+    assert engine.bytes_held_past_release > 0
+    assert run["step_active_peak"] <= layered["step_active_peak"] + limit + 2**20  # allocator rounding
+
+
+@requires_gpu
+def test_copies_seen_ended_free_their_bytes_during_the_forward(monkeypatch, path):
+    """A layer's bytes go back as its copies end, not at its release: one layer of four offloaded
+    (released only at the last layer's entry), its copies slowed (20 ms each); after the second
+    layer's forward the memory is lower by what layer 0 moved when the host waited for those
+    copies before the second layer than when it did not."""
+    cfg = Config(layers=4, experts=4, hidden=1024, ffn=768, splits=(1024, 0, 3000, 72))
+    stack, inputs = make_stack(cfg), make_inputs(cfg)
+    x, probs, _, splits = inputs
+    _slow_copies_to_host(monkeypatch, ns=20_000_000)
+    mems = []
+    for wait in (False, True):
+        ctx, sync, counter = offload_context("teo", num_layers=1, model_layers=4)
+        torch.cuda.synchronize()
+        with ctx:
+            h = stack[0](x * 1.0, splits, probs[0], splits)
+        h = sync(h)
+        if wait:
+            torch.cuda.synchronize()  # layer 0's copies are over: the next save sees it
+        with ctx:
+            h = stack[1](h, splits, probs[1], splits)
+        h = sync(h)
+        mems.append(torch.cuda.memory_allocated())
+        del h
+        ctx.engine.abandon_step()
+        torch.cuda.synchronize()
+    moved = counter.total
+    print(f"after layer 1: {mems[0] / 2**20:.1f} MiB with layer 0's copies running, {mems[1] / 2**20:.1f} MiB "
+          f"once they ended ({moved / 2**20:.1f} MiB moved by layer 0)")
+    assert mems[0] - mems[1] >= 0.9 * moved

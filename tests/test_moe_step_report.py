@@ -140,6 +140,13 @@ def test_engines_are_one_environment_entry_each():
     # teo reads the marks as V2 does; its copies are whole unless the engine's name says otherwise
     assert moe_step.ENGINE_ENV["teo"] == {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"}
     assert moe_step.ENGINE_ENV["teo-c16"]["TEO_OFFLOAD_COPY_CHUNK_MIB"] == "16"
+    # every variant of teo is an engine of its own process, with options offload_context takes
+    import inspect
+    from te_offload_ops.engines import offload_context
+    accepted = set(inspect.signature(offload_context).parameters)
+    for name, (engine, options) in moe_step.ENGINE_OPTIONS.items():
+        assert name in moe_step.ENGINE_ENV and engine == "teo" and set(options) <= accepted, name
+    assert moe_step.ENGINE_OPTIONS["teo-h4"][1] == {"max_held_bytes": 4 << 30}
 
 
 def test_rows_where_te_schedules_fall_short_are_marked():
