@@ -306,6 +306,8 @@ def target_summary(shape_result: dict) -> list[dict]:
     for run in shape_result["runs"]:
         rows = [r for r in run["rows"] if not r.get("error") and r["scope"] != "none"]
         every = shape_result.get("layers", math.inf)
+        offload_searches = [s for s in run.get("cap", {}).get("searches", [])
+                            if s["scope"] != "none" and s.get("tokens_vs_none") is not None]
         mlp = [r for r in rows if r["scope"] == "mlp" and r["vs_none"] is not None]
         values = {
             "mlp_step": max((r["vs_none"] for r in mlp if r["layers"] < every), default=None),
@@ -313,9 +315,7 @@ def target_summary(shape_result: dict) -> list[dict]:
             "layer_bound": max((r["vs_bound"] for r in rows if r["scope"] == "layer" and r["vs_bound"] is not None), default=None),
             "freed": min((r["freed_per_offloaded"] for r in rows if r["freed_per_offloaded"] is not None
                           and r["layers"] < shape_result.get("layers", math.inf)), default=None),
-            "cap_tokens": max((s["tokens_vs_none"] for s in run.get("cap", {}).get("searches", [])
-                               if s["scope"] != "none" and s.get("tokens_vs_none") is not None
-                               and (s.get("rate_vs_none") or 0) >= CAP_RATE_FLOOR), default=None),
+            "cap_tokens": _cap_tokens_within_rate(offload_searches),
         }
         failed_mlp = [r["layers"] for r in run["rows"] if r.get("error") and r["scope"] == "mlp"]
         ceiling = run.get("cap_ceiling")
@@ -329,9 +329,30 @@ def target_summary(shape_result: dict) -> list[dict]:
                      "value": value, "met": met}
             if key == "cap_tokens":
                 entry["ceiling"] = (ceiling or {}).get("ceiling")
-                entry["note"] = _ceiling_note(ceiling, bound)
+                entry["note"] = "; ".join(n for n in (_ceiling_note(ceiling, bound),
+                                                     _best_below_rate_note(offload_searches)) if n)
             out.append(entry)
     return out
+
+
+def _cap_tokens_within_rate(offload_searches: list) -> Optional[float]:
+    """The most tokens (x no offload) an offload policy fit under the cap at >= CAP_RATE_FLOOR of
+    no offload's tokens/s; 1.0 where policies were searched and none kept that rate (no gain at
+    that rate: no offload's own count), None where none was searched."""
+    within = [s["tokens_vs_none"] for s in offload_searches if (s.get("rate_vs_none") or 0) >= CAP_RATE_FLOOR]
+    if within:
+        return max(within)
+    return 1.0 if offload_searches else None
+
+
+def _best_below_rate_note(offload_searches: list) -> str:
+    """Where the policy fitting the most tokens fell under the rate floor, what it fit and at what rate."""
+    best = max(offload_searches, key=lambda s: (s["tokens_vs_none"], s.get("rate_vs_none") or 0), default=None)
+    if best is None or (best.get("rate_vs_none") or 0) >= CAP_RATE_FLOOR or best["tokens_vs_none"] <= 1.0:
+        return ""
+    rate = best.get("rate_vs_none")
+    return (f"most tokens: x{best['tokens_vs_none']:.2f} ({best.get('policy', best['scope'])}) at "
+            + (f"{rate:.3f}x the tokens/s" if rate is not None else "an unmeasured rate"))
 
 
 def _ceiling_note(c: Optional[dict], bound: float) -> str:

@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -179,6 +179,20 @@ ncu)
             -o "/tmp/ncu_$name" -f python3 benchmarks/profile_gemm.py $v
         run 30 sh -c "ncu --import '/tmp/ncu_$name.ncu-rep' --page details > '$OUT/results/ncu_$name.txt'"
     done
+    ;;
+tebig)
+    # tenth session, call 4 (carry .dev/cute, after `bash .dev/te/setup.sh` in call 3): TE V2 and V1
+    # at big-ffn with the cap search, the runs teo and teo-m had there (the cap target's shape)
+    for e in v2 v1; do
+        run 270 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines $e --policies mlp:2,layer:2 \
+            --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_$e"
+    done
+    ;;
+final)
+    # tenth session, call 2 (carry .dev/cute, after holdtests in call 1): teo's GPU tests on both
+    # paths and the step profile's GPU test, the files the ninth session ran only in part
+    pytest_ 330 -s tests/test_gpu_engine_teo.py
+    pytest_ 230 -s tests/test_step_profile_gpu.py
     ;;
 suite1)
     pytest_ 560 tests/test_kernels_gpu.py tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py

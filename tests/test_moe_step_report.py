@@ -360,8 +360,11 @@ def test_targets_are_judged_per_engine_from_the_worst_policy():
     # the worst n < L row (MLP 2/8 frees all it moved); MLP 8/8's 1100 of 1136 is left out (n = L)
     assert t[("v1", "freed")]["value"] == pytest.approx(1.0) and t[("v1", "freed")]["met"] is True
     assert t[("v2", "layer_bound")]["value"] is None and t[("v2", "layer_bound")]["met"] is None
-    # V2's offload fits 4/3 the tokens at 0.75x the rate: not counted; V1's 5/3 at 0.975x: met
-    assert t[("v2", "cap_tokens")]["value"] is None
+    # V2's offload fits 4/3 the tokens at 0.75x the rate: no gain counted at >= 0.95x (no offload's
+    # own 1.0), not met, and the note says what it fit and at what rate; V1's 5/3 at 0.975x: met
+    assert t[("v2", "cap_tokens")]["value"] == 1.0 and t[("v2", "cap_tokens")]["met"] is False
+    assert "most tokens: x1.33 (MLP 7/8) at 0.750x the tokens/s" in t[("v2", "cap_tokens")]["note"]
+    assert "most tokens" not in t[("v1", "cap_tokens")]["note"]
     assert t[("v1", "cap_tokens")]["value"] == pytest.approx(5 / 3) and t[("v1", "cap_tokens")]["met"] is True
 
 
