@@ -88,6 +88,8 @@ ENGINE_ENV = {
     # teo holding up to 2 / 4 GiB of uncopied bytes past their layer's release (max_held_bytes)
     "teo-h2": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},
     "teo-h4": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},
+    # teo with a memory budget (memory_budget): the cap (or the GPU's memory) less --budget-margin
+    "teo-b": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},
 }
 # benchmark names -> offload_context's engine, options
 ENGINE_OPTIONS = {"teo-p1": ("teo", {"prefetch": 1}), "teo-c16": ("teo", {}), "teo-m": ("teo", {"release": "memory"}),
@@ -268,6 +270,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cap-trials", type=int, help=f"runs under the cap per policy searched (default {FULL['cap_trials']})")
     p.add_argument("--cap-max-batch", type=int, help=f"most sequences per step tried (default {FULL['cap_max_batch']})")
     p.add_argument("--no-cap", action="store_true", help="skip the tokens-under-a-cap search")
+    p.add_argument("--budget-margin", type=float, default=2.0,
+                   help="GiB: engine teo-b's memory_budget is the cap (under the cap search; else the GPU's "
+                        "memory) less this much, the room left for what ops allocate between the engine's looks")
     p.add_argument("--alloc-conf", default="",
                    help=f"{ALLOC_ENV} for each engine's process, e.g. expandable_segments:True (as Megatron-Core "
                         "runs commonly use: it avoids the fragmentation that can fail a run under a cap well "
@@ -303,6 +308,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if not (math.isfinite(args.budget_margin) and args.budget_margin >= 0):
+        p.error(f"--budget-margin must be a finite number of GiB >= 0, got {args.budget_margin}")
     if not (math.isfinite(args.cap_slowdown) and args.cap_slowdown >= 0):
         p.error(f"--cap-slowdown must be a finite fraction >= 0 (0.05: up to 5% slower), got {args.cap_slowdown}")
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -349,6 +356,7 @@ class StepBench:
         from moe_model import LayerShape, build_stack, compute_path
 
         self.torch, self.args, self.engine, self.name = torch, args, engine, name
+        self.cap_bytes = None  # bytes: the allocator's limit while a run under the cap is on
         self.mark = lambda phase: contextlib.nullcontext()  # step_profile.phase_mark while profiling
         self.L, self.seq = args.layers, args.seq
         self.hidden = shape["hidden"]
@@ -384,7 +392,15 @@ class StepBench:
         if policy.scope == "none":
             return offload_context("none", num_layers=0, model_layers=self.L)
         engine, options = ENGINE_OPTIONS.get(self.engine, (self.engine, {}))
+        if self.engine == "teo-b":
+            engine, options = "teo", {"memory_budget": self.memory_budget()}
         return offload_context(engine, num_layers=policy.layers, model_layers=self.L, **options)
+
+    def memory_budget(self) -> int:
+        """teo-b's budget: the cap in force (else the GPU's memory) less --budget-margin."""
+        torch = self.torch
+        limit = self.cap_bytes or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return max(1, limit - int(self.args.budget_margin * GiB))
 
     def _step(self, x, dy, batch: int, policy: Policy, context) -> dict:
         from moe_model import forward_stack
@@ -420,7 +436,12 @@ class StepBench:
             self._step(x, dy, batch, policy, held or self._context(policy))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        engine = getattr(held[0], "engine", None) if held else None
+        waits = (engine.budget_waits, engine.budget_wait_bytes) if getattr(engine, "memory_budget", None) else None
         samples = [self._step(x, dy, batch, policy, held or self._context(policy)) for _ in range(count)]
+        # teo-b: copies the compute stream waited for to stay under the budget, per timed step
+        self.budget_waits = None if waits is None else (
+            (engine.budget_waits - waits[0]) / count, (engine.budget_wait_bytes - waits[1]) / count / MiB)
         # active, not allocated: memory an engine handed back while its copy still reads it counts
         peak = active_bytes(peak=True) / MiB
         inputs_MiB = 2 * x.numel() * x.element_size() / MiB
@@ -457,6 +478,10 @@ class StepBench:
                     "tokens_per_s": row["tokens"] / (row["step_ms"] / 1e3),
                     "peak_above_MiB": peak - self.floor_MiB, "offloaded_MiB": samples[-1]["offloaded"] / MiB,
                     "held_between_steps_MiB": left - self.floor_MiB})
+        if getattr(self, "budget_waits", None) is not None:
+            row["budget_waits_per_step"], row["budget_wait_MiB_per_step"] = self.budget_waits
+            row["notes"].append(f"budget {self.memory_budget() / GiB:.1f} GiB: waited for {self.budget_waits[0]:.0f} "
+                                f"copies ({self.budget_waits[1]:.0f} MiB) per step to stay under it")
         if row["held_between_steps_MiB"] > 1:
             row["notes"].append(f"the engine holds {row['held_between_steps_MiB']:.0f} MiB between steps")
         return row
@@ -476,10 +501,16 @@ class StepBench:
         """Warm-up steps, then --profile-steps steps under torch.profiler; their breakdown (or the error)."""
         a, torch = self.args, self.torch
         entry = {"engine": self.engine, "policy": policy.label(self.L), "scope": policy.scope, "layers": policy.layers}
+        cap_GiB = a.caps.get(self.name)  # --memory-cap with --profile: profiled under it (the allocator limited)
+        if cap_GiB is not None:
+            entry["policy"] += f", under a {cap_GiB:g} GiB cap"
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_GiB * GiB / total))
+            self.cap_bytes = min(total, int(cap_GiB * GiB))
         x, dy = self._inputs(a.batch)
-        context = self._context(policy)
-        step = lambda: self._step(x, dy, a.batch, policy, context)  # noqa: E731
         try:
+            context = self._context(policy)
+            step = lambda: self._step(x, dy, a.batch, policy, context)  # noqa: E731
             for _ in range(a.warmup):
                 step()
             self.mark = step_profile.phase_mark
@@ -494,6 +525,9 @@ class StepBench:
         finally:
             if not a.trace:
                 trace_path.unlink(missing_ok=True)
+            if cap_GiB is not None:
+                torch.cuda.set_per_process_memory_fraction(1.0)
+                self.cap_bytes = None
         if "error" not in entry:
             entry["trace"] = trace_path.name if a.trace else None
         torch.cuda.synchronize()
@@ -505,6 +539,7 @@ class StepBench:
         _empty_host_cache()  # pinned buffers of other batch sizes would pile up on the host
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_GiB * GiB / total))
+        self.cap_bytes = min(total, int(cap_GiB * GiB))
         try:  # the allocator now refuses what would pass the cap: an OOM means it does not fit
             row = self.run(policy, batch, warmup=1, iters=2, reuse=reuse)
             # what the allocator held at most since the timed steps began (blocks the warm-up left
@@ -513,6 +548,7 @@ class StepBench:
             reserved = None if row.get("error") else torch.cuda.max_memory_reserved() / MiB
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
+            self.cap_bytes = None
         fits = not row.get("error") and self.floor_MiB + row["peak_above_MiB"] <= cap_GiB * 1024
         return {"batch": batch, "fits": fits, "peak_above_MiB": row.get("peak_above_MiB") if fits else None,
                 "reserved_peak_MiB": reserved, "step_ms": row.get("step_ms"), "tokens_per_s": row.get("tokens_per_s"),
@@ -581,7 +617,7 @@ def run_child(args) -> None:
     engine = args.child
     alloc = allocator_setting()
     device_GiB = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GiB
-    if not args.no_cap and not args.profile:  # caps are used only by the cap search
+    if (not args.no_cap and not args.profile) or (args.profile and args.caps):  # caps: the search, or a profile under one
         check_caps_fit(args.caps, device_GiB, torch.cuda.get_device_name())
     out = {"engine": engine, "gpu": torch.cuda.get_device_name(), "alloc_conf": alloc,
            "pcie": measure_pcie(), "shapes": {}}
@@ -649,7 +685,8 @@ def merge(args, children: list[dict]) -> dict:
         "alloc_conf": alloc_conf(args, children),
         "config": {"engines": args.engines, "policies": [p.label(args.layers) for p in args.policies],
                    "warmup": args.warmup, "iters": args.iters, "unfused": args.unfused, "quick": args.quick,
-                   "cap_slowdown": args.cap_slowdown, "memory_target_GiB": args.memory_target},
+                   "cap_slowdown": args.cap_slowdown, "memory_target_GiB": args.memory_target,
+                   "budget_margin_GiB": args.budget_margin},
         "pcie": {c["engine"]: c["pcie"] for c in children},
         "shapes": shapes,
     }

@@ -552,7 +552,7 @@ def chart(result: dict, path: Path) -> bool:
         return False
     shapes = result["shapes"]
     fig, axes = plt.subplots(1, len(shapes), figsize=(8 * len(shapes), 6.5), squeeze=False)
-    markers = {"none": "*", "v2": "o", "v1": "s", "teo": "D", "teo-m": "P", "teo-h2": "X", "teo-h4": "^"}
+    markers = {"none": "*", "v2": "o", "v1": "s", "teo": "D", "teo-m": "P", "teo-h2": "X", "teo-h4": "^", "teo-b": "v"}
     colors = {"none": "black", "mlp": "#4c72b0", "layer": "#dd8452"}
     for ax, s in zip(axes[0], shapes):
         seen = set()

@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -179,6 +179,27 @@ ncu)
             -o "/tmp/ncu_$name" -f python3 benchmarks/profile_gemm.py $v
         run 30 sh -c "ncu --import '/tmp/ncu_$name.ncu-rep' --page details > '$OUT/results/ncu_$name.txt'"
     done
+    ;;
+budget1)
+    # eleventh session, call 1 (carry .dev/te): teo's CPU tests, its unfused GPU tests (memory_budget
+    # among them), the engines' GPU tests
+    pytest_ 250 tests/test_engine_teo.py tests/test_moe_step_report.py tests/test_gpu_engines.py
+    pytest_ 200 -s tests/test_gpu_engine_teo.py -k "not fused or unfused"
+    ;;
+budget2)
+    # eleventh session, call 2 (carry .dev/cute): the budget's fused GPU tests, then big-ffn's cap
+    # target under teo-b (teo with memory_budget = the cap less 2 GiB), layer 2/4 and no offload
+    pytest_ 150 -s tests/test_gpu_engine_teo.py -k "budget"
+    run 400 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-b --policies layer:2 \
+        --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_b"
+    ;;
+budget3)
+    # eleventh session, call 3: where the 12-sequence step's time goes under teo-b (the cap set by
+    # hand: the profile runs no cap search), then the budget at base (MLP 6/8, 7/8, 8/8, layer 4/8)
+    run 250 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --batch 12 --engines teo-b --profile layer:2 \
+        --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_b_profile"
+    run 330 python3 benchmarks/moe_step.py --shapes base --engines teo-b --policies mlp:6,mlp:7,mlp:8,layer:4 \
+        --no-cap --out "$OUT/results/base_b"
     ;;
 tebig)
     # tenth session, call 4 (carry .dev/cute, after `bash .dev/te/setup.sh` in call 3): TE V2 and V1

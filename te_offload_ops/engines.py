@@ -14,6 +14,7 @@ workspaces) too.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections import defaultdict
 from typing import Any, Callable, Hashable, Optional
@@ -85,6 +86,7 @@ def offload_context(
     prefetch: Optional[int] = None,
     release: Optional[str] = None,
     max_held_bytes: Optional[int] = None,
+    memory_budget: Optional[int] = None,
 ):
     """Returns ``(context, sync_function, counter)`` for ``engine`` over ``model_layers`` layers.
 
@@ -103,6 +105,13 @@ def offload_context(
     ``max_held_bytes`` ("teo" only): bytes of released layers whose copies to the host are still
     running that the forward may keep on the GPU instead of waiting for them (default 0); the step's
     memory stays within the layer schedule's plus this much, so give it the room a memory cap leaves.
+    ``memory_budget`` ("teo" only): bytes of ``torch.cuda.memory_allocated`` the step may reach;
+    instead of a release schedule, offloaded tensors' GPU bytes stay until their copies end and
+    the oldest go back early (after a wait for their copies) only where memory would pass the
+    budget. For a memory cap, give it the cap less room for what ops allocate between the engine's
+    looks (saves, uses in backward, layer boundaries, and :func:`make_room` calls, which this
+    package's fused MLP makes before its large outputs); not combined with ``release`` or
+    ``max_held_bytes``.
     "teo" accepts ``num_layers == model_layers``; its pinned buffers are always kept for reuse.
     """
     if engine not in ENGINES:
@@ -116,6 +125,8 @@ def offload_context(
         raise ValueError(f"release is an option of the teo engine, not of {engine!r}")
     if max_held_bytes is not None and engine != "teo":
         raise ValueError(f"max_held_bytes is an option of the teo engine, not of {engine!r}")
+    if memory_budget is not None and engine != "teo":
+        raise ValueError(f"memory_budget is an option of the teo engine, not of {engine!r}")
     counter = OffloadCounter(classify)
     if engine == "none":
         return contextlib.nullcontext(), (lambda t: t), counter
@@ -125,6 +136,8 @@ def offload_context(
         kwargs = {} if release is None else {"release": release}  # teo's own defaults otherwise
         if max_held_bytes is not None:
             kwargs["max_held_bytes"] = max_held_bytes
+        if memory_budget is not None:
+            kwargs["memory_budget"] = memory_budget
         ctx, sync = make_teo_context(num_layers, model_layers, prefetch=prefetch, counter=counter, **kwargs)
         return ctx, sync, counter
     if engine != active_engine():
@@ -139,3 +152,11 @@ def offload_context(
                                                **kwargs)
     (_count_v2 if engine == "v2" else _count_v1)(ctx, counter)
     return ctx, sync, counter
+
+
+def make_room(nbytes: int, device: Any = None) -> None:
+    """An op is about to allocate ``nbytes`` on ``device``: teo engines with a ``memory_budget`` give
+    back what they hold past it (see ``engines_teo.make_room``); nothing happens without one."""
+    teo = sys.modules.get(f"{__package__}.engines_teo")
+    if teo is not None:  # not imported: no teo engine exists
+        teo.make_room(nbytes, device)

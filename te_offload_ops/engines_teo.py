@@ -28,7 +28,15 @@ modules leave); when it moves is this module's own schedule:
   ``release="memory"`` (opt-in) a layer whose release is due stays held while the previous step's
   figures (the memory each stretch of forward reaches under the layer schedule, and the memory at
   the start of backward) say the forward stays under its end with one layer's bytes to spare: the
-  forward waits on copies only where memory runs out (see :func:`sources_to_release`);
+  forward waits on copies only where memory runs out (see :func:`sources_to_release`). With
+  ``memory_budget=B`` (opt-in; bytes of ``torch.cuda.memory_allocated``, e.g. a memory cap less
+  room for what ops allocate between two of the engine's looks) no layer is released on a
+  schedule: every offloaded tensor's GPU bytes stay until its copy ends, and the oldest still
+  being copied go back early, after the streams waited for their copies, only where the memory
+  allocated plus the next allocation announced (:func:`make_room`, or the engine's own reloads)
+  would pass ``B``. The engine looks at each layer entry, save, use in backward and backward
+  boundary. So the forward waits only where memory runs out at the cap, not at every layer entry,
+  and what the peak cannot hold is gone by then (see :meth:`TeoEngine.fit_budget`);
 * backward: reloads run on a second stream, into memory taken on the compute stream after the
   work queued there so far; a saved tensor's first use makes the compute stream wait for its own
   reload only. A reload goes back to the allocator as a tensor kept on the GPU does: the engine
@@ -85,7 +93,7 @@ from . import capture, policy
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["COPY_CHUNK_ENV", "RELEASES", "PinnedBufferPool", "TeoEngine", "sources_to_release", "copy_chunk_bytes", "copy_pieces", "default_pool", "free_pinned_buffers", "layers_to_reload",
+__all__ = ["COPY_CHUNK_ENV", "RELEASES", "make_room", "PinnedBufferPool", "TeoEngine", "sources_to_release", "copy_chunk_bytes", "copy_pieces", "default_pool", "free_pinned_buffers", "layers_to_reload",
            "make_teo_context", "peak_neutral_lead", "release_lag", "plan_saved", "reloads_at_backward_start",
            "reloads_at_region_end", "watch_region"]
 
@@ -444,6 +452,7 @@ class _HostCopy:
     waited: bool = False  # reload_stream waited for `reloaded`
     handles: int = 0  # handles to this range autograd holds (packs this step)
     unpacks: int = 0  # of those, unpacked in this backward: at `handles` the engine lets go of the reload
+    layer: Optional[int] = None  # the layer that saved it
 
 
 @dataclass
@@ -477,10 +486,10 @@ class TeoEngine:
 
     def __init__(self, num_layers: int, model_layers: int, *, prefetch: Optional[int] = None,
                  counter: Any = None, pool: Optional[PinnedBufferPool] = None, release: str = "layers",
-                 max_held_bytes: int = 0):
+                 max_held_bytes: int = 0, memory_budget: Optional[int] = None):
         for name, value in (("num_layers", num_layers), ("model_layers", model_layers), ("prefetch", prefetch),
-                            ("max_held_bytes", max_held_bytes)):
-            if name == "prefetch" and value is None:
+                            ("max_held_bytes", max_held_bytes), ("memory_budget", memory_budget)):
+            if name in ("prefetch", "memory_budget") and value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -495,6 +504,12 @@ class TeoEngine:
                              f"got {max_held_bytes}")
         if release not in RELEASES:
             raise ValueError(f"release must be one of {RELEASES}, got {release!r}")
+        if memory_budget is not None:
+            if memory_budget <= 0:
+                raise ValueError(f"memory_budget must be a positive number of bytes (or None), got {memory_budget}")
+            if release != "layers" or max_held_bytes:
+                raise ValueError("memory_budget replaces the release schedule: it cannot be combined with "
+                                 f"release={release!r} or max_held_bytes={max_held_bytes}")
         from .engines import active_engine  # engines imports this module lazily
 
         if active_engine() == "v1":
@@ -507,6 +522,12 @@ class TeoEngine:
         self.release = release
         self.max_held_bytes = max_held_bytes
         self.bytes_held_past_release = 0  # summed over releases: what stayed held instead of waited for (public)
+        self.memory_budget = memory_budget
+        # memory_budget: copies whose end the compute stream waited for to stay under it, and their bytes (public)
+        self.budget_waits = 0
+        self.budget_wait_bytes = 0
+        if memory_budget is not None:
+            _BUDGET_ENGINES.add(self)
         # copies to the host whose GPU bytes the engine may still hold, in the copy stream's order
         self._in_flight: deque = deque()
         # release="memory": this step's and the last step's figures (bytes the allocator holds)
@@ -550,6 +571,9 @@ class TeoEngine:
         else:
             self._fwd_layer += 1
         j = self._fwd_layer
+        if self.memory_budget is not None:  # no release schedule: held until copied or the budget needs them
+            self.fit_budget()
+            return j
         self._drop_copied()
         due = j - release_lag(self.num_layers, self.model_layers)
         if self.release == "layers":
@@ -608,7 +632,10 @@ class TeoEngine:
 
     def layer_done(self, layer: int) -> None:
         """Layer ``layer``'s forward ended (its sync): a layer with no later one to release it at
-        gives its bytes back now (under release="memory", the last layer gives back all still held)."""
+        gives its bytes back now (under release="memory", the last layer gives back all still held;
+        under memory_budget nothing goes on a schedule)."""
+        if self.memory_budget is not None:
+            return
         if layer + release_lag(self.num_layers, self.model_layers) >= self.model_layers:
             self._release_sources(layer)
         if self.release == "memory" and layer == self.model_layers - 1:
@@ -650,6 +677,29 @@ class TeoEngine:
                     return
                 c.source = None  # its copy is over: the memory can be reused at once, in any stream's order
             queue.popleft()
+
+    def fit_budget(self, incoming: int = 0, keep_layer: Optional[int] = None) -> None:
+        """``memory_budget``: the copies the host sees ended give their bytes back; then, while the
+        memory allocated plus ``incoming`` (bytes about to be allocated) is over the budget, the
+        oldest GPU bytes still being copied go back after the streams waited for their copies (one
+        at a time, the memory read again after each: bytes still used elsewhere free nothing).
+        ``keep_layer``: a layer whose bytes are about to serve its backward in place stays."""
+        if self.memory_budget is None:
+            return
+        self._drop_copied()
+        over = self._memory() + incoming - self.memory_budget
+        if over <= 0:
+            return
+        for c in [c for c in self._in_flight if c.source is not None]:  # oldest first: copy order
+            if c.layer == keep_layer or c.gpu is not None:  # serving its backward in place: freeing it frees nothing
+                continue
+            before = self._memory()
+            self._wait_and_drop([c])
+            self.budget_waits += 1
+            self.budget_wait_bytes += c.nbytes
+            over -= before - self._memory()
+            if over <= 0:
+                return
 
     @classmethod
     def _drop_sources(cls, copies: "_LayerCopies") -> None:
@@ -705,7 +755,9 @@ class TeoEngine:
     def pack(self, t: torch.Tensor) -> Any:
         if capture.capturing():
             raise capture.GraphCaptureError(_CAPTURE_MESSAGE)
-        if self._in_flight:
+        if self.memory_budget is not None:
+            self.fit_budget()
+        elif self._in_flight:
             self._drop_copied()
         layer = self._fwd_layer
         if layer is None or layer >= self.num_layers or not isinstance(t, torch.Tensor):
@@ -739,6 +791,7 @@ class TeoEngine:
                 break
         if found is None:
             layer.copies.append(self._copy_to_host(t, storage, span))
+            layer.copies[-1].layer = self._fwd_layer
             self._in_flight.append(layer.copies[-1])
             found = len(layer.copies) - 1
             self._count(t, owner, span.nbytes)
@@ -796,6 +849,7 @@ class TeoEngine:
             self._finish_queued = True
         for done in [j for j in self._layers if j > layer]:
             self._release_reload(done)
+        self.fit_budget()
         for j in reloads_at_backward_start(layer, self.prefetch, self.num_layers, self.model_layers):
             self._reload(j)
 
@@ -823,6 +877,9 @@ class TeoEngine:
         copies = self._layers.get(layer)
         if copies is None or copies.reloaded or not copies.copies:
             return
+        if self.memory_budget is not None:  # the reloads below allocate: room first (the layer's own held bytes stay)
+            self.fit_budget(sum(c.nbytes for c in copies.copies if c.source is None and not (c.handles and c.unpacks >= c.handles)),
+                            keep_layer=layer)
         copies.reloaded = True  # first: a raise below leaves what was started for _release_reload to wait on
         h2d = None
         for c in copies.copies:
@@ -872,6 +929,8 @@ class TeoEngine:
         if isinstance(handle, _PartsHandle):
             handle.shell.restore_from_saved([None if h is None else self.unpack(h) for h in handle.handles])
             return handle.shell
+        if self.memory_budget is not None:
+            self.fit_budget()
         if not isinstance(handle, _Moved):
             return handle
         if handle.step != self._step:
@@ -1005,8 +1064,28 @@ class TeoContext:
 
 
 def make_teo_context(num_layers: int, model_layers: int, *, prefetch: Optional[int] = None, counter: Any = None,
-                     pool: Optional[PinnedBufferPool] = None, release: str = "layers", max_held_bytes: int = 0):
+                     pool: Optional[PinnedBufferPool] = None, release: str = "layers", max_held_bytes: int = 0,
+                     memory_budget: Optional[int] = None):
     """``(context, sync_function)`` of a new teo engine (see the module docstring)."""
     ctx = TeoContext(TeoEngine(num_layers, model_layers, prefetch=prefetch, counter=counter, pool=pool,
-                               release=release, max_held_bytes=max_held_bytes))
+                               release=release, max_held_bytes=max_held_bytes, memory_budget=memory_budget))
     return ctx, ctx.sync
+
+
+# engines with a memory budget, alive: make_room reaches them without a handle
+_BUDGET_ENGINES: "weakref.WeakSet[TeoEngine]" = weakref.WeakSet()
+
+
+def make_room(nbytes: int, device: Any = None) -> None:
+    """An op is about to allocate ``nbytes`` on ``device`` (None: any) outside the engine's view:
+    every live teo engine with a ``memory_budget`` on that device gives back, after a wait for
+    their copies, as many of the GPU bytes it still holds as keep the allocation within its budget.
+    Cheap where no engine has a budget (the fused MLP calls it before its large outputs)."""
+    if not _BUDGET_ENGINES or capture.capturing():  # a capture cannot query or wait on the engine's events
+        return
+    want = None if device is None else torch.device(device)
+    if want is not None and want.type == "cuda" and want.index is None:
+        want = torch.device("cuda", torch.cuda.current_device())
+    for engine in list(_BUDGET_ENGINES):
+        if want is None or engine._device is None or engine._device == want:
+            engine.fit_budget(nbytes)

@@ -3,6 +3,7 @@ tests/test_gpu_engine_teo.py)."""
 
 import contextlib
 import logging
+import weakref
 
 import pytest
 import torch
@@ -51,6 +52,12 @@ def test_teo_is_selected_through_offload_context():
      "teo has no such option"),
     ({"num_layers": 1, "model_layers": 4, "max_held_bytes": -1}, ValueError, "max_held_bytes must be >= 0 .*got -1"),
     ({"num_layers": 1, "model_layers": 4, "max_held_bytes": 1.5}, TypeError, "max_held_bytes must be an int, got float"),
+    ({"num_layers": 1, "model_layers": 4, "memory_budget": 0}, ValueError, "memory_budget must be a positive .*got 0"),
+    ({"num_layers": 1, "model_layers": 4, "memory_budget": 2.0**30}, TypeError, "memory_budget must be an int, got float"),
+    ({"num_layers": 1, "model_layers": 4, "memory_budget": 1 << 30, "release": "memory"}, ValueError,
+     "cannot be combined with release='memory'"),
+    ({"num_layers": 1, "model_layers": 4, "memory_budget": 1 << 30, "max_held_bytes": 8}, ValueError,
+     "cannot be combined with .*max_held_bytes=8"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -1085,3 +1092,141 @@ def test_with_every_layer_offloaded_the_last_layers_held_bytes_serve_its_backwar
     sources = [c.source for c in l1]
     engine._reload(1)
     assert all(c.gpu is s for c, s in zip(l1, sources)) and len(stream.waited) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# memory_budget: held until copied, the oldest waited for only where memory would pass the budget
+
+
+def _budget_engine(monkeypatch, n, L, budget, base=0):
+    """A budget engine whose memory is ``base`` plus ``extra[0]`` plus the GPU bytes its held
+    sources (and in-place reloads) keep: what torch.cuda.memory_allocated would read."""
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(engines_teo, "_BUDGET_ENGINES", weakref.WeakSet())  # make_room elsewhere never sees these
+    engine = TeoEngine(n, L, memory_budget=budget)
+    extra = [0]
+
+    def memory():
+        live = {id(t): t.numel() for lc in engine._layers.values() for c in lc.copies
+                for t in (c.source, c.gpu) if t is not None}
+        return base + extra[0] + sum(live.values())
+
+    engine._memory = memory
+    return engine, stream, extra
+
+
+def test_budget_is_an_option_of_teo_only():
+    with pytest.raises(ValueError, match="memory_budget is an option of the teo engine, not of 'v2'"):
+        offload_context("v2", num_layers=1, model_layers=2, memory_budget=1 << 30)
+    assert offload_context("teo", num_layers=1, model_layers=2, memory_budget=1 << 30)[0].engine.memory_budget == 1 << 30
+    assert offload_context("teo", num_layers=1, model_layers=2)[0].engine.memory_budget is None
+
+
+def test_under_the_budget_no_layer_is_waited_for_at_its_release(monkeypatch):
+    """n=2 of L=4: the layer schedule waits for layer 0 at layer 2's entry and layer 1 at layer 3's;
+    with room in the budget nothing is waited for, and bytes go back only as their copies end."""
+    engine, stream, _ = _budget_engine(monkeypatch, 2, 4, budget=1000)
+    made = []
+    for j in range(4):
+        engine.enter_layer()
+        if j < 2:
+            made += _queued_copies(engine, j, done=[False, False])
+        engine.layer_done(j)
+    assert stream.waited == [] and all(c.source is not None for c in made)
+    made[0].copied.done = made[1].copied.done = True
+    engine.pack("x")  # a save looks again: layer 0's ended copies give their bytes back, no wait
+    assert [c.source is None for c in made] == [True, True, False, False] and stream.waited == []
+    assert engine.budget_waits == 0
+
+
+def test_over_the_budget_the_oldest_copies_are_waited_for_until_it_fits(monkeypatch):
+    """Four 8-byte copies held (32 bytes) over a base of 10, budget 40: an op announcing 6 bytes
+    needs 8 back (10 + 32 + 6 - 40): the compute stream waits for the oldest copy only."""
+    engine, stream, extra = _budget_engine(monkeypatch, 2, 4, budget=40, base=10)
+    engine.enter_layer()
+    l0 = _queued_copies(engine, 0, done=[False, False])
+    engine.enter_layer()
+    l1 = _queued_copies(engine, 1, done=[False, False])
+    engine.fit_budget(6)
+    assert stream.waited == [l0[0].copied] and [c.source is None for c in l0 + l1] == [True, False, False, False]
+    assert (engine.budget_waits, engine.budget_wait_bytes) == (1, 8)
+    extra[0] = 12  # ops allocated more since: at the next layer entry 10 + 12 + 24 > 40 by 6
+    engine.enter_layer()
+    assert stream.waited == [l0[0].copied, l0[1].copied] and engine.budget_waits == 2
+
+
+def test_a_dropped_source_that_frees_nothing_does_not_count_toward_the_room(monkeypatch):
+    """A saved tensor still used elsewhere (the layer's output) frees nothing when the engine lets
+    go of it: the engine reads the memory again and goes on to the next copy."""
+    engine, stream, _ = _budget_engine(monkeypatch, 1, 2, budget=20)
+    engine.enter_layer()
+    l0 = _queued_copies(engine, 0, done=[False, False, False])
+    still_used = l0[0].source  # a reference outside the engine keeps its bytes allocated
+    memory = engine._memory
+    engine._memory = lambda: memory() + (8 if l0[0].source is None else 0)
+    engine.fit_budget(4)  # 24 + 4 - 20 = 8 over: the first frees nothing, the second frees 8
+    assert stream.waited == [l0[0].copied, l0[1].copied] and l0[2].source is not None
+    del still_used
+
+
+def test_with_every_layer_offloaded_the_last_layer_stays_for_its_backward_in_place(monkeypatch):
+    """n = L = 2 with room: no release at the last layer's sync; its backward uses its bytes in
+    place, and a budget look in backward does not wait for a copy whose bytes serve in place."""
+    engine, stream, extra = _budget_engine(monkeypatch, 2, 2, budget=100)
+    engine.enter_layer()
+    l0 = _queued_copies(engine, 0, done=[False])
+    engine.layer_done(0)
+    engine.enter_layer()
+    l1 = _queued_copies(engine, 1, done=[False, False])
+    engine.layer_done(1)
+    assert stream.waited == [] and all(c.source is not None for c in l0 + l1)
+    sources = [c.source for c in l1]
+    engine._reload(1)
+    assert all(c.gpu is s for c, s in zip(l1, sources)) and stream.waited == []
+    extra[0] = 90  # the backward allocates: 90 + 24 > 100; layer 1's serve in place, layer 0's copy is waited for
+    engine.fit_budget()
+    assert stream.waited == [l0[0].copied] and all(c.source is not None for c in l1)
+
+
+def test_a_reload_makes_room_for_its_bytes_first_without_dropping_its_own(monkeypatch):
+    """Layer 1's reload brings back 8 bytes (one copy ended and was let go; the other, still held,
+    serves in place): the budget asks room for those 8, taken from layer 0's held bytes, never
+    from layer 1's own."""
+    engine, stream, _ = _budget_engine(monkeypatch, 2, 3, budget=28)
+    engine.enter_layer()
+    l0 = _queued_copies(engine, 0, done=[False])
+    engine.enter_layer()
+    l1 = _queued_copies(engine, 1, done=[False, False])
+    l1[0].source = None  # as if its copy had ended (and its bytes gone back): 16 bytes held
+    engine.enter_layer()
+    assert stream.waited == []
+    h2d = _FakeStream()
+    h2d.wait_stream = lambda other: None
+    monkeypatch.setattr(engine, "_streams", lambda device=None: (None, h2d))
+    reloaded = []
+    monkeypatch.setattr(engine, "_reload_copy", lambda c, stream: reloaded.append(c))
+    engine._reload(1)  # 16 held + 8 coming back = 24 <= 28: nothing waited for
+    assert stream.waited == [] and reloaded == [l1[0]] and l1[1].gpu is l1[1].source
+    engine._layers[1].reloaded, l1[1].gpu = False, None
+    engine.memory_budget = 20  # now 16 + 8 > 20: layer 0's copy is waited for, layer 1's held one stays
+    engine._reload(1)
+    assert stream.waited == [l0[0].copied] and l1[1].source is not None and l0[0].source is None
+
+
+def test_make_room_reaches_budget_engines_on_the_device_only(monkeypatch):
+    engine, stream, _ = _budget_engine(monkeypatch, 1, 2, budget=16)
+    engine.enter_layer()
+    l0 = _queued_copies(engine, 0, done=[False, False])
+    plain = TeoEngine(1, 2)  # no budget: never asked
+    plain.fit_budget = lambda *a, **k: pytest.fail("an engine without a budget was asked for room")
+    engine._device = torch.device("cuda", 1)
+    engine_make_room = engines_teo.make_room
+    engine_make_room(8, torch.device("cuda", 0))  # another GPU: nothing
+    assert stream.waited == []
+    engine_make_room(8, torch.device("cuda", 1))  # 16 + 8 > 16: the oldest copy waited for
+    assert stream.waited == [l0[0].copied]
+    from te_offload_ops import engines
+
+    engines.make_room(8)  # through the engines module, any device
+    assert stream.waited == [l0[0].copied, l0[1].copied]
