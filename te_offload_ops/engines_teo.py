@@ -691,7 +691,7 @@ class TeoEngine:
         if over <= 0:
             return
         for c in [c for c in self._in_flight if c.source is not None]:  # oldest first: copy order
-            if c.layer == keep_layer or c.gpu is not None:  # serving its backward in place: freeing it frees nothing
+            if (keep_layer is not None and c.layer == keep_layer) or c.gpu is not None:  # serving in place: frees nothing
                 continue
             before = self._memory()
             self._wait_and_drop([c])
