@@ -552,7 +552,8 @@ class StepBench:
         fits = not row.get("error") and self.floor_MiB + row["peak_above_MiB"] <= cap_GiB * 1024
         return {"batch": batch, "fits": fits, "peak_above_MiB": row.get("peak_above_MiB") if fits else None,
                 "reserved_peak_MiB": reserved, "step_ms": row.get("step_ms"), "tokens_per_s": row.get("tokens_per_s"),
-                "error": row.get("error")}
+                "fwd_ms": row.get("fwd_ms"), "bwd_ms": row.get("bwd_ms"), "error": row.get("error"),
+                **{k: row[k] for k in ("budget_waits_per_step", "budget_wait_MiB_per_step") if k in row}}
 
     def cap_search(self, row: dict, cap_GiB: float) -> dict:
         a = self.args
@@ -564,7 +565,10 @@ class StepBench:
             t = self.cap_trial(policy, batch, cap_GiB, reuse=row["context"] == "reused")
             print(f"[{self.engine} {self.name} cap {cap_GiB:.1f} GiB] {row['policy']:10s} {batch:3d} x {self.seq} tokens: "
                   + (f"fits, peak {(self.floor_MiB + t['peak_above_MiB']) / 1024:.1f} GiB "
-                     f"(reserved {t['reserved_peak_MiB'] / 1024:.1f} GiB), {t['step_ms']:.0f} ms"
+                     f"(reserved {t['reserved_peak_MiB'] / 1024:.1f} GiB), {t['step_ms']:.0f} ms "
+                     f"(fwd {t['fwd_ms']:.0f}, bwd {t['bwd_ms']:.0f})"
+                     + (f", budget waits {t['budget_waits_per_step']:.0f} ({t['budget_wait_MiB_per_step']:.0f} MiB)"
+                        if "budget_waits_per_step" in t else "")
                      if t["fits"] else f"does not fit ({t['error'] or 'over the cap'})"), flush=True)
             return t
 

@@ -194,12 +194,10 @@ budget2)
         --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_b"
     ;;
 budget3)
-    # eleventh session, call 3: where the 12-sequence step's time goes under teo-b (the cap set by
-    # hand: the profile runs no cap search), then the budget at base (MLP 6/8, 7/8, 8/8, layer 4/8)
-    run 250 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --batch 12 --engines teo-b --profile layer:2 \
-        --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_b_profile"
-    run 330 python3 benchmarks/moe_step.py --shapes base --engines teo-b --policies mlp:6,mlp:7,mlp:8,layer:4 \
-        --no-cap --out "$OUT/results/base_b"
+    # eleventh session: where the 12-sequence step's time goes under teo-b at the 67 GiB cap (the
+    # profile runs no cap search: --memory-cap limits the allocator and sets teo-b's budget)
+    run 300 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --batch 12 --engines teo-b --profile layer:2 \
+        --memory-cap 67 --alloc-conf expandable_segments:True --out "$OUT/results"
     ;;
 tebig)
     # tenth session, call 4 (carry .dev/cute, after `bash .dev/te/setup.sh` in call 3): TE V2 and V1
