@@ -526,6 +526,7 @@ class TeoEngine:
         # memory_budget: copies whose end the compute stream waited for to stay under it, and their bytes (public)
         self.budget_waits = 0
         self.budget_wait_bytes = 0
+        self.budget_trace: Optional[list] = None  # a list: fit_budget records its waits there (diagnostic)
         if memory_budget is not None:
             _BUDGET_ENGINES.add(self)
         # copies to the host whose GPU bytes the engine may still hold, in the copy stream's order
@@ -572,7 +573,7 @@ class TeoEngine:
             self._fwd_layer += 1
         j = self._fwd_layer
         if self.memory_budget is not None:  # no release schedule: held until copied or the budget needs them
-            self.fit_budget()
+            self.fit_budget(where="enter")
             return j
         self._drop_copied()
         due = j - release_lag(self.num_layers, self.model_layers)
@@ -678,28 +679,44 @@ class TeoEngine:
                 c.source = None  # its copy is over: the memory can be reused at once, in any stream's order
             queue.popleft()
 
-    def fit_budget(self, incoming: int = 0, keep_layer: Optional[int] = None) -> None:
+    def fit_budget(self, incoming: int = 0, keep_layer: Optional[int] = None, where: str = "") -> None:
         """``memory_budget``: the copies the host sees ended give their bytes back; then, while the
         memory allocated plus ``incoming`` (bytes about to be allocated) is over the budget, the
         oldest GPU bytes still being copied go back after the streams waited for their copies (one
         at a time, the memory read again after each: bytes still used elsewhere free nothing).
-        ``keep_layer``: a layer whose bytes are about to serve its backward in place stays."""
+        ``keep_layer``: a layer whose bytes are about to serve its backward in place stays.
+        ``where``: what look this is, for :attr:`budget_trace` (a list there: one record per look
+        that waited, with timing events around each wait; a diagnostic, off by default)."""
         if self.memory_budget is None:
             return
         self._drop_copied()
         over = self._memory() + incoming - self.memory_budget
         if over <= 0:
             return
+        trace = self.budget_trace
+        record = None if trace is None else {"where": where, "layer": self._fwd_layer, "step": self._step,
+                                             "memory": self._memory(), "incoming": incoming, "over": over, "waits": []}
         for c in [c for c in self._in_flight if c.source is not None]:  # oldest first: copy order
             if (keep_layer is not None and c.layer == keep_layer) or c.gpu is not None:  # serving in place: frees nothing
                 continue
             before = self._memory()
+            if record is not None:
+                reach = torch.cuda.Event(enable_timing=True)
+                reach.record(torch.cuda.current_stream(c.source.device))
             self._wait_and_drop([c])
             self.budget_waits += 1
             self.budget_wait_bytes += c.nbytes
-            over -= before - self._memory()
+            freed = before - self._memory()
+            over -= freed
+            if record is not None:
+                resume = torch.cuda.Event(enable_timing=True)
+                resume.record(torch.cuda.current_stream(self._device))
+                record["waits"].append({"copy_of_layer": c.layer, "nbytes": c.nbytes, "freed": freed,
+                                        "events": (reach, resume)})
             if over <= 0:
-                return
+                break
+        if record is not None and record["waits"]:
+            trace.append(record)
 
     @classmethod
     def _drop_sources(cls, copies: "_LayerCopies") -> None:
@@ -756,7 +773,7 @@ class TeoEngine:
         if capture.capturing():
             raise capture.GraphCaptureError(_CAPTURE_MESSAGE)
         if self.memory_budget is not None:
-            self.fit_budget()
+            self.fit_budget(where="save")
         elif self._in_flight:
             self._drop_copied()
         layer = self._fwd_layer
@@ -849,7 +866,7 @@ class TeoEngine:
             self._finish_queued = True
         for done in [j for j in self._layers if j > layer]:
             self._release_reload(done)
-        self.fit_budget()
+        self.fit_budget(where="backward")
         for j in reloads_at_backward_start(layer, self.prefetch, self.num_layers, self.model_layers):
             self._reload(j)
 
@@ -879,7 +896,7 @@ class TeoEngine:
             return
         if self.memory_budget is not None:  # the reloads below allocate: room first (the layer's own held bytes stay)
             self.fit_budget(sum(c.nbytes for c in copies.copies if c.source is None and not (c.handles and c.unpacks >= c.handles)),
-                            keep_layer=layer)
+                            keep_layer=layer, where="reload")
         copies.reloaded = True  # first: a raise below leaves what was started for _release_reload to wait on
         h2d = None
         for c in copies.copies:
@@ -930,7 +947,7 @@ class TeoEngine:
             handle.shell.restore_from_saved([None if h is None else self.unpack(h) for h in handle.handles])
             return handle.shell
         if self.memory_budget is not None:
-            self.fit_budget()
+            self.fit_budget(where="use")
         if not isinstance(handle, _Moved):
             return handle
         if handle.step != self._step:
@@ -1088,4 +1105,4 @@ def make_room(nbytes: int, device: Any = None) -> None:
         want = torch.device("cuda", torch.cuda.current_device())
     for engine in list(_BUDGET_ENGINES):
         if want is None or engine._device is None or engine._device == want:
-            engine.fit_budget(nbytes)
+            engine.fit_budget(nbytes, where="make_room")

@@ -1,0 +1,92 @@
+"""Diagnostic: teo's layer schedule against its memory budget at one batch under a memory cap, in one
+process (one model), with where each budget wait fell and how long the compute stream stalled there.
+
+    python3 scripts/diag_budget.py --batch 12 --cap 67 --margins 2,1,0.5 [--shape big-ffn --layers 4]
+
+Each variant: a context reused over --warmup + --iters steps under the cap (the allocator limited
+to it, as moe_step.py's cap search does); prints step / forward / backward ms (median), the
+allocated peak, and for the last step every look of the budget engine that waited: where (layer
+entry, save, use in backward, reload, make_room), the memory then, what was announced, and per
+copy waited for its layer, size, bytes it freed and the stall it cost (timing events around the
+wait on the compute stream).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+os.environ.setdefault("NVTE_CPU_OFFLOAD_V1", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+GiB, MiB = 2**30, 2**20
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="big-ffn")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--offload", type=int, default=2, help="whole layers offloaded")
+    p.add_argument("--batch", type=int, default=12)
+    p.add_argument("--cap", type=float, default=67.0, help="GiB")
+    p.add_argument("--margins", default="2,1,0.5", help="GiB under the cap for teo's memory_budget")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=3)
+    a = p.parse_args()
+
+    import torch
+
+    import moe_step
+    from te_offload_ops.engines import offload_context
+
+    args = moe_step.parse_args(["--shapes", a.shape, "--layers", str(a.layers), "--batch", str(a.batch),
+                                "--engines", "teo", "--no-cap"])
+    bench = moe_step.StepBench(a.shape, args.shapes[a.shape], args, "teo")
+    policy = moe_step.Policy("layer", a.offload)
+    total = torch.cuda.get_device_properties(0).total_memory
+    print(f"{torch.cuda.get_device_name()}: {a.shape}, L={a.layers}, layer {a.offload}/{a.layers}, {a.batch} sequences, "
+          f"cap {a.cap} GiB, static floor {bench.floor_MiB / 1024:.1f} GiB", flush=True)
+    variants = [("layer schedule", {})] + [(f"budget: cap - {m} GiB", {"memory_budget": int((a.cap - float(m)) * GiB)})
+                                           for m in a.margins.split(",")]
+    x, dy = bench._inputs(a.batch)
+    for name, options in variants:
+        torch.cuda.empty_cache()
+        moe_step._empty_host_cache()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap * GiB / total))
+        try:
+            context = offload_context("teo", num_layers=a.offload, model_layers=a.layers, **options)
+            engine = context[0].engine
+            for _ in range(a.warmup):
+                bench._step(x, dy, a.batch, policy, context)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            samples = []
+            for i in range(a.iters):
+                if i == a.iters - 1 and options:
+                    engine.budget_trace = []
+                samples.append(bench._step(x, dy, a.batch, policy, context))
+            peak = torch.cuda.max_memory_allocated() / GiB
+        except torch.cuda.OutOfMemoryError as exc:
+            print(f"{name}: out of memory ({moe_step.oom_error(str(exc))})", flush=True)
+            bench._recover()
+            continue
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        med = {k: statistics.median(s[k] for s in samples) for k in ("step_ms", "fwd_ms", "bwd_ms")}
+        steps = ", ".join(f"{s['step_ms']:.0f}" for s in samples)
+        print(f"{name}: step {med['step_ms']:.1f} ms (fwd {med['fwd_ms']:.1f}, bwd {med['bwd_ms']:.1f}; steps "
+              f"{steps}), peak {peak:.2f} GiB", flush=True)
+        for r in engine.budget_trace or []:
+            stalls = [w["events"][0].elapsed_time(w["events"][1]) for w in r["waits"]]
+            print(f"   {r['where']:9s} fwd layer {r['layer']}: memory {r['memory'] / GiB:.2f} GiB + {r['incoming'] / GiB:.2f}"
+                  f" announced, {r['over'] / GiB:.2f} over; waited for "
+                  + "; ".join(f"L{w['copy_of_layer']} {w['nbytes'] / MiB:.0f} MiB (freed {w['freed'] / MiB:.0f}) "
+                              f"{t:.1f} ms" for w, t in zip(r["waits"], stalls)), flush=True)
+        engine.budget_trace = None
+        del context, engine
+
+
+if __name__ == "__main__":
+    main()
