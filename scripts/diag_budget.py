@@ -62,11 +62,17 @@ def main() -> None:
                 bench._step(x, dy, a.batch, policy, context)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            samples = []
+            samples, allocator = [], []
             for i in range(a.iters):
                 if i == a.iters - 1 and options:
                     engine.budget_trace = []
+                before = torch.cuda.memory_stats()
                 samples.append(bench._step(x, dy, a.batch, policy, context))
+                after = torch.cuda.memory_stats()
+                # the allocator's own work that step: retries after freeing its cache (a device sync),
+                # syncs of every stream, memory mapped and unmapped
+                allocator.append("/".join(str(after.get(k, 0) - before.get(k, 0)) for k in
+                                          ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")))
             peak = torch.cuda.max_memory_allocated() / GiB
         except torch.cuda.OutOfMemoryError as exc:
             print(f"{name}: out of memory ({moe_step.oom_error(str(exc))})", flush=True)
@@ -77,7 +83,8 @@ def main() -> None:
         med = {k: statistics.median(s[k] for s in samples) for k in ("step_ms", "fwd_ms", "bwd_ms")}
         steps = ", ".join(f"{s['step_ms']:.0f}" for s in samples)
         print(f"{name}: step {med['step_ms']:.1f} ms (fwd {med['fwd_ms']:.1f}, bwd {med['bwd_ms']:.1f}; steps "
-              f"{steps}), peak {peak:.2f} GiB", flush=True)
+              f"{steps}), peak {peak:.2f} GiB; allocator retries/syncs/maps/unmaps per step: {', '.join(allocator)}",
+              flush=True)
         for r in engine.budget_trace or []:
             stalls = [w["events"][0].elapsed_time(w["events"][1]) for w in r["waits"]]
             print(f"   {r['where']:9s} fwd layer {r['layer']}: memory {r['memory'] / GiB:.2f} GiB + {r['incoming'] / GiB:.2f}"
