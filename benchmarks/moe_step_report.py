@@ -470,6 +470,9 @@ def markdown(result: dict) -> str:
         lines.append(f"- {engine} process: PCIe d2h {p['d2h_GBps']:.1f} GB/s, h2d {p['h2d_GBps']:.1f} GB/s, "
                      f"both at once {p['bidirectional_each_GBps']:.1f} GB/s each")
     lines.append(f"- allocator: PYTORCH_CUDA_ALLOC_CONF {alloc_conf_text(result.get('alloc_conf'))}")
+    if "teo-b" in c.get("engines", []) and c.get("budget_margin_GiB") is not None:
+        lines.append(f"- teo-b: teo with memory_budget = the cap in force (the GPU's memory where none is) less "
+                     f"{c['budget_margin_GiB']:g} GiB")
     for part in result.get("combined_from", []):  # moe_step_combine.py: runs made in separate calls
         lines.append(f"- from {Path(part['source']).name} ({part['date']}): {', '.join(part['engines'])}")
     for s in result["shapes"]:

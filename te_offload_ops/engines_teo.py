@@ -682,13 +682,10 @@ class TeoEngine:
     def fit_budget(self, incoming: int = 0, keep_layer: Optional[int] = None, where: str = "") -> None:
         """``memory_budget``: the copies the host sees ended give their bytes back; then, while the
         memory allocated plus ``incoming`` (bytes about to be allocated) is over the budget, the
-        oldest layer's GPU bytes still held go back, all of them, after the streams waited for its
-        copies (the memory read again after each layer: bytes still used elsewhere free nothing).
-        Whole layers, not just enough tensors: a layer's bytes were allocated together, and freed
-        together they leave the allocator room a large allocation fits in; a few tensors here and
-        there leave holes it cannot use, so it must free its cache to map more memory under a cap,
-        which synchronizes every stream (the copies to the host included): measured, one to three
-        such retries a step cost 100-200 ms where freeing by layers cost none.
+        oldest GPU bytes still being copied go back after the streams waited for their copies (one
+        at a time, the memory read again after each: bytes still used elsewhere free nothing).
+        (Freeing the oldest layer whole instead was measured: the allocator's retries under a cap
+        stayed, and the waits grew; README, Status.)
         ``keep_layer``: a layer whose bytes are about to serve its backward in place stays.
         ``where``: what look this is, for :attr:`budget_trace` (a list there: one record per look
         that waited, with timing events around each wait; a diagnostic, off by default)."""
@@ -698,27 +695,25 @@ class TeoEngine:
         over = self._memory() + incoming - self.memory_budget
         if over <= 0:
             return
-        held: dict[int, list] = {}  # layer -> its copies whose GPU bytes the engine still holds, oldest layer first
-        for c in self._in_flight:
-            if c.source is not None and c.gpu is None and not (keep_layer is not None and c.layer == keep_layer):
-                held.setdefault(c.layer, []).append(c)  # (c.gpu set: serving in place, freeing it frees nothing)
         trace = self.budget_trace
         record = None if trace is None else {"where": where, "layer": self._fwd_layer, "step": self._step,
                                              "memory": self._memory(), "incoming": incoming, "over": over, "waits": []}
-        for layer, copies in held.items():
+        for c in [c for c in self._in_flight if c.source is not None]:  # oldest first: copy order
+            if (keep_layer is not None and c.layer == keep_layer) or c.gpu is not None:  # serving in place: frees nothing
+                continue
             before = self._memory()
             if record is not None:
                 reach = torch.cuda.Event(enable_timing=True)
-                reach.record(torch.cuda.current_stream(self._device))
-            self._wait_and_drop(copies)
-            self.budget_waits += len(copies)
-            self.budget_wait_bytes += sum(c.nbytes for c in copies)
+                reach.record(torch.cuda.current_stream(c.source.device))
+            self._wait_and_drop([c])
+            self.budget_waits += 1
+            self.budget_wait_bytes += c.nbytes
             freed = before - self._memory()
             over -= freed
             if record is not None:
                 resume = torch.cuda.Event(enable_timing=True)
                 resume.record(torch.cuda.current_stream(self._device))
-                record["waits"].append({"copy_of_layer": layer, "nbytes": sum(c.nbytes for c in copies), "freed": freed,
+                record["waits"].append({"copy_of_layer": c.layer, "nbytes": c.nbytes, "freed": freed,
                                         "events": (reach, resume)})
             if over <= 0:
                 break

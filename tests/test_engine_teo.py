@@ -1141,38 +1141,34 @@ def test_under_the_budget_no_layer_is_waited_for_at_its_release(monkeypatch):
     assert engine.budget_waits == 0
 
 
-def test_over_the_budget_the_oldest_layer_is_waited_for_until_it_fits(monkeypatch):
-    """Four 8-byte copies held (32 bytes, two layers) over a base of 10, budget 40: an op announcing
-    6 bytes needs 8 back (10 + 32 + 6 - 40): the compute stream waits for the oldest layer's copies
-    (its last one: the copy stream runs in order) and all its bytes go back, the next layer's stay."""
+def test_over_the_budget_the_oldest_copies_are_waited_for_until_it_fits(monkeypatch):
+    """Four 8-byte copies held (32 bytes) over a base of 10, budget 40: an op announcing 6 bytes
+    needs 8 back (10 + 32 + 6 - 40): the compute stream waits for the oldest copy only."""
     engine, stream, extra = _budget_engine(monkeypatch, 2, 4, budget=40, base=10)
     engine.enter_layer()
     l0 = _queued_copies(engine, 0, done=[False, False])
     engine.enter_layer()
     l1 = _queued_copies(engine, 1, done=[False, False])
     engine.fit_budget(6)
-    assert stream.waited == [l0[1].copied] and [c.source is None for c in l0 + l1] == [True, True, False, False]
-    assert (engine.budget_waits, engine.budget_wait_bytes) == (2, 16)
-    extra[0] = 12  # ops allocated more since: at the next layer entry 10 + 12 + 16 = 38, within 40
+    assert stream.waited == [l0[0].copied] and [c.source is None for c in l0 + l1] == [True, False, False, False]
+    assert (engine.budget_waits, engine.budget_wait_bytes) == (1, 8)
+    extra[0] = 12  # ops allocated more since: at the next layer entry 10 + 12 + 24 > 40 by 6
     engine.enter_layer()
-    assert stream.waited == [l0[1].copied]
-    extra[0] = 16  # 42: layer 1 goes too
-    engine.pack("x")
-    assert stream.waited == [l0[1].copied, l1[1].copied] and engine.budget_waits == 4
+    assert stream.waited == [l0[0].copied, l0[1].copied] and engine.budget_waits == 2
 
 
-def test_a_layer_whose_bytes_are_still_used_elsewhere_does_not_count_toward_the_room(monkeypatch):
-    """Saved tensors still used elsewhere (a layer's output) free nothing when the engine lets go
-    of them: the engine reads the memory again and goes on to the next layer."""
-    engine, stream, _ = _budget_engine(monkeypatch, 2, 3, budget=20)
+def test_a_dropped_source_that_frees_nothing_does_not_count_toward_the_room(monkeypatch):
+    """A saved tensor still used elsewhere (the layer's output) frees nothing when the engine lets
+    go of it: the engine reads the memory again and goes on to the next copy."""
+    engine, stream, _ = _budget_engine(monkeypatch, 1, 2, budget=20)
     engine.enter_layer()
-    l0 = _queued_copies(engine, 0, done=[False])
-    engine.enter_layer()
-    l1 = _queued_copies(engine, 1, done=[False, False])
+    l0 = _queued_copies(engine, 0, done=[False, False, False])
+    still_used = l0[0].source  # a reference outside the engine keeps its bytes allocated
     memory = engine._memory
-    engine._memory = lambda: memory() + (8 if l0[0].source is None else 0)  # a reference outside the engine
-    engine.fit_budget(4)  # 24 + 4 - 20 = 8 over: layer 0 frees nothing, layer 1 frees 16
-    assert stream.waited == [l0[0].copied, l1[1].copied] and all(c.source is None for c in l0 + l1)
+    engine._memory = lambda: memory() + (8 if l0[0].source is None else 0)
+    engine.fit_budget(4)  # 24 + 4 - 20 = 8 over: the first frees nothing, the second frees 8
+    assert stream.waited == [l0[0].copied, l0[1].copied] and l0[2].source is not None
+    del still_used
 
 
 def test_with_every_layer_offloaded_the_last_layer_stays_for_its_backward_in_place(monkeypatch):
@@ -1229,11 +1225,9 @@ def test_make_room_reaches_budget_engines_on_the_device_only(monkeypatch):
     engine_make_room = engines_teo.make_room
     engine_make_room(8, torch.device("cuda", 0))  # another GPU: nothing
     assert stream.waited == []
-    engine_make_room(8, torch.device("cuda", 1))  # 16 + 8 > 16: the layer's copies waited for
-    assert stream.waited == [l0[1].copied] and all(c.source is None for c in l0)
+    engine_make_room(8, torch.device("cuda", 1))  # 16 + 8 > 16: the oldest copy waited for
+    assert stream.waited == [l0[0].copied]
     from te_offload_ops import engines
 
-    engine.enter_layer()
-    l1 = _queued_copies(engine, 1, done=[False])
     engines.make_room(12)  # through the engines module, any device: 8 + 12 > 16
-    assert stream.waited == [l0[1].copied, l1[0].copied]
+    assert stream.waited == [l0[0].copied, l0[1].copied]
