@@ -337,6 +337,16 @@ def test_copies_in_pieces_keep_results_exact(path, monkeypatch):
     _assert_same(base, run)
 
 
+def _exact_steps_with_one_context(stack, inputs, base, num_layers, steps: int = 2, **options):
+    """``steps`` steps through one teo context with ``options``, each bitwise equal to ``base``;
+    returns the last step's run and the engine."""
+    context = offload_context("teo", num_layers=num_layers, model_layers=len(stack), **options)
+    for _ in range(steps):
+        run = run_step(stack, inputs, "teo", offload_layers=num_layers, keep_grads=True, context=context)
+        _assert_same(base, run)
+    return run, context[0].engine
+
+
 def _slow_copies_to_host(monkeypatch, ns: int = 2_000_000):
     """Each copy to the host queued behind a sleep of ``ns`` on the copy stream: copies still run
     when their layer is released."""
@@ -364,11 +374,7 @@ def test_held_bytes_keep_steps_exact_and_the_peak_within_the_limit(monkeypatch, 
     _slow_copies_to_host(monkeypatch)
     layered = run_step(stack, inputs, "teo", offload_layers=num_layers, keep_grads=True)
     limit = 12 << 20  # above the largest single copy (8 MiB): what is held goes by whole copies
-    context = offload_context("teo", num_layers=num_layers, model_layers=LAYERS, max_held_bytes=limit)
-    for _ in range(2):
-        run = run_step(stack, inputs, "teo", offload_layers=num_layers, keep_grads=True, context=context)
-        _assert_same(base, run)
-    engine = context[0].engine
+    run, engine = _exact_steps_with_one_context(stack, inputs, base, num_layers, max_held_bytes=limit)
     print(f"n={num_layers}: held past release {engine.bytes_held_past_release / 2**20:.1f} MiB over 2 steps; whole-step "
           f"active peak: layer schedule {layered['step_active_peak'] / 2**20:.1f} MiB, held "
           f"{run['step_active_peak'] / 2**20:.1f} MiB (limit {limit / 2**20:.0f} MiB)")
@@ -423,18 +429,11 @@ def test_memory_budget_keeps_steps_exact_and_memory_at_the_budget(monkeypatch, n
     base = run_step(stack, inputs, "none", keep_grads=True)
     _slow_copies_to_host(monkeypatch)
     floor = torch.cuda.memory_allocated()  # what run_step measures its peaks above (grads kept)
-    loose = offload_context("teo", num_layers=num_layers, model_layers=LAYERS, memory_budget=floor + (1 << 30))
-    for _ in range(2):
-        run = run_step(stack, inputs, "teo", offload_layers=num_layers, keep_grads=True, context=loose)
-        _assert_same(base, run)
+    run, loose = _exact_steps_with_one_context(stack, inputs, base, num_layers, memory_budget=floor + (1 << 30))
     held_peak = run["fwd_peak"]
-    assert loose[0].engine.budget_waits == 0
+    assert loose.budget_waits == 0
     budget = floor + held_peak - (24 << 20)
-    tight = offload_context("teo", num_layers=num_layers, model_layers=LAYERS, memory_budget=budget)
-    for _ in range(2):
-        run = run_step(stack, inputs, "teo", offload_layers=num_layers, keep_grads=True, context=tight)
-        _assert_same(base, run)
-    engine = tight[0].engine
+    run, engine = _exact_steps_with_one_context(stack, inputs, base, num_layers, memory_budget=budget)
     print(f"n={num_layers}: forward peak above the floor, holding until copied {held_peak / 2**20:.1f} MiB; budget "
           f"{(budget - floor) / 2**20:.1f} MiB above it: peak {run['fwd_peak'] / 2**20:.1f} MiB, waited for "
           f"{engine.budget_waits} copies ({engine.budget_wait_bytes / 2**20:.1f} MiB) over 2 steps")
