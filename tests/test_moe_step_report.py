@@ -89,6 +89,8 @@ def test_bad_options_are_refused(argv, capsys):
     (["--memory-target", "-2"], "--memory-target must be a positive"),
     (["--cap-slowdown", "nan"], "--cap-slowdown must be a finite fraction >= 0 (0.05: up to 5% slower), got nan"),
     (["--cap-slowdown", "-0.1"], "got -0.1"),
+    (["--budget-margin", "nan"], "--budget-margin must be a finite number of GiB >= 0, got nan"),
+    (["--budget-margin", "-1"], "got -1.0"),
     (["--alloc-conf", "expandable_segments"], "--alloc-conf: 'expandable_segments' is not option:value"),
     (["--alloc-conf", "expandable_segments:True,max_split_size_mb"], "bad part(s): ['max_split_size_mb']"),
     (["--alloc-conf", "roundup_power2_divisions:[256:1,512:2"], "is not option:value"),
@@ -671,3 +673,32 @@ def test_runs_that_cannot_be_compared_are_refused_by_name(change, named, tmp_pat
     assert moe_step_combine.main(list(map(str, paths))) == 2
     assert named in capsys.readouterr().err
     assert not (tmp_path / "a_combined.json").exists()
+
+
+class _FakeCuda:
+    """What StepBench.memory_budget reads of torch.cuda: one 80 GiB device."""
+
+    @staticmethod
+    def current_device():
+        return 0
+
+    @staticmethod
+    def get_device_properties(_):
+        return type("Props", (), {"total_memory": 80 * moe_step.GiB})()
+
+
+def test_teo_b_budget_is_the_cap_in_force_less_the_margin():
+    """teo-b's memory_budget: the cap while a run under it is on, else the GPU's memory, less
+    --budget-margin; the engine option is teo's memory_budget."""
+    bench = moe_step.StepBench.__new__(moe_step.StepBench)  # no model: only the budget's arithmetic
+    bench.torch = type("T", (), {"cuda": _FakeCuda})
+    bench.args = moe_step.parse_args(["--budget-margin", "1.5"])
+    bench.cap_bytes = None
+    assert bench.memory_budget() == int(78.5 * moe_step.GiB)
+    bench.cap_bytes = 67 * moe_step.GiB
+    assert bench.memory_budget() == int(65.5 * moe_step.GiB)
+    assert moe_step.parse_args([]).budget_margin == 2.0
+    bench.L, bench.engine = 4, "teo-b"
+    context = bench._context(Policy("layer", 2))
+    assert context[0].engine.memory_budget == int(65.5 * moe_step.GiB) and context[0].engine.num_layers == 2
+    assert "teo-b" in moe_step.ENGINE_ENV and moe_step.ENGINE_ENV["teo-b"]["NVTE_CPU_OFFLOAD_V1"] == "0"
