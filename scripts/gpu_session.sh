@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -198,6 +198,15 @@ budget3)
     # profile runs no cap search: --memory-cap limits the allocator and sets teo-b's budget)
     run 300 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --batch 12 --engines teo-b --profile layer:2 \
         --memory-cap 67 --alloc-conf expandable_segments:True --out "$OUT/results"
+    ;;
+budgetgc)
+    # next session (carry .dev/cute after .dev/te's setup): does the allocator's garbage collection
+    # keep teo-b off the retry path at the cap (each retry syncs every stream)? The layer schedule
+    # against budgets at 12 sequences, the allocator's retries per step printed
+    for gc in 0.8 0.95; do
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,garbage_collection_threshold:$gc \
+            run 250 python3 scripts/diag_budget.py --batch 12 --cap 67 --margins 2,1 --warmup 3 --iters 6
+    done
     ;;
 tebig)
     # tenth session, call 4 (carry .dev/cute, after `bash .dev/te/setup.sh` in call 3): TE V2 and V1
