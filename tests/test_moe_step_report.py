@@ -702,3 +702,33 @@ def test_teo_b_budget_is_the_cap_in_force_less_the_margin():
     context = bench._context(Policy("layer", 2))
     assert context[0].engine.memory_budget == int(65.5 * moe_step.GiB) and context[0].engine.num_layers == 2
     assert "teo-b" in moe_step.ENGINE_ENV and moe_step.ENGINE_ENV["teo-b"]["NVTE_CPU_OFFLOAD_V1"] == "0"
+
+
+def _cap_run(engine, none_rate, trials):
+    searches = [{"scope": "none", "policy": "none", "batch": 8, "tokens_per_s": none_rate,
+                 "trials": [{"batch": 8, "fits": True, "tokens_per_s": none_rate}]},
+                {"scope": "layer", "policy": "layer 2/4", "batch": max(b for b, ok, _ in trials if ok),
+                 "trials": [{"batch": b, "fits": ok, "tokens_per_s": r} for b, ok, r in trials]}]
+    return {"engine": engine, "cap": {"cap_GiB": 67.0, "searches": searches}}
+
+
+def test_cap_chart_points_are_against_their_own_process_and_only_runs_that_fit(tmp_path):
+    import moe_step_cap_chart as cc
+
+    result = {"gpu": "G", "date": "d", "config": {"budget_margin_GiB": 1.0},
+              "shapes": [{"name": "big-ffn", "runs": [_cap_run("teo", 100.0, [(12, True, 93.0), (10, True, 99.0),
+                                                                                (13, False, None)]),
+                                                       _cap_run("teo-b", 50.0, [(12, True, 48.0)])]},
+                         {"name": "base", "runs": [_cap_run("teo", 1.0, [(9, True, 1.0)])]}]}
+    points = cc.cap_points(result, "big-ffn")
+    assert [(p["engine"], p["batch"]) for p in points] == [("teo", 10), ("teo", 12), ("teo-b (cap - 1 GiB)", 12)]
+    assert points[1]["tokens_x"] == pytest.approx(1.5) and points[1]["rate_x"] == pytest.approx(0.93)
+    assert points[2]["rate_x"] == pytest.approx(0.96)  # against teo-b's own no-offload search
+    text = cc.markdown(points, "big-ffn", ["x.json"])
+    assert "| teo-b (cap - 1 GiB) | layer 2/4 | 67.0 | 12 | 1.500 | 0.960 | met |" in text
+    assert "| teo | layer 2/4 | 67.0 | 12 | 1.500 | 0.930 |  |" in text
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    assert cc.main([str(path), "--out", str(tmp_path), "--stem", "c"]) == 0
+    assert (tmp_path / "c.md").exists() and (tmp_path / "c.png").stat().st_size > 0
+    assert cc.main([str(path), "--shape", "wide", "--out", str(tmp_path)]) == 1  # no cap runs of that shape
