@@ -357,6 +357,7 @@ class StepBench:
 
         self.torch, self.args, self.engine, self.name = torch, args, engine, name
         self.cap_bytes = None  # bytes: the allocator's limit while a run under the cap is on
+        self.budget_waits = None  # teo-b: (copies, MiB) waited for per timed step in the last run
         self.mark = lambda phase: contextlib.nullcontext()  # step_profile.phase_mark while profiling
         self.L, self.seq = args.layers, args.seq
         self.hidden = shape["hidden"]
@@ -395,6 +396,23 @@ class StepBench:
         if self.engine == "teo-b":
             engine, options = "teo", {"memory_budget": self.memory_budget()}
         return offload_context(engine, num_layers=policy.layers, model_layers=self.L, **options)
+
+    @contextlib.contextmanager
+    def under_cap(self, cap_GiB: Optional[float]):
+        """Inside: the allocator refuses what would pass ``cap_GiB`` (None: no cap), and teo-b's
+        budget comes from it; restored on the way out, whatever happened inside."""
+        if cap_GiB is None:
+            yield
+            return
+        torch = self.torch
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_GiB * GiB / total))
+        self.cap_bytes = min(total, int(cap_GiB * GiB))
+        try:
+            yield
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            self.cap_bytes = None
 
     def memory_budget(self) -> int:
         """teo-b's budget: the cap in force (else the GPU's memory) less --budget-margin."""
@@ -478,7 +496,7 @@ class StepBench:
                     "tokens_per_s": row["tokens"] / (row["step_ms"] / 1e3),
                     "peak_above_MiB": peak - self.floor_MiB, "offloaded_MiB": samples[-1]["offloaded"] / MiB,
                     "held_between_steps_MiB": left - self.floor_MiB})
-        if getattr(self, "budget_waits", None) is not None:
+        if self.budget_waits is not None:
             row["budget_waits_per_step"], row["budget_wait_MiB_per_step"] = self.budget_waits
             row["notes"].append(f"budget {self.memory_budget() / GiB:.1f} GiB: waited for {self.budget_waits[0]:.0f} "
                                 f"copies ({self.budget_waits[1]:.0f} MiB) per step to stay under it")
@@ -504,11 +522,17 @@ class StepBench:
         cap_GiB = a.caps.get(self.name)  # --memory-cap with --profile: profiled under it (the allocator limited)
         if cap_GiB is not None:
             entry["policy"] += f", under a {cap_GiB:g} GiB cap"
-            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_GiB * GiB / total))
-            self.cap_bytes = min(total, int(cap_GiB * GiB))
-        x, dy = self._inputs(a.batch)
+        with self.under_cap(cap_GiB):
+            self._profile_into(entry, policy, trace_path)
+        if "error" not in entry:
+            entry["trace"] = trace_path.name if a.trace else None
+        torch.cuda.synchronize()
+        return entry
+
+    def _profile_into(self, entry: dict, policy: Policy, trace_path: Path) -> None:
+        a = self.args
         try:
+            x, dy = self._inputs(a.batch)
             context = self._context(policy)
             step = lambda: self._step(x, dy, a.batch, policy, context)  # noqa: E731
             for _ in range(a.warmup):
@@ -525,30 +549,17 @@ class StepBench:
         finally:
             if not a.trace:
                 trace_path.unlink(missing_ok=True)
-            if cap_GiB is not None:
-                torch.cuda.set_per_process_memory_fraction(1.0)
-                self.cap_bytes = None
-        if "error" not in entry:
-            entry["trace"] = trace_path.name if a.trace else None
-        torch.cuda.synchronize()
-        return entry
 
     def cap_trial(self, policy: Policy, batch: int, cap_GiB: float, reuse: bool) -> dict:
         torch = self.torch
         torch.cuda.empty_cache()
         _empty_host_cache()  # pinned buffers of other batch sizes would pile up on the host
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_GiB * GiB / total))
-        self.cap_bytes = min(total, int(cap_GiB * GiB))
-        try:  # the allocator now refuses what would pass the cap: an OOM means it does not fit
+        with self.under_cap(cap_GiB):  # the allocator refuses what would pass the cap: an OOM means it does not fit
             row = self.run(policy, batch, warmup=1, iters=2, reuse=reuse)
             # what the allocator held at most since the timed steps began (blocks the warm-up left
             # cached included): above the active peak by what fragmentation cost; None where the
             # run failed before it was read
             reserved = None if row.get("error") else torch.cuda.max_memory_reserved() / MiB
-        finally:
-            torch.cuda.set_per_process_memory_fraction(1.0)
-            self.cap_bytes = None
         fits = not row.get("error") and self.floor_MiB + row["peak_above_MiB"] <= cap_GiB * 1024
         return {"batch": batch, "fits": fits, "peak_above_MiB": row.get("peak_above_MiB") if fits else None,
                 "reserved_peak_MiB": reserved, "step_ms": row.get("step_ms"), "tokens_per_s": row.get("tokens_per_s"),

@@ -24,7 +24,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 GiB, MiB = 2**30, 2**20
 
 
-def main() -> None:
+def run_variant(torch, bench, a, policy, options, x, dy):
+    """One context over --warmup + --iters steps: (engine, step samples, the allocator's retries /
+    syncs / maps / unmaps per timed step, allocated peak GiB); the last step's budget waits traced."""
+    from te_offload_ops.engines import offload_context
+
+    context = offload_context("teo", num_layers=a.offload, model_layers=a.layers, **options)
+    engine = context[0].engine
+    for _ in range(a.warmup):
+        bench._step(x, dy, a.batch, policy, context)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    samples, allocator = [], []
+    for i in range(a.iters):
+        if i == a.iters - 1 and options:
+            engine.budget_trace = []
+        before = torch.cuda.memory_stats()
+        samples.append(bench._step(x, dy, a.batch, policy, context))
+        after = torch.cuda.memory_stats()
+        # the allocator's own work that step: retries after freeing its cache (a device sync),
+        # syncs of every stream, memory mapped and unmapped
+        allocator.append("/".join(str(after.get(k, 0) - before.get(k, 0)) for k in
+                                  ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")))
+    return engine, samples, allocator, torch.cuda.max_memory_allocated() / GiB
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="big-ffn")
     p.add_argument("--layers", type=int, default=4)
@@ -36,16 +61,20 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3)
     a = p.parse_args()
 
+    from bench_common import cuda_problem
+
+    problem = cuda_problem()
+    if problem:
+        print(f"diag_budget.py needs a CUDA GPU with Transformer Engine: {problem}", file=sys.stderr)
+        return 2
     import torch
 
     import moe_step
-    from te_offload_ops.engines import offload_context
 
     args = moe_step.parse_args(["--shapes", a.shape, "--layers", str(a.layers), "--batch", str(a.batch),
                                 "--engines", "teo", "--no-cap"])
     bench = moe_step.StepBench(a.shape, args.shapes[a.shape], args, "teo")
     policy = moe_step.Policy("layer", a.offload)
-    total = torch.cuda.get_device_properties(0).total_memory
     print(f"{torch.cuda.get_device_name()}: {a.shape}, L={a.layers}, layer {a.offload}/{a.layers}, {a.batch} sequences, "
           f"cap {a.cap} GiB, static floor {bench.floor_MiB / 1024:.1f} GiB", flush=True)
     variants = [("layer schedule", {})] + [(f"budget: cap - {m} GiB", {"memory_budget": int((a.cap - float(m)) * GiB)})
@@ -54,32 +83,13 @@ def main() -> None:
     for name, options in variants:
         torch.cuda.empty_cache()
         moe_step._empty_host_cache()
-        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap * GiB / total))
         try:
-            context = offload_context("teo", num_layers=a.offload, model_layers=a.layers, **options)
-            engine = context[0].engine
-            for _ in range(a.warmup):
-                bench._step(x, dy, a.batch, policy, context)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            samples, allocator = [], []
-            for i in range(a.iters):
-                if i == a.iters - 1 and options:
-                    engine.budget_trace = []
-                before = torch.cuda.memory_stats()
-                samples.append(bench._step(x, dy, a.batch, policy, context))
-                after = torch.cuda.memory_stats()
-                # the allocator's own work that step: retries after freeing its cache (a device sync),
-                # syncs of every stream, memory mapped and unmapped
-                allocator.append("/".join(str(after.get(k, 0) - before.get(k, 0)) for k in
-                                          ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")))
-            peak = torch.cuda.max_memory_allocated() / GiB
+            with bench.under_cap(a.cap):  # the allocator limited as moe_step.py's cap search limits it
+                engine, samples, allocator, peak = run_variant(torch, bench, a, policy, options, x, dy)
         except torch.cuda.OutOfMemoryError as exc:
             print(f"{name}: out of memory ({moe_step.oom_error(str(exc))})", flush=True)
             bench._recover()
             continue
-        finally:
-            torch.cuda.set_per_process_memory_fraction(1.0)
         med = {k: statistics.median(s[k] for s in samples) for k in ("step_ms", "fwd_ms", "bwd_ms")}
         steps = ", ".join(f"{s['step_ms']:.0f}" for s in samples)
         print(f"{name}: step {med['step_ms']:.1f} ms (fwd {med['fwd_ms']:.1f}, bwd {med['bwd_ms']:.1f}; steps "
@@ -92,8 +102,9 @@ def main() -> None:
                   + "; ".join(f"L{w['copy_of_layer']} {w['nbytes'] / MiB:.0f} MiB (freed {w['freed'] / MiB:.0f}) "
                               f"{t:.1f} ms" for w, t in zip(r["waits"], stalls)), flush=True)
         engine.budget_trace = None
-        del context, engine
+        del engine
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,12 +11,17 @@ import sys
 
 os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 sys.path.insert(0, "benchmarks")
+engine = sys.argv[1] if len(sys.argv) > 1 else "v2"
+os.environ["NVTE_CPU_OFFLOAD_V1"] = "1" if engine == "v1" else "0"  # TE picks its engine at import
+from bench_common import cuda_problem  # noqa: E402
+
+if cuda_problem():
+    sys.exit(f"diag_v2_oom.py needs a CUDA GPU with Transformer Engine: {cuda_problem()}")
 import torch  # noqa: E402
 
 import moe_step  # noqa: E402
 
 MiB = 2**20
-engine = sys.argv[1] if len(sys.argv) > 1 else "v2"
 args = moe_step.parse_args(["--shapes", "big-ffn", "--layers", "4", "--engines", engine, "--policies", "mlp:2,layer:2"])
 bench = moe_step.StepBench("big-ffn", args.shapes["big-ffn"], args, engine)
 P = moe_step.Policy

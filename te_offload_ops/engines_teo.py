@@ -454,6 +454,11 @@ class _HostCopy:
     unpacks: int = 0  # of those, unpacked in this backward: at `handles` the engine lets go of the reload
     layer: Optional[int] = None  # the layer that saved it
 
+    @property
+    def used_up(self) -> bool:
+        """Every handle autograd held to it has been unpacked in this backward."""
+        return bool(self.handles) and self.unpacks >= self.handles
+
 
 @dataclass
 class _LayerCopies:
@@ -897,7 +902,7 @@ class TeoEngine:
         if copies is None or copies.reloaded or not copies.copies:
             return
         if self.memory_budget is not None:  # the reloads below allocate: room first (the layer's own held bytes stay)
-            self.fit_budget(sum(c.nbytes for c in copies.copies if c.source is None and not (c.handles and c.unpacks >= c.handles)),
+            self.fit_budget(sum(c.nbytes for c in copies.copies if c.source is None and not c.used_up),
                             keep_layer=layer, where="reload")
         copies.reloaded = True  # first: a raise below leaves what was started for _release_reload to wait on
         h2d = None
@@ -905,7 +910,7 @@ class TeoEngine:
             if c.source is not None:  # never given back (a backward before the release): no copy needed
                 c.gpu, c.reloaded, c.waited = c.source, None, True
                 continue
-            if c.handles and c.unpacks >= c.handles:
+            if c.used_up:
                 continue  # used up in an earlier reload of this layer (an unpack past the count copies it back)
             if h2d is None:
                 _, h2d = self._streams(self._device)
@@ -1100,6 +1105,8 @@ def make_room(nbytes: int, device: Any = None) -> None:
     every live teo engine with a ``memory_budget`` on that device gives back, after a wait for
     their copies, as many of the GPU bytes it still holds as keep the allocation within its budget.
     Cheap where no engine has a budget (the fused MLP calls it before its large outputs)."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"make_room takes the bytes about to be allocated, an int >= 0; got {nbytes!r}")
     if not _BUDGET_ENGINES or capture.capturing():  # a capture cannot query or wait on the engine's events
         return
     want = None if device is None else torch.device(device)

@@ -1231,3 +1231,11 @@ def test_make_room_reaches_budget_engines_on_the_device_only(monkeypatch):
 
     engines.make_room(12)  # through the engines module, any device: 8 + 12 > 16
     assert stream.waited == [l0[0].copied, l0[1].copied]
+
+
+@pytest.mark.parametrize("nbytes", [-1, 1.5, True, "8"])
+def test_make_room_refuses_what_is_not_a_byte_count(nbytes):
+    from te_offload_ops import engines
+
+    with pytest.raises(ValueError, match=f"an int >= 0; got {nbytes!r}"):
+        engines.make_room(nbytes)

@@ -732,3 +732,23 @@ def test_cap_chart_points_are_against_their_own_process_and_only_runs_that_fit(t
     assert cc.main([str(path), "--out", str(tmp_path), "--stem", "c"]) == 0
     assert (tmp_path / "c.md").exists() and (tmp_path / "c.png").stat().st_size > 0
     assert cc.main([str(path), "--shape", "wide", "--out", str(tmp_path)]) == 1  # no cap runs of that shape
+
+
+def test_under_cap_limits_the_allocator_and_always_restores_it():
+    """The cap search and a profile under --memory-cap both run inside under_cap: the allocator's
+    fraction and teo-b's cap are set inside and restored after, also when the run raises."""
+    fractions = []
+    cuda = type("Cuda", (_FakeCuda,), {"set_per_process_memory_fraction": staticmethod(fractions.append)})
+    bench = moe_step.StepBench.__new__(moe_step.StepBench)
+    bench.torch = type("T", (), {"cuda": cuda})
+    bench.args = moe_step.parse_args(["--budget-margin", "2"])
+    bench.cap_bytes = None
+    with bench.under_cap(40.0):
+        assert fractions == [0.5] and bench.memory_budget() == 38 * moe_step.GiB
+    assert fractions == [0.5, 1.0] and bench.cap_bytes is None
+    with pytest.raises(RuntimeError, match="out of memory"), bench.under_cap(20.0):
+        raise RuntimeError("out of memory")
+    assert fractions == [0.5, 1.0, 0.25, 1.0] and bench.cap_bytes is None
+    with bench.under_cap(None):  # no cap: nothing touched
+        assert bench.cap_bytes is None
+    assert len(fractions) == 4
