@@ -8,7 +8,8 @@ to it, as moe_step.py's cap search does); prints step / forward / backward ms (m
 allocated peak, and for the last step every look of the budget engine that waited: where (layer
 entry, save, use in backward, reload, make_room), the memory then, what was announced, and per
 copy waited for its layer, size, bytes it freed and the stall it cost (timing events around the
-wait on the compute stream).
+wait on the compute stream). ``--history`` records the allocator's events over the last step of
+each variant and prints where it gave memory back and mapped it again (``alloc_history.py``).
 """
 
 import argparse
@@ -26,7 +27,8 @@ GiB, MiB = 2**30, 2**20
 
 def run_variant(torch, bench, a, policy, options, x, dy):
     """One context over --warmup + --iters steps: (engine, step samples, the allocator's retries /
-    syncs / maps / unmaps per timed step, allocated peak GiB); the last step's budget waits traced."""
+    syncs / maps / unmaps per timed step, allocated peak GiB, the last step's allocator history or
+    None); the last step's budget waits traced."""
     from te_offload_ops.engines import offload_context
 
     context = offload_context("teo", num_layers=a.offload, model_layers=a.layers, **options)
@@ -35,18 +37,24 @@ def run_variant(torch, bench, a, policy, options, x, dy):
         bench._step(x, dy, a.batch, policy, context)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    samples, allocator = [], []
+    samples, allocator, history = [], [], None
     for i in range(a.iters):
-        if i == a.iters - 1 and options:
+        last = i == a.iters - 1
+        if last and options:
             engine.budget_trace = []
+        if last and a.history:  # its step runs a little slower: the allocator records Python stacks
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
         before = torch.cuda.memory_stats()
         samples.append(bench._step(x, dy, a.batch, policy, context))
         after = torch.cuda.memory_stats()
+        if last and a.history:
+            history = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
         # the allocator's own work that step: retries after freeing its cache (a device sync),
         # syncs of every stream, memory mapped and unmapped
         allocator.append("/".join(str(after.get(k, 0) - before.get(k, 0)) for k in
                                   ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")))
-    return engine, samples, allocator, torch.cuda.max_memory_allocated() / GiB
+    return engine, samples, allocator, torch.cuda.max_memory_allocated() / GiB, history
 
 
 def main() -> int:
@@ -59,6 +67,8 @@ def main() -> int:
     p.add_argument("--margins", default="2,1,0.5", help="GiB under the cap for teo's memory_budget")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--history", action="store_true", help="the allocator's maps and unmaps in the last step")
+    p.add_argument("--no-layer-schedule", action="store_true", help="only the budgets")
     a = p.parse_args()
 
     from bench_common import cuda_problem
@@ -77,7 +87,7 @@ def main() -> int:
     policy = moe_step.Policy("layer", a.offload)
     print(f"{torch.cuda.get_device_name()}: {a.shape}, L={a.layers}, layer {a.offload}/{a.layers}, {a.batch} sequences, "
           f"cap {a.cap} GiB, static floor {bench.floor_MiB / 1024:.1f} GiB", flush=True)
-    variants = [("layer schedule", {})] + [(f"budget: cap - {m} GiB", {"memory_budget": int((a.cap - float(m)) * GiB)})
+    variants = ([] if a.no_layer_schedule else [("layer schedule", {})]) + [(f"budget: cap - {m} GiB", {"memory_budget": int((a.cap - float(m)) * GiB)})
                                            for m in a.margins.split(",")]
     x, dy = bench._inputs(a.batch)
     for name, options in variants:
@@ -85,7 +95,7 @@ def main() -> int:
         moe_step._empty_host_cache()
         try:
             with bench.under_cap(a.cap):  # the allocator limited as moe_step.py's cap search limits it
-                engine, samples, allocator, peak = run_variant(torch, bench, a, policy, options, x, dy)
+                engine, samples, allocator, peak, history = run_variant(torch, bench, a, policy, options, x, dy)
         except torch.cuda.OutOfMemoryError as exc:
             print(f"{name}: out of memory ({moe_step.oom_error(str(exc))})", flush=True)
             bench._recover()
@@ -101,8 +111,14 @@ def main() -> int:
                   f" announced, {r['over'] / GiB:.2f} over; waited for "
                   + "; ".join(f"L{w['copy_of_layer']} {w['nbytes'] / MiB:.0f} MiB (freed {w['freed'] / MiB:.0f}) "
                               f"{t:.1f} ms" for w, t in zip(r["waits"], stalls)), flush=True)
+        if history is not None:
+            from alloc_history import summarize
+
+            print("   allocator, last step (recording):", flush=True)
+            for line in summarize(history, torch.cuda.current_device()):
+                print("   " + line, flush=True)
         engine.budget_trace = None
-        del engine
+        del engine, history
     return 0
 
 

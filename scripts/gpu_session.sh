@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -207,6 +207,13 @@ budgetgc)
         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,garbage_collection_threshold:$gc \
             run 250 python3 scripts/diag_budget.py --batch 12 --cap 67 --margins 2,1 --warmup 3 --iters 6
     done
+    ;;
+budgethist)
+    # twelfth session (carry .dev/cute after .dev/te's setup): where the allocator unmaps and maps again
+    # under the cap (the allocation that asked, its frames), then the garbage collection at 0.8
+    run 280 python3 scripts/diag_budget.py --batch 12 --cap 67 --margins 2,1 --warmup 3 --iters 4 --history
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,garbage_collection_threshold:0.8 \
+        run 280 python3 scripts/diag_budget.py --batch 12 --cap 67 --margins 2,1 --warmup 3 --iters 6 --no-layer-schedule
     ;;
 tebig)
     # tenth session, call 4 (carry .dev/cute, after `bash .dev/te/setup.sh` in call 3): TE V2 and V1

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+MiB = 2**20
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
@@ -159,3 +160,27 @@ def test_megatron_settings_times_the_main_grad_ways_asked_for():
     assert bms.parse_args([]).ways is None  # all of them
     with pytest.raises(SystemExit):
         bms.parse_args(["--ways", "main_grad(tma,ping256)"])
+
+
+def test_alloc_history_names_each_unmap_burst_with_the_allocation_that_asked():
+    sys.path.insert(0, str(BENCH.parent / "scripts"))
+    from alloc_history import summarize
+
+    frame = [{"filename": "/x/te_offload_ops/fused/srelu_mlp.py", "line": 130, "name": "_forward_fused"},
+             {"filename": "/usr/lib/python3/threading.py", "line": 1, "name": "run"}]
+    trace = [
+        {"action": "alloc", "size": 4 * MiB, "stream": 0, "time_us": 1000},
+        {"action": "segment_unmap", "size": 100 * MiB, "stream": 0, "time_us": 2000},
+        {"action": "segment_unmap", "size": 60 * MiB, "stream": 0, "time_us": 2100},
+        {"action": "free_completed", "size": 4 * MiB, "stream": 0, "time_us": 2200},
+        {"action": "segment_map", "size": 200 * MiB, "stream": 0, "time_us": 2500},
+        {"action": "alloc", "size": 200 * MiB, "stream": 7, "time_us": 4000, "frames": frame},
+        {"action": "segment_unmap", "size": 20 * MiB, "stream": 0, "time_us": 9000},
+    ]
+    lines = summarize({"device_traces": [trace]})
+    assert lines[0] == "events: alloc 2, free_completed 1, segment_map 1, segment_unmap 3"
+    assert lines[1] == ("  at 1.0 ms: 2 unmaps, 160 MiB (stream 0), for 200.0 MiB on stream 7, served 2.0 ms "
+                        "after the first unmap: _forward_fused:130")
+    assert lines[2] == "  at 8.0 ms: 1 unmaps, 20 MiB; no allocation after"
+    assert lines[3] == "  maps: 1 bursts, 200 MiB in all"
+    assert summarize({"device_traces": []}) == ["no allocator events recorded"]
