@@ -16,6 +16,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -33,6 +34,18 @@ def run_variant(torch, bench, a, policy, options, x, dy):
 
     context = offload_context("teo", num_layers=a.offload, model_layers=a.layers, **options)
     engine = context[0].engine
+    engine.room_asked = [0, 0.0]  # calls, host seconds: what the fit's snapshot reads cost
+    ask = engine._room
+
+    def timed_room(sizes, device):
+        t = time.perf_counter()
+        try:
+            return ask(sizes, device)
+        finally:
+            engine.room_asked[0] += 1
+            engine.room_asked[1] += time.perf_counter() - t
+
+    engine._room = timed_room
     for _ in range(a.warmup):
         bench._step(x, dy, a.batch, policy, context)
     torch.cuda.synchronize()
@@ -109,8 +122,11 @@ def main() -> int:
             stalls = [w["events"][0].elapsed_time(w["events"][1]) for w in r["waits"]]
             print(f"   {r['where']:9s} fwd layer {r['layer']}: memory {r['memory'] / GiB:.2f} GiB + {r['incoming'] / GiB:.2f}"
                   f" announced, {r['over'] / GiB:.2f} over; waited for "
-                  + "; ".join(f"L{w['copy_of_layer']} {w['nbytes'] / MiB:.0f} MiB (freed {w['freed'] / MiB:.0f}) "
+                  + "; ".join(f"L{w['copy_of_layer']} {w['nbytes'] / MiB:.0f} MiB ({w['why']}, freed {w['freed'] / MiB:.0f}) "
                               f"{t:.1f} ms" for w, t in zip(r["waits"], stalls)), flush=True)
+        calls, secs = engine.room_asked
+        print(f"   the allocator's room asked {calls} times over {a.warmup + a.iters} steps, {secs * 1e3:.1f} ms host in all",
+              flush=True)
         if history is not None:
             from alloc_history import summarize
 

@@ -154,9 +154,11 @@ def offload_context(
     return ctx, sync, counter
 
 
-def make_room(nbytes: int, device: Any = None) -> None:
-    """An op is about to allocate ``nbytes`` on ``device``: teo engines with a ``memory_budget`` give
-    back what they hold past it (see ``engines_teo.make_room``); nothing happens without one."""
+def make_room(nbytes: Any, device: Any = None) -> None:
+    """An op is about to allocate ``nbytes`` on ``device`` (an int, or a list with one int per
+    allocation): teo engines with a ``memory_budget`` give back what they hold past it, and under
+    a cap what keeps each allocation from fitting (see ``engines_teo.make_room``); nothing happens
+    without one."""
     teo = sys.modules.get(f"{__package__}.engines_teo")
     if teo is not None:  # checks nbytes; not imported: no teo engine exists, nothing to check it for
         teo.make_room(nbytes, device)

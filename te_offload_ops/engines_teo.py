@@ -34,7 +34,9 @@ modules leave); when it moves is this module's own schedule:
   schedule: every offloaded tensor's GPU bytes stay until its copy ends, and the oldest still
   being copied go back early, after the streams waited for their copies, only where the memory
   allocated plus the next allocation announced (:func:`make_room`, or the engine's own reloads)
-  would pass ``B``. The engine looks at each layer entry, save, use in backward and backward
+  would pass ``B``, or where an announced allocation would fit no free block of the allocator
+  and no memory the cap leaves to map (the allocator would release its cache and remap, which
+  stalls the GPU: ``allocator_room``). The engine looks at each layer entry, save, use in backward and backward
   boundary. So the forward waits only where memory runs out at the cap, not at every layer entry,
   and what the peak cannot hold is gone by then (see :meth:`TeoEngine.fit_budget`);
 * backward: reloads run on a second stream, into memory taken on the compute stream after the
@@ -82,14 +84,14 @@ import os
 import weakref
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from transformer_engine.pytorch import cpu_offload
 from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 
-from . import capture, policy
+from . import allocator_room, capture, policy
 
 _log = logging.getLogger(__name__)
 
@@ -538,6 +540,7 @@ class TeoEngine:
         self._in_flight: deque = deque()
         # release="memory": this step's and the last step's figures (bytes the allocator holds)
         self._memory = self._memory_allocated  # a seam for CPU tests
+        self._room = allocator_room.short_of  # (sizes, device) -> those that would not fit: a seam for CPU tests
         self._strict_at_entry: dict[int, int] = {}
         self._end_bytes: Optional[int] = None
         self._layer_bytes = 0
@@ -684,11 +687,15 @@ class TeoEngine:
                 c.source = None  # its copy is over: the memory can be reused at once, in any stream's order
             queue.popleft()
 
-    def fit_budget(self, incoming: int = 0, keep_layer: Optional[int] = None, where: str = "") -> None:
+    def fit_budget(self, incoming: int = 0, keep_layer: Optional[int] = None, where: str = "",
+                   sizes: Sequence[int] = ()) -> None:
         """``memory_budget``: the copies the host sees ended give their bytes back; then, while the
         memory allocated plus ``incoming`` (bytes about to be allocated) is over the budget, the
         oldest GPU bytes still being copied go back after the streams waited for their copies (one
         at a time, the memory read again after each: bytes still used elsewhere free nothing).
+        ``sizes``: the allocations ``incoming`` is made of, where known: while one of them would fit
+        no free block and no memory the cap leaves to map (``allocator_room``: the allocator would
+        give its cache back and remap, stalling every stream), held bytes go back the same way.
         (Freeing the oldest layer whole instead was measured: the allocator's retries under a cap
         stayed, and the waits grew; README, Status.)
         ``keep_layer``: a layer whose bytes are about to serve its backward in place stays.
@@ -698,32 +705,48 @@ class TeoEngine:
             return
         self._drop_copied()
         over = self._memory() + incoming - self.memory_budget
-        if over <= 0:
+        short = [] if over > 0 or not sizes else self._short_of(sizes)
+        if over <= 0 and not short:
             return
         trace = self.budget_trace
         record = None if trace is None else {"where": where, "layer": self._fwd_layer, "step": self._step,
-                                             "memory": self._memory(), "incoming": incoming, "over": over, "waits": []}
+                                             "memory": self._memory(), "incoming": incoming, "over": over,
+                                             "waits": []}
         for c in [c for c in self._in_flight if c.source is not None]:  # oldest first: copy order
             if (keep_layer is not None and c.layer == keep_layer) or c.gpu is not None:  # serving in place: frees nothing
                 continue
-            before = self._memory()
-            if record is not None:
-                reach = torch.cuda.Event(enable_timing=True)
-                reach.record(torch.cuda.current_stream(c.source.device))
-            self._wait_and_drop([c])
-            self.budget_waits += 1
-            self.budget_wait_bytes += c.nbytes
-            freed = before - self._memory()
-            over -= freed
-            if record is not None:
-                resume = torch.cuda.Event(enable_timing=True)
-                resume.record(torch.cuda.current_stream(self._device))
-                record["waits"].append({"copy_of_layer": c.layer, "nbytes": c.nbytes, "freed": freed,
-                                        "events": (reach, resume)})
-            if over <= 0:
+            if over > 0:
+                over -= self._drop_held(c, record, "budget")
+                if over <= 0 and sizes:
+                    short = self._short_of(sizes)
+            else:
+                self._drop_held(c, record, "fit")
+                short = self._short_of(sizes)
+            if over <= 0 and not short:
                 break
         if record is not None and record["waits"]:
             trace.append(record)
+
+    def _short_of(self, sizes: Sequence[int]) -> list:
+        """The allocations of ``sizes`` the allocator could not serve now without a release of its cache."""
+        return self._room(sizes, self._device) if self._device is not None else []
+
+    def _drop_held(self, c: _HostCopy, record: Optional[dict], why: str) -> int:
+        """One held copy's GPU bytes go back after the streams waited for its copy: the bytes freed."""
+        before = self._memory()
+        if record is not None:
+            reach = torch.cuda.Event(enable_timing=True)
+            reach.record(torch.cuda.current_stream(c.source.device))
+        self._wait_and_drop([c])
+        self.budget_waits += 1
+        self.budget_wait_bytes += c.nbytes
+        freed = before - self._memory()
+        if record is not None:
+            resume = torch.cuda.Event(enable_timing=True)
+            resume.record(torch.cuda.current_stream(self._device))
+            record["waits"].append({"copy_of_layer": c.layer, "nbytes": c.nbytes, "freed": freed, "why": why,
+                                    "events": (reach, resume)})
+        return freed
 
     @classmethod
     def _drop_sources(cls, copies: "_LayerCopies") -> None:
@@ -902,8 +925,8 @@ class TeoEngine:
         if copies is None or copies.reloaded or not copies.copies:
             return
         if self.memory_budget is not None:  # the reloads below allocate: room first (the layer's own held bytes stay)
-            self.fit_budget(sum(c.nbytes for c in copies.copies if c.source is None and not c.used_up),
-                            keep_layer=layer, where="reload")
+            sizes = [c.nbytes for c in copies.copies if c.source is None and not c.used_up]
+            self.fit_budget(sum(sizes), keep_layer=layer, where="reload", sizes=sizes)
         copies.reloaded = True  # first: a raise below leaves what was started for _release_reload to wait on
         h2d = None
         for c in copies.copies:
@@ -1100,13 +1123,19 @@ def make_teo_context(num_layers: int, model_layers: int, *, prefetch: Optional[i
 _BUDGET_ENGINES: "weakref.WeakSet[TeoEngine]" = weakref.WeakSet()
 
 
-def make_room(nbytes: int, device: Any = None) -> None:
-    """An op is about to allocate ``nbytes`` on ``device`` (None: any) outside the engine's view:
-    every live teo engine with a ``memory_budget`` on that device gives back, after a wait for
-    their copies, as many of the GPU bytes it still holds as keep the allocation within its budget.
-    Cheap where no engine has a budget (the fused MLP calls it before its large outputs)."""
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise ValueError(f"make_room takes the bytes about to be allocated, an int >= 0; got {nbytes!r}")
+def make_room(nbytes: Any, device: Any = None) -> None:
+    """An op is about to allocate ``nbytes`` on ``device`` (None: any) outside the engine's view: an
+    int, or one int per allocation (their sizes let the engine also check that each fits a free
+    block under a cap). Every live teo engine with a ``memory_budget`` on that device gives back,
+    after a wait for their copies, as many of the GPU bytes it still holds as keep the allocation
+    within its budget and each announced allocation servable without a release of the allocator's
+    cache. Cheap where no engine has a budget (the fused MLP calls it before its large outputs)."""
+    total_only = isinstance(nbytes, int) and not isinstance(nbytes, bool)  # a total: not one allocation
+    sizes = [nbytes] if total_only else nbytes
+    if not isinstance(sizes, (list, tuple)) or not sizes or \
+            any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sizes):
+        raise ValueError("make_room takes the bytes about to be allocated, an int >= 0 or a list of them "
+                         f"(one per allocation); got {nbytes!r}")
     if not _BUDGET_ENGINES or capture.capturing():  # a capture cannot query or wait on the engine's events
         return
     want = None if device is None else torch.device(device)
@@ -1114,4 +1143,4 @@ def make_room(nbytes: int, device: Any = None) -> None:
         want = torch.device("cuda", torch.cuda.current_device())
     for engine in list(_BUDGET_ENGINES):
         if want is None or engine._device is None or engine._device == want:
-            engine.fit_budget(nbytes, where="make_room")
+            engine.fit_budget(sum(sizes), where="make_room", sizes=() if total_only else list(sizes))

@@ -3,6 +3,7 @@ tests/test_gpu_engine_teo.py)."""
 
 import contextlib
 import logging
+import re
 import weakref
 
 import pytest
@@ -1114,6 +1115,7 @@ def _budget_engine(monkeypatch, n, L, budget, base=0):
         return base + extra[0] + sum(live.values())
 
     engine._memory = memory
+    engine._room = lambda sizes, device: []  # every announced allocation fits (tests of the fit set their own)
     return engine, stream, extra
 
 
@@ -1233,9 +1235,59 @@ def test_make_room_reaches_budget_engines_on_the_device_only(monkeypatch):
     assert stream.waited == [l0[0].copied, l0[1].copied]
 
 
-@pytest.mark.parametrize("nbytes", [-1, 1.5, True, "8"])
+@pytest.mark.parametrize("nbytes", [-1, 1.5, True, "8", [], [8, -1], [8, True], (8, 2.0)])
 def test_make_room_refuses_what_is_not_a_byte_count(nbytes):
     from te_offload_ops import engines
 
-    with pytest.raises(ValueError, match=f"an int >= 0; got {nbytes!r}"):
+    with pytest.raises(ValueError, match=re.escape(f"an int >= 0 or a list of them (one per allocation); got {nbytes!r}")):
         engines.make_room(nbytes)
+
+
+def test_allocations_that_fit_no_free_block_make_held_copies_go_back_though_under_the_budget(monkeypatch):
+    """Memory far under the budget, but the allocator (as the fake room tells) could place the
+    announced allocations only once 16 bytes of held copies are free: the oldest two are waited
+    for, then no more; a total announced as one int asks nothing of the room."""
+    engine, stream, _ = _budget_engine(monkeypatch, 2, 4, budget=1000)
+    engine.enter_layer()
+    l0 = _queued_copies(engine, 0, done=[False, False])
+    engine.enter_layer()
+    l1 = _queued_copies(engine, 1, done=[False, False])
+    asked = []
+
+    def room(sizes, device):
+        asked.append(list(sizes))
+        freed = sum(c.nbytes for c in l0 + l1 if c.source is None)
+        return [] if freed >= 16 else [max(sizes)]
+
+    engine._room = room
+    engine._device = torch.device("cuda", 0)
+    engine.budget_trace = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: _FakeEvent())
+    monkeypatch.setattr(engines_teo, "_BUDGET_ENGINES", weakref.WeakSet([engine]))
+    engines_teo.make_room(24)  # one int: a total, not an allocation; 48 is far under 1000
+    assert asked == [] and stream.waited == []
+    engines_teo.make_room([16, 8], torch.device("cuda", 0))
+    assert asked == [[16, 8]] * 3 and stream.waited == [l0[0].copied, l0[1].copied]
+    assert [c.source is None for c in l0 + l1] == [True, True, False, False]
+    assert [w["why"] for w in engine.budget_trace[0]["waits"]] == ["fit", "fit"]
+    assert (engine.budget_waits, engine.budget_wait_bytes) == (2, 16)
+
+
+def test_a_reload_asks_room_for_each_copy_it_brings_back(monkeypatch):
+    """Reloads allocate one block per copy: the budget's fit is asked with each copy's size."""
+    engine, stream, _ = _budget_engine(monkeypatch, 2, 3, budget=1000)
+    engine.enter_layer()
+    _queued_copies(engine, 0, done=[True])
+    engine.enter_layer()
+    l1 = _queued_copies(engine, 1, done=[True, True])
+    engine.enter_layer()  # the ended copies give their bytes back
+    assert all(c.source is None for c in l1)
+    asked = []
+    engine._room = lambda sizes, device: asked.append(list(sizes)) or []
+    engine._device = torch.device("cuda", 0)
+    h2d = _FakeStream()
+    h2d.wait_stream = lambda other: None
+    monkeypatch.setattr(engine, "_streams", lambda device=None: (None, h2d))
+    monkeypatch.setattr(engine, "_reload_copy", lambda c, stream: None)
+    engine._reload(1)
+    assert asked == [[c.nbytes for c in l1]] and stream.waited == []

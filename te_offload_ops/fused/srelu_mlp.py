@@ -125,8 +125,9 @@ class FusedScaledSReLUMLP(FusedOperation):
         else:
             check = start_check(split_sizes, tokens, where)
         probs_flat = probs.reshape(-1)
-        # act, z and y at once: an offload engine with a memory budget makes room for them first
-        engines.make_room(tokens * (2 * fc1.out_features + fc2.out_features) * x2d.element_size(), x2d.device)
+        # z, act and y, in allocation order: an offload engine with a memory budget makes room first
+        row = tokens * x2d.element_size()
+        engines.make_room([row * fc1.out_features, row * fc1.out_features, row * fc2.out_features], x2d.device)
         w1, rev1 = expert_weights(fc1)  # one at a time: where they must be stacked, a copy each
         act, z = kernels.grouped_gemm_srelu_fwd(x2d, w1, split_sizes, probs_flat, reversed_experts=rev1)
         del w1
@@ -175,7 +176,7 @@ class FusedScaledSReLUMLP(FusedOperation):
         z, probs = ctx_act.saved_tensors
         dy = dy.contiguous()
 
-        engines.make_room(2 * z.numel() * z.element_size(), z.device)  # dz and the recomputed act
+        engines.make_room([z.numel() * z.element_size()] * 2, z.device)  # dz and the recomputed act
         w2, rev2 = expert_weights(fc2)
         dz, dprobs, act = kernels.grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, reversed_experts=rev2)
         del w2

@@ -1,0 +1,42 @@
+"""GPU: allocator_room's model against PyTorch's caching allocator under a cap: what it says fits is
+served without a release of the cache, what it says does not fit makes the allocator retry."""
+
+import torch
+
+from conftest import requires_gpu
+from te_offload_ops.allocator_room import free_blocks, short_of
+
+MiB = 2**20
+
+
+def _retries() -> int:
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
+
+@requires_gpu
+def test_the_model_tells_which_allocations_the_allocator_serves_without_a_retry():
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    # holes larger than any free block earlier tests left in segments still in use
+    left = max(free_blocks(torch.cuda.memory_snapshot(), torch.cuda.current_stream(device).cuda_stream), default=0)
+    hole = max(256 * MiB, -(-(left + 64 * MiB) // (20 * MiB)) * 20 * MiB)
+    blocks = []
+    try:
+        # the cap: what is reserved now plus four holes' worth (whole 20 MiB pages) and 60 MiB to spare
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(device) + 4 * hole + 60 * MiB) / total,
+                                                   device)
+        blocks = [torch.empty(hole, dtype=torch.uint8, device=device) for _ in range(4)]
+        blocks[0] = blocks[2] = None  # two holes, not side by side
+        assert short_of([hole - 56 * MiB], device) == []
+        before = _retries()
+        fits = torch.empty(hole - 56 * MiB, dtype=torch.uint8, device=device)  # into a hole
+        assert _retries() == before
+        assert short_of([hole + 44 * MiB], device) == [hole + 44 * MiB]  # no hole that large, no room to map
+        big = torch.empty(hole + 44 * MiB, dtype=torch.uint8, device=device)  # the allocator releases its cache
+        assert _retries() == before + 1
+        del fits, big
+    finally:
+        blocks.clear()
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()
