@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -214,6 +214,27 @@ budgethist)
     run 280 python3 scripts/diag_budget.py --batch 12 --cap 67 --margins 2,1 --warmup 3 --iters 4 --history
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,garbage_collection_threshold:0.8 \
         run 280 python3 scripts/diag_budget.py --batch 12 --cap 67 --margins 2,1 --warmup 3 --iters 6 --no-layer-schedule
+    ;;
+fit1)
+    # twelfth session, call 2 (carry .dev/cute after .dev/te's setup): the budget with the allocator's
+    # fit (announced allocations must fit a free block or the memory the cap leaves) against the
+    # layer schedule at 12 sequences under the cap, the allocator's retries and unmaps per step
+    pytest_ 60 -s tests/test_gpu_allocator_room.py
+    run 330 python3 scripts/diag_budget.py --batch 12 --cap 67 --margins 2,1,0.5 --warmup 3 --iters 6 --history
+    ;;
+fit2)
+    # twelfth session, call 3: big-ffn's cap search under teo-b with the fit (margin 1 GiB, then 2)
+    for m in 1 2; do
+        run 290 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-b --policies layer:2 \
+            --budget-margin $m --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_fit_m$m"
+    done
+    ;;
+fit3)
+    # twelfth session, call 4: the GPU tests the budget touches (both paths) and those not run on the
+    # eleventh session's final code
+    pytest_ 330 -s tests/test_gpu_engine_teo.py
+    pytest_ 120 tests/test_te_fused_mlp.py tests/test_te_fused_mlp_gpu.py
+    pytest_ 140 -s tests/test_step_profile_gpu.py
     ;;
 tebig)
     # tenth session, call 4 (carry .dev/cute, after `bash .dev/te/setup.sh` in call 3): TE V2 and V1
