@@ -108,6 +108,12 @@ def main() -> int:
         moe_step._empty_host_cache()
         try:
             with bench.under_cap(a.cap):  # the allocator limited as moe_step.py's cap search limits it
+                from te_offload_ops import allocator_room
+
+                dev = torch.device("cuda", torch.cuda.current_device())
+                print(f"   under the cap: reserved {torch.cuda.memory_reserved() / GiB:.2f} GiB, the room sees "
+                      f"{allocator_room.mappable_bytes(dev) / GiB:.2f} GiB to map "
+                      f"(torch tells the fraction: {hasattr(torch.cuda, 'get_per_process_memory_fraction')})", flush=True)
                 engine, samples, allocator, peak, history = run_variant(torch, bench, a, policy, options, x, dy)
         except torch.cuda.OutOfMemoryError as exc:
             print(f"{name}: out of memory ({moe_step.oom_error(str(exc))})", flush=True)
