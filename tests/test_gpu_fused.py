@@ -104,3 +104,18 @@ def test_weights_in_a_padded_buffer_are_read_in_place(order, pad):
     assert torch.equal(got["out"], base["out"])
     for name, g in base["grads"].items():
         assert torch.equal(got["grads"][name], g), name
+
+
+def test_a_second_backward_through_the_graph_gives_the_grads_of_the_first():
+    """The fused backward writes act over z; a second backward (retain_graph=True, which stock TE
+    ops accept) recomputes z from the saved input: the same grads, bit for bit, both times."""
+    cfg = Config(layers=1, experts=4, hidden=256, ffn=512, splits=(300, 0, 77, 651), dtype=torch.bfloat16)
+    mlp = make_stack(cfg)[0]
+    x, probs, dy, splits = make_inputs(cfg)
+    out = mlp(x, splits, probs[0], splits)
+    assert forward_plan(mlp) == ["FusedScaledSReLUMLP"]
+    leaves = [x, probs[0], *mlp.parameters()]
+    first = torch.autograd.grad(out, leaves, dy, retain_graph=True)
+    second = torch.autograd.grad(out, leaves, dy)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)

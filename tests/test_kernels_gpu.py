@@ -120,6 +120,26 @@ def test_dsrelu_bwd(dtype, splits, n, k, schedule):
     assert bool((err <= bound).all()), f"max dprobs error {err.max().item()}"
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_dsrelu_bwd_writes_act_over_z_with_the_same_results(schedule):
+    """act_in_z: act lands in z's memory, and dz, dprobs and act are those of a separate act, bit
+    for bit (each tile reads its z before it stores its act)."""
+    from te_offload_ops.kernels import grouped_gemm_dsrelu_bwd
+
+    splits, n, k = SHAPES[-1]
+    dy, w2t, s = _inputs(splits, n, k, torch.bfloat16, seed=2)
+    w2 = w2t.transpose(1, 2).contiguous()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    z = torch.randn(dy.shape[0], n, device="cuda", generator=g).to(torch.bfloat16)
+    probs = torch.rand(dy.shape[0], device="cuda", generator=g).to(torch.bfloat16)
+    want = grouped_gemm_dsrelu_bwd(dy, w2, s, z, probs, schedule=schedule)
+    z_ptr = z.data_ptr()
+    got = grouped_gemm_dsrelu_bwd(dy, w2, s, z, probs, schedule=schedule, act_in_z=True)
+    assert got[2].data_ptr() == z_ptr
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_no_host_sync_and_deterministic():
     """The entry points must not synchronise on split sizes, and dprobs must
     reproduce bit for bit."""

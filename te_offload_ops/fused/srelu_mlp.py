@@ -7,7 +7,9 @@ the prob gradient and recomputes ``act`` for fc2's wgrad; wgrads; fc1 dgrad.
 Saved for backward, each through the policy under the flag of the op that owns it:
 fc1 -> its input ``x`` (and the split sizes); activation -> ``z`` and ``probs``; fc2 -> nothing
 but its weights (``act`` is recomputed, so an ``offload=False`` fc2 costs no memory). Weights of
-both layers are always kept resident.
+both layers are always kept resident. The backward writes the recomputed ``act`` over ``z`` (one
+tokens x ffn buffer less at the backward's peak, where a capped allocator would otherwise need a
+second such block); a second backward through the same graph recomputes ``z`` from ``x``.
 """
 
 from __future__ import annotations
@@ -176,10 +178,16 @@ class FusedScaledSReLUMLP(FusedOperation):
         z, probs = ctx_act.saved_tensors
         dy = dy.contiguous()
 
-        engines.make_room([z.numel() * z.element_size()] * 2, z.device)  # dz and the recomputed act
+        if getattr(ctx_act, "teo_z_spent", False):  # a second backward (retain_graph): z was overwritten
+            w1, rev1 = expert_weights(fc1)
+            _, z = kernels.grouped_gemm_srelu_fwd(x, w1, split_sizes, probs, reversed_experts=rev1)
+            del w1
+        engines.make_room([z.numel() * z.element_size()], z.device)  # dz (act is written over z)
         w2, rev2 = expert_weights(fc2)
-        dz, dprobs, act = kernels.grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, reversed_experts=rev2)
-        del w2
+        dz, dprobs, act = kernels.grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, reversed_experts=rev2,
+                                                          act_in_z=True)
+        ctx_act.teo_z_spent = True
+        del w2, z
         dw2 = weight_grads(fc2, dy, act, split_sizes, temporaries=[act])
         del act
         dx = None

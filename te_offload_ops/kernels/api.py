@@ -508,26 +508,30 @@ def grouped_gemm_srelu_fwd(x, w1, split_sizes, probs, *, tile=None, schedule=Non
     return act, z
 
 
-def grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, *, tile=None, schedule=None, reversed_experts=False):
+def grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, *, tile=None, schedule=None, reversed_experts=False,
+                            act_in_z=False):
     """dact = dy_e @ w2[e] (w2: (E, H, F), i.e. (E, K, N)); then
     dz = dact * probs * 2 relu(z), dprobs[t] = sum_f dact[t, f] relu(z[t, f])^2,
     act = relu(z)^2 * probs.  Returns (dz, dprobs, act); dprobs has probs.dtype.
 
     dprobs is reduced in fp32 deterministically: each n-block writes its own
     partial row sum and the partials are added by one torch reduction. ``reversed_experts``: see
-    :func:`grouped_gemm`."""
+    :func:`grouped_gemm`. ``act_in_z``: act is written over z (z is gone afterwards; where z is
+    not contiguous, aligned and of dy's dtype, over the copy made of it): one (T, N) buffer less.
+    Safe because each tile's z is read into registers before its act is stored, by the same
+    threads at the same addresses, and no other tile touches them."""
     e, n, k = _check(dy, w2, split_sizes, True)
     t = dy.shape[0]
     dz = torch.empty(t, n, dtype=dy.dtype, device=dy.device)
-    act = torch.empty_like(dz)
     if t == 0:
-        return dz, torch.zeros(0, dtype=probs.dtype, device=dy.device), act
+        return dz, torch.zeros(0, dtype=probs.dtype, device=dy.device), torch.empty_like(dz)
     if z.shape != (t, n) or probs.shape != (t,):
         raise ValueError("z must be (T, N) and probs (T,)")
     w2, b_stride = _expert_weights(w2)
     kern, compiled = get_kernel(dy.dtype, n, k, e, b_n_major=True, epilogue="dsrelu", tile=tile,
                                 schedule=schedule, b_layout=(b_stride, reversed_experts))
     dy, zc = _aligned(dy), _aligned(z.to(dy.dtype))
+    act = zc if act_in_z else torch.empty_like(dz)
     p = probs.to(dy.dtype).contiguous()
     s = _splits_i32(split_sizes, dy.device)
     part = torch.empty(kern.n_tiles, t, dtype=torch.float32, device=dy.device)
