@@ -213,3 +213,19 @@ def test_main_grad_way_follows_tokens_per_expert_unless_told(monkeypatch):
     monkeypatch.setenv(api.MAIN_GRAD_ADD_ENV, "fast")
     with pytest.raises(ValueError, match="TEO_MAIN_GRAD_ADD must be one of"):
         api.main_grad_way(8 * 2048, 8)
+
+
+def test_an_output_buffer_of_the_wrong_kind_is_refused_with_what_it_is():
+    from te_offload_ops.kernels.api import _out
+
+    like = torch.empty(4, 8, dtype=torch.bfloat16)
+    good = torch.empty(10, 8, dtype=torch.bfloat16)[2:6]  # a row block of a larger buffer
+    assert _out(good, 4, 8, like, "out") is good
+    assert _out(None, 4, 8, like, "out").shape == (4, 8)
+    for bad, what in [(torch.empty(4, 9, dtype=torch.bfloat16), r"\(4, 9\) torch.bfloat16"),
+                      (torch.empty(4, 8, dtype=torch.float16), r"\(4, 8\) torch.float16"),
+                      (torch.empty(8, 4, dtype=torch.bfloat16).t(), "contiguous=False"),
+                      (torch.empty(33, dtype=torch.bfloat16)[1:].view(4, 8), "address % 16 = 2"),
+                      ("z", "got str")]:
+        with pytest.raises(ValueError, match=r"out must be a contiguous \(4, 8\) torch.bfloat16 tensor on cpu.*" + what):
+            _out(bad, 4, 8, like, "out")

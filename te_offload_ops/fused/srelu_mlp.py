@@ -1,7 +1,8 @@
 """Fused SReLU grouped MLP for Hopper: GroupedLinear -> ScaledSReLU -> GroupedLinear as one op.
 
 Forward: fc1 GEMM with an epilogue writing ``act = srelu(z) * prob`` (fc2's input) and ``z``;
-fc2 GEMM. Backward: fc2 dgrad with an epilogue that applies dSReLU and the prob scale, reduces
+fc2 GEMM; where ``act`` would pass ``$TEO_FUSED_ACT_CHUNK_MIB`` (1024), both a block of token
+rows at a time (``row_chunks``: the same results, one block of ``act`` alive). Backward: fc2 dgrad with an epilogue that applies dSReLU and the prob scale, reduces
 the prob gradient and recomputes ``act`` for fc2's wgrad; wgrads; fc1 dgrad.
 
 Saved for backward, each through the policy under the flag of the op that owns it:
@@ -23,6 +24,7 @@ from .. import engines, policy
 from ..capture import GraphCaptureError, capturing
 from ..ops.input_checks import check_input, check_scales, check_split_sizes
 from .expert_weights import expert_weights, weight_dtype, weight_params
+from .row_chunks import block_split_sizes, chunk_rows, expert_row_ranges
 from .selection import runtime_blockers
 from .split_check import check_now, resolve_in_backward, start_check
 from .weight_grads import check_main_grad, weight_grads
@@ -127,15 +129,21 @@ class FusedScaledSReLUMLP(FusedOperation):
         else:
             check = start_check(split_sizes, tokens, where)
         probs_flat = probs.reshape(-1)
-        # z, act and y, in allocation order: an offload engine with a memory budget makes room first
-        row = tokens * x2d.element_size()
-        engines.make_room([row * fc1.out_features, row * fc1.out_features, row * fc2.out_features], x2d.device)
-        w1, rev1 = expert_weights(fc1)  # one at a time: where they must be stacked, a copy each
-        act, z = kernels.grouped_gemm_srelu_fwd(x2d, w1, split_sizes, probs_flat, reversed_experts=rev1)
-        del w1
-        w2, rev2 = expert_weights(fc2)
-        y = kernels.grouped_gemm(act, w2, split_sizes, reversed_experts=rev2)
-        del w2
+        ffn, itemsize = fc1.out_features, x2d.element_size()
+        rows = chunk_rows(tokens, ffn, itemsize)
+        # z, act (one block of rows) and y, in allocation order: an offload engine with a memory
+        # budget makes room first
+        engines.make_room([tokens * ffn * itemsize, min(rows, tokens) * ffn * itemsize,
+                           tokens * fc2.out_features * itemsize], x2d.device)
+        if rows >= tokens:
+            w1, rev1 = expert_weights(fc1)  # one at a time: where they must be stacked, a copy each
+            act, z = kernels.grouped_gemm_srelu_fwd(x2d, w1, split_sizes, probs_flat, reversed_experts=rev1)
+            del w1
+            w2, rev2 = expert_weights(fc2)
+            y = kernels.grouped_gemm(act, w2, split_sizes, reversed_experts=rev2)
+            del w2
+        else:
+            z, y = self._forward_in_blocks(x2d, split_sizes, probs_flat, rows)
         if check is not None:  # a later forward resolves it if no backward has (one that never runs)
             self._pending_checks.append(check)
         if not any(ctx.requires_grad for ctx in ctxs):
@@ -151,6 +159,27 @@ class FusedScaledSReLUMLP(FusedOperation):
         policy.save_for_backward(ctx_act, z, probs_flat, offload=act_op.offload, owner=act_op)
         policy.save_for_backward(ctx2, *w2, offload=fc2.offload, weights=w2, owner=fc2)
         return y, [(), (), ()]
+
+    def _forward_in_blocks(self, x2d, split_sizes, probs_flat, rows):
+        """fc1 -> SReLU -> fc2 on ``rows`` token rows at a time (``row_chunks``): z and y whole,
+        act one block's worth, reused."""
+        from .. import kernels
+
+        fc1, _, fc2 = self.basic_ops
+        tokens = x2d.shape[0]
+        z = x2d.new_empty(tokens, fc1.out_features)
+        act = x2d.new_empty(rows, fc1.out_features)
+        y = x2d.new_empty(tokens, fc2.out_features)
+        starts, ends = expert_row_ranges(split_sizes)
+        probs = probs_flat.to(x2d.dtype)
+        (w1, rev1), (w2, rev2) = expert_weights(fc1), expert_weights(fc2)
+        for first in range(0, tokens, rows):
+            stop = min(tokens, first + rows)
+            sizes = block_split_sizes(starts, ends, first, stop)
+            kernels.grouped_gemm_srelu_fwd(x2d[first:stop], w1, sizes, probs[first:stop], reversed_experts=rev1,
+                                           out=(act[: stop - first], z[first:stop]))
+            kernels.grouped_gemm(act[: stop - first], w2, sizes, reversed_experts=rev2, out=y[first:stop])
+        return z, y
 
     # -- backward --------------------------------------------------------------------------
 

@@ -455,15 +455,28 @@ def _expert_weights(b: torch.Tensor) -> tuple[torch.Tensor, int | None]:
     return _aligned(b), None
 
 
-def grouped_gemm(a, b, split_sizes, *, trans_b=False, tile=None, schedule=None, reversed_experts=False):
+def _out(out, t, n, like, name):
+    """``out`` checked as a kernel output of (t, n) like ``like`` (a fresh tensor where None)."""
+    if out is None:
+        return torch.empty(t, n, dtype=like.dtype, device=like.device)
+    if not isinstance(out, torch.Tensor) or out.shape != (t, n) or out.dtype != like.dtype \
+            or out.device != like.device or not out.is_contiguous() or out.data_ptr() % 16:
+        got = (f"{tuple(out.shape)} {out.dtype} on {out.device}, contiguous={out.is_contiguous()}, "
+               f"address % 16 = {out.data_ptr() % 16}") if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"{name} must be a contiguous ({t}, {n}) {like.dtype} tensor on {like.device} at a "
+                         f"16-byte aligned address, got {got}")
+    return out
+
+
+def grouped_gemm(a, b, split_sizes, *, trans_b=False, tile=None, schedule=None, reversed_experts=False, out=None):
     """c[rows of e] = a[rows of e] @ b[e].T  (b: (E, N, K)); with ``trans_b``
-    b is (E, K, N) and c = a_e @ b[e].  Returns c (T, N) in a.dtype.
+    b is (E, K, N) and c = a_e @ b[e].  Returns c (T, N) in a.dtype (written into ``out`` if given).
 
     ``reversed_experts``: b[j] holds expert E - 1 - j's weight (weights laid out in reverse
     expert order, read in place). The experts of b may be any multiple of 8 elements apart."""
     e, n, k = _check(a, b, split_sizes, trans_b)
     t = a.shape[0]
-    c = torch.empty(t, n, dtype=a.dtype, device=a.device)
+    c = _out(out, t, n, a, "out")
     if t == 0:
         return c
     b, b_stride = _expert_weights(b)
@@ -480,15 +493,18 @@ def grouped_gemm(a, b, split_sizes, *, trans_b=False, tile=None, schedule=None, 
     return c
 
 
-def grouped_gemm_srelu_fwd(x, w1, split_sizes, probs, *, tile=None, schedule=None, reversed_experts=False):
+def grouped_gemm_srelu_fwd(x, w1, split_sizes, probs, *, tile=None, schedule=None, reversed_experts=False,
+                           out=None):
     """z = x_e @ w1[e].T (w1: (E, N, K)), act = relu(z)^2 * probs[:, None].
 
-    Returns (act, z), both (T, N) in x.dtype.  act is computed from the fp32
-    accumulator (not from the rounded z). ``reversed_experts``: see :func:`grouped_gemm`."""
+    Returns (act, z), both (T, N) in x.dtype (written into ``out = (act, z)`` if given).  act is
+    computed from the fp32 accumulator (not from the rounded z). ``reversed_experts``: see
+    :func:`grouped_gemm`."""
     e, n, k = _check(x, w1, split_sizes, False)
     t = x.shape[0]
-    z = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    act = torch.empty_like(z)
+    act_out, z_out = (None, None) if out is None else out
+    z = _out(z_out, t, n, x, "out z")
+    act = _out(act_out, t, n, x, "out act")
     if t == 0:
         return act, z
     if probs.shape != (t,):

@@ -1,0 +1,57 @@
+"""The fused MLP's forward a block of token rows at a time, so that ``act`` (fc2's input, never
+saved: the backward recomputes it) exists one block at a time instead of whole.
+
+fc1, SReLU and fc2 act on each token row alone, so the rows can be cut anywhere; a cut inside an
+expert's rows gives each side of it its own split size. Each GEMM element is accumulated in the
+same order either way, so the results are the same, bit for bit. What it saves: tokens x ffn
+elements of ``act`` less one block, at the forward's largest moment (5.25 GiB at 196608 routed
+tokens and ffn 14336 in bf16), where a memory cap is tightest.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CHUNK_ENV = "TEO_FUSED_ACT_CHUNK_MIB"
+DEFAULT_CHUNK_MIB = 1024  # below this an act is made whole (one GEMM pair, as before)
+_ROW_ALIGN = 128  # blocks of whole tiles (the kernels' largest row tile)
+
+
+def chunk_mib() -> int:
+    """The most MiB of ``act`` one block may hold: ``$TEO_FUSED_ACT_CHUNK_MIB`` (0: never cut)."""
+    raw = os.environ.get(CHUNK_ENV, "")
+    if raw == "":
+        return DEFAULT_CHUNK_MIB
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{CHUNK_ENV} must be a whole number of MiB >= 0 (0: act made whole), got {raw!r}")
+    return value
+
+
+def chunk_rows(tokens: int, ffn: int, itemsize: int) -> int:
+    """Token rows per block: ``tokens`` (one block) where the whole act fits the limit, else the
+    most whole 128-row tiles that do (at least one tile)."""
+    limit = chunk_mib() << 20
+    row_bytes = ffn * itemsize
+    if limit == 0 or tokens * row_bytes <= limit:
+        return max(tokens, 1)
+    return max(_ROW_ALIGN, limit // row_bytes // _ROW_ALIGN * _ROW_ALIGN)
+
+
+def expert_row_ranges(split_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's rows [starts, ends), in order (on the split sizes' device: no host sync). A
+    negative size counts as 0 here (the split-size check raises for it), so the ranges never
+    overlap and a block's sizes never add up to more rows than it has."""
+    sizes = split_sizes.reshape(-1).clamp(min=0)
+    ends = sizes.cumsum(0)
+    return ends - sizes, ends
+
+
+def block_split_sizes(starts: torch.Tensor, ends: torch.Tensor, first: int, stop: int) -> torch.Tensor:
+    """Each expert's rows inside rows [first, stop), from :func:`expert_row_ranges`."""
+    return ends.clamp(first, stop) - starts.clamp(first, stop)
