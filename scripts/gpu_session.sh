@@ -219,8 +219,9 @@ fit1)
     # twelfth session, call 2 (carry .dev/cute after .dev/te's setup): the budget with the allocator's
     # fit (announced allocations must fit a free block or the memory the cap leaves) against the
     # layer schedule at 12 sequences under the cap, the allocator's retries and unmaps per step
-    pytest_ 60 -s tests/test_gpu_allocator_room.py
-    run 330 python3 scripts/diag_budget.py --batch 12 --cap 67 --margins 2,1,0.5 --warmup 3 --iters 6 --history
+    pytest_ 150 tests/test_gpu_allocator_room.py tests/test_kernels_gpu.py tests/test_gpu_fused.py -k \
+        "allocator or act_over_z or second_backward or row_blocks or fused_matches"
+    run 330 python3 scripts/diag_budget.py --batch 12 --cap 67 --margins 2,1,0.5 --warmup 3 --iters 5 --history
     ;;
 fit2)
     # twelfth session, call 3: big-ffn's cap search under teo-b with the fit (margin 1 GiB, then 2)
