@@ -34,6 +34,7 @@ def run_variant(torch, bench, a, policy, options, x, dy):
 
     context = offload_context("teo", num_layers=a.offload, model_layers=a.layers, **options)
     engine = context[0].engine
+    a.last_engine = engine  # for the report of an out-of-memory error
     engine.room_asked = [0, 0.0]  # calls, host seconds: what the fit's snapshot reads cost
     ask = engine._room
 
@@ -46,6 +47,9 @@ def run_variant(torch, bench, a, policy, options, x, dy):
             engine.room_asked[1] += time.perf_counter() - t
 
     engine._room = timed_room
+    if a.history_all:  # from the first step: an out-of-memory error in warm-up is shown with its frames
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        engine.budget_trace = []
     for _ in range(a.warmup):
         bench._step(x, dy, a.batch, policy, context)
     torch.cuda.synchronize()
@@ -55,12 +59,12 @@ def run_variant(torch, bench, a, policy, options, x, dy):
         last = i == a.iters - 1
         if last and options:
             engine.budget_trace = []
-        if last and a.history:  # its step runs a little slower: the allocator records Python stacks
+        if last and a.history and not a.history_all:  # its step runs a little slower: the allocator records Python stacks
             torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
         before = torch.cuda.memory_stats()
         samples.append(bench._step(x, dy, a.batch, policy, context))
         after = torch.cuda.memory_stats()
-        if last and a.history:
+        if last and (a.history or a.history_all):
             history = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
         # the allocator's own work that step: retries after freeing its cache (a device sync),
@@ -81,6 +85,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--history", action="store_true", help="the allocator's maps and unmaps in the last step")
+    p.add_argument("--history-all", action="store_true",
+                   help="the allocator's events from the first step (with the frames of an out-of-memory error)")
     p.add_argument("--no-layer-schedule", action="store_true", help="only the budgets")
     a = p.parse_args()
 
@@ -117,6 +123,16 @@ def main() -> int:
                 engine, samples, allocator, peak, history = run_variant(torch, bench, a, policy, options, x, dy)
         except torch.cuda.OutOfMemoryError as exc:
             print(f"{name}: out of memory ({moe_step.oom_error(str(exc))})", flush=True)
+            if a.history_all:
+                from alloc_history import summarize
+
+                snap = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                for line in summarize(snap, torch.cuda.current_device())[-12:]:
+                    print("   " + line, flush=True)
+                for r in (getattr(a.last_engine, "budget_trace", None) or [])[-6:]:
+                    print(f"   budget look {r['where']} fwd layer {r['layer']} step {r['step']}: memory "
+                          f"{r['memory'] / GiB:.2f} GiB + {r['incoming'] / GiB:.2f}, waits {len(r['waits'])}", flush=True)
             bench._recover()
             continue
         med = {k: statistics.median(s[k] for s in samples) for k in ("step_ms", "fwd_ms", "bwd_ms")}

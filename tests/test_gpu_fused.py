@@ -106,19 +106,24 @@ def test_weights_in_a_padded_buffer_are_read_in_place(order, pad):
         assert torch.equal(got["grads"][name], g), name
 
 
-def test_a_second_backward_through_the_graph_gives_the_grads_of_the_first():
-    """The fused backward writes act over z; a second backward (retain_graph=True, which stock TE
-    ops accept) recomputes z from the saved input: the same grads, bit for bit, both times."""
+def test_a_second_backward_through_the_graph_is_refused_as_te_refuses_it_for_its_own_ops(monkeypatch):
+    """The fused backward writes act over z. A second backward through the same graph
+    (retain_graph=True) is refused by TE's op fuser for its own unfused ops too (it lets go of the
+    saved tensors after the first): ours raises the same, never computes from an overwritten z."""
     cfg = Config(layers=1, experts=4, hidden=256, ffn=512, splits=(300, 0, 77, 651), dtype=torch.bfloat16)
-    mlp = make_stack(cfg)[0]
-    x, probs, dy, splits = make_inputs(cfg)
-    out = mlp(x, splits, probs[0], splits)
-    assert forward_plan(mlp) == ["FusedScaledSReLUMLP"]
-    leaves = [x, probs[0], *mlp.parameters()]
-    first = torch.autograd.grad(out, leaves, dy, retain_graph=True)
-    second = torch.autograd.grad(out, leaves, dy)
-    for a, b in zip(first, second):
-        assert torch.equal(a, b)
+    errors = {}
+    for fused in (True, False):
+        monkeypatch.setenv(DISABLE_ENV, "1" if fused else "0")
+        mlp = make_stack(cfg)[0]
+        x, probs, dy, splits = make_inputs(cfg)
+        out = mlp(x, splits, probs[0], splits)
+        assert forward_plan(mlp) == (["FusedScaledSReLUMLP"] if fused else ["GroupedLinear", "ScaledSReLU", "GroupedLinear"])
+        leaves = [x, probs[0], *mlp.parameters()]
+        torch.autograd.grad(out, leaves, dy, retain_graph=True)
+        with pytest.raises(Exception) as info:
+            torch.autograd.grad(out, leaves, dy)
+        errors[fused] = (type(info.value), str(info.value))
+    assert errors[True] == errors[False]
 
 
 def test_the_forward_in_row_blocks_gives_the_same_results_bit_for_bit(monkeypatch):

@@ -10,7 +10,8 @@ fc1 -> its input ``x`` (and the split sizes); activation -> ``z`` and ``probs``;
 but its weights (``act`` is recomputed, so an ``offload=False`` fc2 costs no memory). Weights of
 both layers are always kept resident. The backward writes the recomputed ``act`` over ``z`` (one
 tokens x ffn buffer less at the backward's peak, where a capped allocator would otherwise need a
-second such block); a second backward through the same graph recomputes ``z`` from ``x``.
+second such block); TE's op fuser runs no second backward through the same graph (for its own
+ops either), and this op would refuse one.
 """
 
 from __future__ import annotations
@@ -207,10 +208,9 @@ class FusedScaledSReLUMLP(FusedOperation):
         z, probs = ctx_act.saved_tensors
         dy = dy.contiguous()
 
-        if getattr(ctx_act, "teo_z_spent", False):  # a second backward (retain_graph): z was overwritten
-            w1, rev1 = expert_weights(fc1)
-            _, z = kernels.grouped_gemm_srelu_fwd(x, w1, split_sizes, probs, reversed_experts=rev1)
-            del w1
+        if getattr(ctx_act, "teo_z_spent", False):  # TE's fuser refuses a second backward before this
+            raise RuntimeError(f"{type(self).__name__}: a second backward through the same graph; the first wrote "
+                               "act over the saved z (TE's op fuser does not run a second backward of its ops either)")
         engines.make_room([z.numel() * z.element_size()], z.device)  # dz (act is written over z)
         w2, rev2 = expert_weights(fc2)
         dz, dprobs, act = kernels.grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, reversed_experts=rev2,
