@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -229,6 +229,14 @@ fit2)
         run 290 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-b --policies layer:2 \
             --budget-margin $m --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_fit_m$m"
     done
+    ;;
+fit4)
+    # twelfth session: big-ffn under the 67 GiB cap of the earlier sessions (the automatic cap fell to
+    # 65.5 GiB with the fused MLP's smaller backward and forward), then why 9 sequences ran out of
+    # memory under teo-b at 65.5 GiB (the allocator's events from the first step)
+    run 300 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-b --policies layer:2 \
+        --budget-margin 1 --memory-cap 67 --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_fit67_m1"
+    run 200 python3 scripts/diag_budget.py --batch 9 --cap 65.5 --margins 2 --warmup 2 --iters 2 --history-all
     ;;
 fit3)
     # twelfth session, call 4: the GPU tests the budget touches (both paths) and those not run on the
