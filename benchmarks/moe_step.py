@@ -455,11 +455,14 @@ class StepBench:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         engine = getattr(held[0], "engine", None) if held else None
-        waits = (engine.budget_waits, engine.budget_wait_bytes) if getattr(engine, "memory_budget", None) else None
+        waits = (engine.budget_waits, engine.budget_wait_bytes, engine.reloads_deferred) \
+            if getattr(engine, "memory_budget", None) else None
         samples = [self._step(x, dy, batch, policy, held or self._context(policy)) for _ in range(count)]
-        # teo-b: copies the compute stream waited for to stay under the budget, per timed step
+        # teo-b: copies the compute stream waited for to stay under the budget, and prefetches put
+        # off for room, per timed step
         self.budget_waits = None if waits is None else (
-            (engine.budget_waits - waits[0]) / count, (engine.budget_wait_bytes - waits[1]) / count / MiB)
+            (engine.budget_waits - waits[0]) / count, (engine.budget_wait_bytes - waits[1]) / count / MiB,
+            (engine.reloads_deferred - waits[2]) / count)
         # active, not allocated: memory an engine handed back while its copy still reads it counts
         peak = active_bytes(peak=True) / MiB
         inputs_MiB = 2 * x.numel() * x.element_size() / MiB
@@ -497,9 +500,11 @@ class StepBench:
                     "peak_above_MiB": peak - self.floor_MiB, "offloaded_MiB": samples[-1]["offloaded"] / MiB,
                     "held_between_steps_MiB": left - self.floor_MiB})
         if self.budget_waits is not None:
-            row["budget_waits_per_step"], row["budget_wait_MiB_per_step"] = self.budget_waits
+            (row["budget_waits_per_step"], row["budget_wait_MiB_per_step"],
+             row["budget_reloads_deferred_per_step"]) = self.budget_waits
             row["notes"].append(f"budget {self.memory_budget() / GiB:.1f} GiB: waited for {self.budget_waits[0]:.0f} "
-                                f"copies ({self.budget_waits[1]:.0f} MiB) per step to stay under it")
+                                f"copies ({self.budget_waits[1]:.0f} MiB) per step to stay under it, put off "
+                                f"{self.budget_waits[2]:.1f} prefetches")
         if row["held_between_steps_MiB"] > 1:
             row["notes"].append(f"the engine holds {row['held_between_steps_MiB']:.0f} MiB between steps")
         return row
@@ -564,7 +569,8 @@ class StepBench:
         return {"batch": batch, "fits": fits, "peak_above_MiB": row.get("peak_above_MiB") if fits else None,
                 "reserved_peak_MiB": reserved, "step_ms": row.get("step_ms"), "tokens_per_s": row.get("tokens_per_s"),
                 "fwd_ms": row.get("fwd_ms"), "bwd_ms": row.get("bwd_ms"), "error": row.get("error"),
-                **{k: row[k] for k in ("budget_waits_per_step", "budget_wait_MiB_per_step") if k in row}}
+                **{k: row[k] for k in ("budget_waits_per_step", "budget_wait_MiB_per_step",
+                                       "budget_reloads_deferred_per_step") if k in row}}
 
     def cap_search(self, row: dict, cap_GiB: float) -> dict:
         a = self.args
@@ -578,7 +584,8 @@ class StepBench:
                   + (f"fits, peak {(self.floor_MiB + t['peak_above_MiB']) / 1024:.1f} GiB "
                      f"(reserved {t['reserved_peak_MiB'] / 1024:.1f} GiB), {t['step_ms']:.0f} ms "
                      f"(fwd {t['fwd_ms']:.0f}, bwd {t['bwd_ms']:.0f})"
-                     + (f", budget waits {t['budget_waits_per_step']:.0f} ({t['budget_wait_MiB_per_step']:.0f} MiB)"
+                     + (f", budget waits {t['budget_waits_per_step']:.0f} ({t['budget_wait_MiB_per_step']:.0f} MiB), "
+                        f"prefetches put off {t.get('budget_reloads_deferred_per_step', 0):.1f}"
                         if "budget_waits_per_step" in t else "")
                      if t["fits"] else f"does not fit ({t['error'] or 'over the cap'})"), flush=True)
             return t

@@ -146,6 +146,8 @@ def main() -> int:
                   f" announced, {r['over'] / GiB:.2f} over; waited for "
                   + "; ".join(f"L{w['copy_of_layer']} {w['nbytes'] / MiB:.0f} MiB ({w['why']}, freed {w['freed'] / MiB:.0f}) "
                               f"{t:.1f} ms" for w, t in zip(r["waits"], stalls)), flush=True)
+        if options:
+            print(f"   prefetches put off for room: {engine.reloads_deferred} over {a.warmup + a.iters} steps", flush=True)
         calls, secs = engine.room_asked
         print(f"   the allocator's room asked {calls} times over {a.warmup + a.iters} steps, {secs * 1e3:.1f} ms host in all",
               flush=True)

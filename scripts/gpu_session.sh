@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4|fit5}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -237,6 +237,14 @@ fit4)
     run 300 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-b --policies layer:2 \
         --budget-margin 1 --memory-cap 67 --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_fit67_m1"
     run 200 python3 scripts/diag_budget.py --batch 9 --cap 65.5 --margins 2 --warmup 2 --iters 2 --history-all
+    ;;
+fit5)
+    # twelfth session: teo-b with prefetches held back where they would pass the budget and the
+    # fused backward's dx and wgrads announced; big-ffn's cap search at 67 GiB and at the automatic cap
+    run 270 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-b --policies layer:2 \
+        --budget-margin 1 --memory-cap 67 --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_fit67"
+    run 270 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-b --policies layer:2 \
+        --budget-margin 1 --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_fitauto"
     ;;
 fit3)
     # twelfth session, call 4: the GPU tests the budget touches (both paths) and those not run on the

@@ -534,6 +534,8 @@ class TeoEngine:
         self.budget_waits = 0
         self.budget_wait_bytes = 0
         self.budget_trace: Optional[list] = None  # a list: fit_budget records its waits there (diagnostic)
+        self.reloads_deferred = 0  # prefetches put off for want of room under the budget (public)
+        self._deferred_reloads: list[int] = []  # layers whose prefetch waits for room, in order
         if memory_budget is not None:
             _BUDGET_ENGINES.add(self)
         # copies to the host whose GPU bytes the engine may still hold, in the copy stream's order
@@ -789,6 +791,7 @@ class TeoEngine:
                 self._had_figure_step = True
             self._strict_at_entry, self._end_bytes, self._layer_bytes = {}, None, 0
         self._in_flight.clear()
+        self._deferred_reloads.clear()
         if not self._layers:
             return
         for layer in list(self._layers):
@@ -898,7 +901,7 @@ class TeoEngine:
             self._release_reload(done)
         self.fit_budget(where="backward")
         for j in reloads_at_backward_start(layer, self.prefetch, self.num_layers, self.model_layers):
-            self._reload(j)
+            self._reload(j, prefetch=j != layer)
 
     def _note_forward_end(self) -> None:
         """release="memory": the memory at the start of backward (the step's peak) and the largest
@@ -911,8 +914,9 @@ class TeoEngine:
         """The backward of what ran in layer ``layer``'s context is over and autograd released its
         saved tensors: its reloads go back to the allocator, and the next reload may start."""
         self._release_reload(layer)
+        self._retry_deferred_reloads()
         for j in reloads_at_region_end(layer, self.prefetch, self.num_layers, self.model_layers):
-            self._reload(j)
+            self._reload(j, prefetch=True)
 
     def finish_backward(self) -> None:
         """The backward is over: its reloads are dropped and its host buffers go back to the pool,
@@ -920,13 +924,33 @@ class TeoEngine:
         self._finish_queued = False
         self._end_step()
 
-    def _reload(self, layer: int) -> None:
+    def _retry_deferred_reloads(self) -> None:
+        """memory_budget: prefetches put off for want of room start, in order, once they fit."""
+        while self._deferred_reloads:
+            layer = self._deferred_reloads[0]
+            copies = self._layers.get(layer)
+            if copies is None or copies.reloaded:  # gone, or reloaded for a use meanwhile
+                self._deferred_reloads.pop(0)
+            elif not self._reload(layer, prefetch=True):  # started: _reload took it off the list
+                return
+
+    def _reload(self, layer: int, prefetch: bool = False) -> bool:
+        """Queues ``layer``'s copies back to the GPU; False where a ``prefetch`` under a memory
+        budget was put off (it would pass the budget with nothing held left to give back: it
+        starts at a later look once the backward has freed room, or at its first use)."""
         copies = self._layers.get(layer)
         if copies is None or copies.reloaded or not copies.copies:
-            return
+            return True
         if self.memory_budget is not None:  # the reloads below allocate: room first (the layer's own held bytes stay)
             sizes = [c.nbytes for c in copies.copies if c.source is None and not c.used_up]
             self.fit_budget(sum(sizes), keep_layer=layer, where="reload", sizes=sizes)
+            if prefetch and sizes and self._memory() + sum(sizes) > self.memory_budget:
+                if layer not in self._deferred_reloads:
+                    self._deferred_reloads.append(layer)
+                    self.reloads_deferred += 1
+                return False
+            if layer in self._deferred_reloads:
+                self._deferred_reloads.remove(layer)
         copies.reloaded = True  # first: a raise below leaves what was started for _release_reload to wait on
         h2d = None
         for c in copies.copies:
@@ -941,6 +965,7 @@ class TeoEngine:
                 # the memory the allocator hands out: the copy stream starts after them.
                 h2d.wait_stream(torch.cuda.current_stream(self._device))
             self._reload_copy(c, h2d)
+        return True
 
     def _reload_copy(self, c: _HostCopy, h2d) -> None:
         """Queues one range's copy back into new memory taken on the compute stream (``h2d`` has
@@ -978,6 +1003,7 @@ class TeoEngine:
             return handle.shell
         if self.memory_budget is not None:
             self.fit_budget(where="use")
+            self._retry_deferred_reloads()
         if not isinstance(handle, _Moved):
             return handle
         if handle.step != self._step:

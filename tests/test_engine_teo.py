@@ -492,7 +492,7 @@ def test_region_ends_release_and_reload_through_real_hooks(monkeypatch):
     ctx, sync, _ = offload_context("teo", num_layers=3, model_layers=4)
     engine = ctx.engine
     calls = []
-    monkeypatch.setattr(engine, "_reload", lambda layer: calls.append(("reload", layer)))
+    monkeypatch.setattr(engine, "_reload", lambda layer, prefetch=False: calls.append(("reload", layer)))
     monkeypatch.setattr(engine, "_release_reload", lambda layer: calls.append(("release", layer)))
     x = torch.randn(8, 8, requires_grad=True)
     h = x * 1.0
@@ -1291,3 +1291,31 @@ def test_a_reload_asks_room_for_each_copy_it_brings_back(monkeypatch):
     monkeypatch.setattr(engine, "_reload_copy", lambda c, stream: None)
     engine._reload(1)
     assert asked == [[c.nbytes for c in l1]] and stream.waited == []
+
+
+def test_a_prefetch_past_the_budget_waits_for_room_and_a_use_never_waits(monkeypatch):
+    """Layer 1's 16 bytes come back into a budget of 40 with 30 in use: its prefetch is put off
+    (nothing held to give back); once the backward frees room, the next look starts it. A reload
+    for a use starts whatever the budget says."""
+    engine, stream, extra = _budget_engine(monkeypatch, 2, 3, budget=40)
+    engine.enter_layer()
+    engine.enter_layer()
+    l1 = _queued_copies(engine, 1, done=[True, True])
+    engine.enter_layer()  # the ended copies give their bytes back: nothing held
+    h2d = _FakeStream()
+    h2d.wait_stream = lambda other: None
+    monkeypatch.setattr(engine, "_streams", lambda device=None: (None, h2d))
+    reloaded = []
+    monkeypatch.setattr(engine, "_reload_copy", lambda c, stream: reloaded.append(c))
+    extra[0] = 30
+    assert engine._reload(1, prefetch=True) is False
+    assert reloaded == [] and engine.reloads_deferred == 1 and engine._deferred_reloads == [1]
+    engine.unpack("kept on the GPU")  # a look with no more room: still put off, counted once
+    assert reloaded == [] and engine.reloads_deferred == 1
+    extra[0] = 20  # the backward freed 10: 20 + 16 <= 40
+    engine.unpack("kept on the GPU")
+    assert reloaded == l1 and engine._deferred_reloads == [] and engine._layers[1].reloaded
+    engine._layers[1].reloaded = False
+    reloaded.clear()
+    extra[0] = 39
+    assert engine._reload(1) is True and reloaded == l1  # for a use: no waiting for room

@@ -35,6 +35,15 @@ log = logging.getLogger(__name__)
 _MAX_PENDING_CHECKS = 64  # split-size checks of earlier calls kept before the oldest is awaited
 
 
+def _wgrad_bytes(op) -> list[int]:
+    """The weight grad ``op``'s backward allocates now: none into main_grad, delayed or frozen."""
+    params = weight_params(op)
+    if not params[0].requires_grad or op._accumulate_into_main_grad or \
+            (op.wgrad_store is not None and op.wgrad_store.delay_wgrad_compute()):
+        return []
+    return [sum(p.numel() for p in params) * params[0].element_size()]
+
+
 class FusedScaledSReLUMLP(FusedOperation):
     """Joint forward/backward fusion of te_offload_ops GroupedLinear, ScaledSReLU, GroupedLinear."""
 
@@ -211,7 +220,11 @@ class FusedScaledSReLUMLP(FusedOperation):
         if getattr(ctx_act, "teo_z_spent", False):  # TE's fuser refuses a second backward before this
             raise RuntimeError(f"{type(self).__name__}: a second backward through the same graph; the first wrote "
                                "act over the saved z (TE's op fuser does not run a second backward of its ops either)")
-        engines.make_room([z.numel() * z.element_size()], z.device)  # dz (act is written over z)
+        # dz (act is written over z), then what the wgrads (unless into main_grad or delayed) and dx
+        # allocate: an offload engine with a memory budget makes room and holds back its prefetches
+        engines.make_room([z.numel() * z.element_size(), *_wgrad_bytes(fc2), *_wgrad_bytes(fc1),
+                           *([x.shape[0] * fc1.in_features * dy.element_size()] if ctx1.input_requires_grad else [])],
+                          z.device)
         w2, rev2 = expert_weights(fc2)
         dz, dprobs, act = kernels.grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, reversed_experts=rev2,
                                                           act_in_z=True)
