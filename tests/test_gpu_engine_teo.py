@@ -293,11 +293,11 @@ def test_slow_copies_and_reused_memory_keep_steps_exact(monkeypatch, path):
             torch.cuda._sleep(1_000_000)
         return to_host(self, t, storage, span)
 
-    def slow_reload(self, layer):
+    def slow_reload(self, layer, prefetch=False):
         if self._h2d is not None:
             with torch.cuda.stream(self._h2d):
                 torch.cuda._sleep(1_000_000)
-        return to_gpu(self, layer)
+        return to_gpu(self, layer, prefetch)
 
     monkeypatch.setattr(engines_teo.TeoEngine, "_copy_to_host", slow_to_host)
     monkeypatch.setattr(engines_teo.TeoEngine, "_reload", slow_reload)
