@@ -5,7 +5,9 @@ Each run under the cap that fit is a point: tokens per step against the same pro
 search (x) and tokens/s against that search's (y); one line per engine and policy through its
 batches. The issue's target is the corner at x >= 1.5 and y >= 0.95, shaded.
 
-    python3 benchmarks/moe_step_cap_chart.py RUN.json [RUN.json ...] [--shape big-ffn] [--out DIR] [--stem NAME]
+    python3 benchmarks/moe_step_cap_chart.py RUN.json[=TAG] [...] [--shape big-ffn] [--out DIR] [--stem NAME]
+
+``=TAG`` names a run's points apart (e.g. runs of the same engine on different code).
 
 Writes NAME.{md,png} (default ``moe_step_cap_<shape>``): the table of points and the chart.
 """
@@ -32,9 +34,10 @@ def engine_label(run: dict, config: dict) -> str:
     return run["engine"]
 
 
-def cap_points(result: dict, shape: str) -> list[dict]:
+def cap_points(result: dict, shape: str, tag: str = "") -> list[dict]:
     """Every run under the cap that fit, per engine and policy searched, against the same process's
-    no-offload search: {"engine", "policy", "batch", "tokens_x", "rate_x", "cap_GiB"}, by batch."""
+    no-offload search: {"engine", "policy", "batch", "tokens_x", "rate_x", "cap_GiB"}, by batch
+    (``tag``, if any, after the engine's name)."""
     out = []
     for s in result["shapes"]:
         if s["name"] != shape:
@@ -50,7 +53,8 @@ def cap_points(result: dict, shape: str) -> list[dict]:
                     continue
                 for t in sorted(search["trials"], key=lambda t: t["batch"]):
                     if t["fits"] and t.get("tokens_per_s"):
-                        out.append({"engine": engine_label(run, result.get("config", {})), "policy": search["policy"],
+                        label = engine_label(run, result.get("config", {})) + (f" [{tag}]" if tag else "")
+                        out.append({"engine": label, "policy": search["policy"],
                                     "batch": t["batch"], "tokens_x": t["batch"] / ref["batch"],
                                     "rate_x": t["tokens_per_s"] / ref["tokens_per_s"], "cap_GiB": cap.get("cap_GiB")})
     return out
@@ -104,17 +108,20 @@ def chart(points: list[dict], shape: str, path: Path) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", type=Path, help="moe_step JSON results")
+    p.add_argument("runs", nargs="+", help="moe_step JSON results, each with an optional =TAG")
     p.add_argument("--shape", default="big-ffn")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--stem")
     a = p.parse_args(argv)
     points, sources = [], []
-    for path in a.runs:
+    for spec in a.runs:
+        name, _, tag = spec.partition("=") if not Path(spec).exists() else (spec, "", "")
+        path = Path(name)
         result = json.loads(path.read_text())
-        found = cap_points(result, a.shape)
+        found = cap_points(result, a.shape, tag)
         points += found
-        sources.append(f"{path.name} ({result.get('gpu')}, {result.get('date')}): {len(found)} runs under the cap")
+        sources.append(f"{path.name}{f' [{tag}]' if tag else ''} ({result.get('gpu')}, {result.get('date')}): "
+                       f"{len(found)} runs under the cap")
     if not points:
         print(f"moe_step_cap_chart.py: no run under a cap of shape {a.shape!r} in {[str(r) for r in a.runs]}",
               file=sys.stderr)

@@ -732,6 +732,9 @@ def test_cap_chart_points_are_against_their_own_process_and_only_runs_that_fit(t
     assert cc.main([str(path), "--out", str(tmp_path), "--stem", "c"]) == 0
     assert (tmp_path / "c.md").exists() and (tmp_path / "c.png").stat().st_size > 0
     assert cc.main([str(path), "--shape", "wide", "--out", str(tmp_path)]) == 1  # no cap runs of that shape
+    assert cc.main([str(path), f"{path}=new code", "--out", str(tmp_path), "--stem", "t"]) == 0  # a tag sets runs apart
+    text = (tmp_path / "t.md").read_text()
+    assert "| teo-b (cap - 1 GiB) [new code] | layer 2/4 | 67.0 | 12 |" in text and "r.json [new code] (G, d)" in text
 
 
 def test_under_cap_limits_the_allocator_and_always_restores_it():
