@@ -16,9 +16,13 @@ end of an expandable segment is not counted as growable).
 from __future__ import annotations
 
 import bisect
+import logging
 from typing import Iterable, Optional, Sequence
 
 import torch
+
+_log = logging.getLogger(__name__)
+_told_no_fraction = False
 
 _ROUND = 512  # the allocator rounds every size up to this
 _LARGE = 1 << 20  # sizes above this come from the large pool; smaller remainders are not split off
@@ -71,11 +75,24 @@ def unplaced(sizes: Sequence[int], free: Iterable[int], mappable: int) -> list[i
 def mappable_bytes(device: torch.device) -> int:
     """What the allocator may still map on ``device``: the cap (its memory fraction of the GPU, if
     torch tells it) less what it has reserved, and no more than the driver has free."""
+    global _told_no_fraction
     index = device.index if device.index is not None else torch.cuda.current_device()
     free, total = torch.cuda.mem_get_info(index)
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None and not _told_no_fraction:
+        _told_no_fraction = True
+        _log.warning("this torch cannot tell the per-process memory fraction: a cap set with "
+                     "set_per_process_memory_fraction is not seen, and teo's memory budget takes the GPU's free "
+                     "memory as room to map (the allocator may still release its cache at such a cap)")
     limit = total if getter is None else int(getter(index) * total)
     return max(0, min(free, limit - torch.cuda.memory_reserved(index)))
+
+
+def _snapshot() -> list:
+    try:  # without the allocator's recorded history, where torch can leave it out (cheaper)
+        return torch.cuda.memory_snapshot(include_traces=False)
+    except TypeError:
+        return torch.cuda.memory_snapshot()
 
 
 def short_of(sizes: Sequence[int], device: torch.device, stream: Optional[int] = None) -> list[int]:
@@ -89,5 +106,6 @@ def short_of(sizes: Sequence[int], device: torch.device, stream: Optional[int] =
         return []
     if stream is None:
         stream = torch.cuda.current_stream(device).cuda_stream
-    segments = [s for s in torch.cuda.memory_snapshot() if s.get("device") in (None, device.index)]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    segments = [s for s in _snapshot() if s.get("device") in (None, index)]
     return unplaced(sizes, free_blocks(segments, stream), mappable)

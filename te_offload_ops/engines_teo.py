@@ -937,7 +937,8 @@ class TeoEngine:
     def _reload(self, layer: int, prefetch: bool = False) -> bool:
         """Queues ``layer``'s copies back to the GPU; False where a ``prefetch`` under a memory
         budget was put off (it would pass the budget with nothing held left to give back: it
-        starts at a later look once the backward has freed room, or at its first use)."""
+        starts at a later region's end once the backward has freed room, or at its first use; not
+        at each use, where an op is about to allocate)."""
         copies = self._layers.get(layer)
         if copies is None or copies.reloaded or not copies.copies:
             return True
@@ -1003,7 +1004,6 @@ class TeoEngine:
             return handle.shell
         if self.memory_budget is not None:
             self.fit_budget(where="use")
-            self._retry_deferred_reloads()
         if not isinstance(handle, _Moved):
             return handle
         if handle.step != self._step:

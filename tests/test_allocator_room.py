@@ -46,7 +46,7 @@ def test_small_and_empty_allocations_are_not_asked_about():
 
 def test_short_of_reads_no_snapshot_where_new_memory_takes_everything(monkeypatch):
     monkeypatch.setattr(allocator_room, "mappable_bytes", lambda device: 100 * MiB)
-    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: pytest.fail("no snapshot needed"))
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda **kw: pytest.fail("no snapshot needed"))
     assert allocator_room.short_of([40 * MiB, 60 * MiB], torch.device("cuda", 0), stream=7) == []
 
 
@@ -54,5 +54,7 @@ def test_short_of_reads_the_snapshot_of_its_device_where_the_cap_is_near(monkeyp
     monkeypatch.setattr(allocator_room, "mappable_bytes", lambda device: 20 * MiB)
     here, other = _segment([(64, "inactive")]), _segment([(4096, "inactive")])
     here["device"], other["device"] = 1, 0
-    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [other, here])
+    asked = []
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda **kw: asked.append(kw) or [other, here])
     assert allocator_room.short_of([60 * MiB, 100 * MiB], torch.device("cuda", 1), stream=7) == [100 * MiB]
+    assert asked == [{"include_traces": False}]  # the recorded history is not read

@@ -1295,8 +1295,9 @@ def test_a_reload_asks_room_for_each_copy_it_brings_back(monkeypatch):
 
 def test_a_prefetch_past_the_budget_waits_for_room_and_a_use_never_waits(monkeypatch):
     """Layer 1's 16 bytes come back into a budget of 40 with 30 in use: its prefetch is put off
-    (nothing held to give back); once the backward frees room, the next look starts it. A reload
-    for a use starts whatever the budget says."""
+    (nothing held to give back); once the backward frees room, the next region's end starts it (a
+    use, where an op is about to allocate, does not). A reload for a use starts whatever the
+    budget says."""
     engine, stream, extra = _budget_engine(monkeypatch, 2, 3, budget=40)
     engine.enter_layer()
     engine.enter_layer()
@@ -1310,10 +1311,12 @@ def test_a_prefetch_past_the_budget_waits_for_room_and_a_use_never_waits(monkeyp
     extra[0] = 30
     assert engine._reload(1, prefetch=True) is False
     assert reloaded == [] and engine.reloads_deferred == 1 and engine._deferred_reloads == [1]
-    engine.unpack("kept on the GPU")  # a look with no more room: still put off, counted once
+    engine.region_backward_done(2)  # a region's end with no more room: still put off, counted once
     assert reloaded == [] and engine.reloads_deferred == 1
     extra[0] = 20  # the backward freed 10: 20 + 16 <= 40
-    engine.unpack("kept on the GPU")
+    engine.unpack("kept on the GPU")  # a use (an op is about to allocate): not the moment
+    assert reloaded == [] and engine._deferred_reloads == [1]
+    engine.region_backward_done(2)
     assert reloaded == l1 and engine._deferred_reloads == [] and engine._layers[1].reloaded
     engine._layers[1].reloaded = False
     reloaded.clear()
