@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4|fit5|fit6}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4|fit5|fit6|fitall1|fitall2}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -250,6 +250,16 @@ fit6)
     # twelfth session, last: the automatic cap (65.5 GiB now) with one more trial, up to 12 sequences
     run 330 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-b --policies layer:2 \
         --budget-margin 1 --cap-trials 5 --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_fitauto5"
+    ;;
+fitall1|fitall2)
+    # next session (carry .dev/cute after .dev/te's setup): the other engines at big-ffn with the
+    # cap search on the twelfth session's fused MLP (act over z, forward in row blocks), the runs
+    # issue 12 asks beside teo-b's; fitall1 TE V2 and V1, fitall2 teo and teo-m
+    engines=$([ "$phase" = fitall1 ] && echo "v2 v1" || echo "teo teo-m")
+    for e in $engines; do
+        run 290 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines $e --policies mlp:2,layer:2 \
+            --memory-cap 67 --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_67_$e"
+    done
     ;;
 fit3)
     # twelfth session, call 4: the GPU tests the budget touches (both paths) and those not run on the

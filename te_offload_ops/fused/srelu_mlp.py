@@ -36,10 +36,16 @@ _MAX_PENDING_CHECKS = 64  # split-size checks of earlier calls kept before the o
 
 
 def _wgrad_bytes(op) -> list[int]:
-    """The weight grad ``op``'s backward allocates now: none into main_grad, delayed or frozen."""
+    """What ``op``'s weight grads allocate in its backward now: the grads themselves (one block),
+    or into main_grad only the placeholder grads Megatron's parameters get (``weight_grads``);
+    nothing when frozen, or delayed without main_grad."""
     params = weight_params(op)
-    if not params[0].requires_grad or op._accumulate_into_main_grad or \
-            (op.wgrad_store is not None and op.wgrad_store.delay_wgrad_compute()):
+    if not params[0].requires_grad:
+        return []
+    if op._accumulate_into_main_grad:
+        placeholders = sum(p.numel() * p.element_size() for p in params if hasattr(p, "grad_added_to_main_grad"))
+        return [placeholders] if placeholders else []
+    if op.wgrad_store is not None and op.wgrad_store.delay_wgrad_compute():
         return []
     return [sum(p.numel() for p in params) * params[0].element_size()]
 
