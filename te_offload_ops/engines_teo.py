@@ -721,7 +721,8 @@ class TeoEngine:
                 over -= self._drop_held(c, record, "budget")
                 if over <= 0 and sizes:
                     short = self._short_of(sizes)
-            else:
+            elif c.source_stream is None or c.source_stream == torch.cuda.current_stream(self._device):
+                # (bytes saved on another stream go back to that stream's pool: no room for this one's)
                 self._drop_held(c, record, "fit")
                 short = self._short_of(sizes)
             if over <= 0 and not short:

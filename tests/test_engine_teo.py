@@ -1245,8 +1245,9 @@ def test_make_room_refuses_what_is_not_a_byte_count(nbytes):
 
 def test_allocations_that_fit_no_free_block_make_held_copies_go_back_though_under_the_budget(monkeypatch):
     """Memory far under the budget, but the allocator (as the fake room tells) could place the
-    announced allocations only once 16 bytes of held copies are free: the oldest two are waited
-    for, then no more; a total announced as one int asks nothing of the room."""
+    announced allocations only once 16 bytes of held copies are free: the oldest two saved on this
+    stream are waited for (one saved on a side stream would free into that stream's pool), then no
+    more; a total announced as one int asks nothing of the room."""
     engine, stream, _ = _budget_engine(monkeypatch, 2, 4, budget=1000)
     engine.enter_layer()
     l0 = _queued_copies(engine, 0, done=[False, False])
@@ -1266,9 +1267,10 @@ def test_allocations_that_fit_no_free_block_make_held_copies_go_back_though_unde
     monkeypatch.setattr(engines_teo, "_BUDGET_ENGINES", weakref.WeakSet([engine]))
     engines_teo.make_room(24)  # one int: a total, not an allocation; 48 is far under 1000
     assert asked == [] and stream.waited == []
+    l0[1].source_stream = _FakeStream()  # saved on a side stream: its bytes would not serve this stream
     engines_teo.make_room([16, 8], torch.device("cuda", 0))
-    assert asked == [[16, 8]] * 3 and stream.waited == [l0[0].copied, l0[1].copied]
-    assert [c.source is None for c in l0 + l1] == [True, True, False, False]
+    assert asked == [[16, 8]] * 3 and stream.waited == [l0[0].copied, l1[0].copied]
+    assert [c.source is None for c in l0 + l1] == [True, False, True, False]
     assert [w["why"] for w in engine.budget_trace[0]["waits"]] == ["fit", "fit"]
     assert (engine.budget_waits, engine.budget_wait_bytes) == (2, 16)
 
