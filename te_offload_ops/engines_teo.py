@@ -80,7 +80,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import weakref
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -92,6 +91,7 @@ from transformer_engine.pytorch import cpu_offload
 from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 
 from . import allocator_room, capture, policy
+from .settings import mib_from_env
 
 _log = logging.getLogger(__name__)
 
@@ -178,14 +178,7 @@ COPY_CHUNK_ENV = "TEO_OFFLOAD_COPY_CHUNK_MIB"
 
 def copy_chunk_bytes() -> int:
     """Bytes per piece of a copy to the host per :data:`COPY_CHUNK_ENV` (0: whole copies)."""
-    raw = os.environ.get(COPY_CHUNK_ENV, "0") or "0"
-    try:
-        mib = int(raw)
-    except ValueError:
-        mib = -1
-    if mib < 0:
-        raise ValueError(f"{COPY_CHUNK_ENV} must be a whole number of MiB >= 0 (0: whole copies), got {raw!r}")
-    return mib << 20
+    return mib_from_env(COPY_CHUNK_ENV, 0, "whole copies") << 20
 
 
 def copy_pieces(nbytes: int, chunk: int) -> list[tuple[int, int]]:

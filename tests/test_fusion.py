@@ -293,19 +293,19 @@ def test_the_fused_backward_announces_the_weight_grads_it_allocates(monkeypatch)
     delayed without main_grad."""
     import types
 
-    from te_offload_ops.fused import srelu_mlp
+    from te_offload_ops.fused import weight_grads as wg
 
     params = [torch.nn.Parameter(torch.empty(4, 8, dtype=torch.bfloat16)) for _ in range(3)]
-    monkeypatch.setattr(srelu_mlp, "weight_params", lambda op: params)
+    monkeypatch.setattr(wg, "weight_params", lambda op: params)
     delayed = types.SimpleNamespace(delay_wgrad_compute=lambda: True)
     op = types.SimpleNamespace(_accumulate_into_main_grad=False, wgrad_store=None)
-    assert srelu_mlp._wgrad_bytes(op) == [3 * 4 * 8 * 2]
+    assert wg.weight_grad_bytes(op) == [3 * 4 * 8 * 2]
     op.wgrad_store = delayed
-    assert srelu_mlp._wgrad_bytes(op) == []
+    assert wg.weight_grad_bytes(op) == []
     op._accumulate_into_main_grad = True
-    assert srelu_mlp._wgrad_bytes(op) == []  # no parameter marked by Megatron: no placeholders
+    assert wg.weight_grad_bytes(op) == []  # no parameter marked by Megatron: no placeholders
     params[0].grad_added_to_main_grad = params[2].grad_added_to_main_grad = False
-    assert srelu_mlp._wgrad_bytes(op) == [2 * 4 * 8 * 2]
+    assert wg.weight_grad_bytes(op) == [2 * 4 * 8 * 2]
     for p in params:
         p.requires_grad_(False)
-    assert srelu_mlp._wgrad_bytes(op) == []
+    assert wg.weight_grad_bytes(op) == []

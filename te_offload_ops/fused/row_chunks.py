@@ -10,9 +10,9 @@ tokens and ffn 14336 in bf16), where a memory cap is tightest.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ..settings import mib_from_env
 
 CHUNK_ENV = "TEO_FUSED_ACT_CHUNK_MIB"
 DEFAULT_CHUNK_MIB = 1024  # below this an act is made whole (one GEMM pair, as before)
@@ -21,16 +21,7 @@ _ROW_ALIGN = 128  # blocks of whole tiles (the kernels' largest row tile)
 
 def chunk_mib() -> int:
     """The most MiB of ``act`` one block may hold: ``$TEO_FUSED_ACT_CHUNK_MIB`` (0: never cut)."""
-    raw = os.environ.get(CHUNK_ENV, "")
-    if raw == "":
-        return DEFAULT_CHUNK_MIB
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{CHUNK_ENV} must be a whole number of MiB >= 0 (0: act made whole), got {raw!r}")
-    return value
+    return mib_from_env(CHUNK_ENV, DEFAULT_CHUNK_MIB, "act made whole")
 
 
 def chunk_rows(tokens: int, ffn: int, itemsize: int) -> int:

@@ -2,8 +2,9 @@
 
 Forward: fc1 GEMM with an epilogue writing ``act = srelu(z) * prob`` (fc2's input) and ``z``;
 fc2 GEMM; where ``act`` would pass ``$TEO_FUSED_ACT_CHUNK_MIB`` (1024), both a block of token
-rows at a time (``row_chunks``: the same results, one block of ``act`` alive). Backward: fc2 dgrad with an epilogue that applies dSReLU and the prob scale, reduces
-the prob gradient and recomputes ``act`` for fc2's wgrad; wgrads; fc1 dgrad.
+rows at a time (``row_chunks``: the same results, one block of ``act`` alive). Backward: fc2
+dgrad with an epilogue that applies dSReLU and the prob scale, reduces the prob gradient and
+recomputes ``act`` for fc2's wgrad; wgrads; fc1 dgrad.
 
 Saved for backward, each through the policy under the flag of the op that owns it:
 fc1 -> its input ``x`` (and the split sizes); activation -> ``z`` and ``probs``; fc2 -> nothing
@@ -28,26 +29,11 @@ from .expert_weights import expert_weights, weight_dtype, weight_params
 from .row_chunks import block_split_sizes, chunk_rows, expert_row_ranges
 from .selection import runtime_blockers
 from .split_check import check_now, resolve_in_backward, start_check
-from .weight_grads import check_main_grad, weight_grads
+from .weight_grads import check_main_grad, weight_grad_bytes, weight_grads
 
 log = logging.getLogger(__name__)
 
 _MAX_PENDING_CHECKS = 64  # split-size checks of earlier calls kept before the oldest is awaited
-
-
-def _wgrad_bytes(op) -> list[int]:
-    """What ``op``'s weight grads allocate in its backward now: the grads themselves (one block),
-    or into main_grad only the placeholder grads Megatron's parameters get (``weight_grads``);
-    nothing when frozen, or delayed without main_grad."""
-    params = weight_params(op)
-    if not params[0].requires_grad:
-        return []
-    if op._accumulate_into_main_grad:
-        placeholders = sum(p.numel() * p.element_size() for p in params if hasattr(p, "grad_added_to_main_grad"))
-        return [placeholders] if placeholders else []
-    if op.wgrad_store is not None and op.wgrad_store.delay_wgrad_compute():
-        return []
-    return [sum(p.numel() for p in params) * params[0].element_size()]
 
 
 class FusedScaledSReLUMLP(FusedOperation):
@@ -228,7 +214,7 @@ class FusedScaledSReLUMLP(FusedOperation):
                                "act over the saved z (TE's op fuser does not run a second backward of its ops either)")
         # dz (act is written over z), then what the wgrads (unless into main_grad or delayed) and dx
         # allocate: an offload engine with a memory budget makes room and holds back its prefetches
-        engines.make_room([z.numel() * z.element_size(), *_wgrad_bytes(fc2), *_wgrad_bytes(fc1),
+        engines.make_room([z.numel() * z.element_size(), *weight_grad_bytes(fc2), *weight_grad_bytes(fc1),
                            *([x.shape[0] * fc1.in_features * dy.element_size()] if ctx1.input_requires_grad else [])],
                           z.device)
         w2, rev2 = expert_weights(fc2)

@@ -95,6 +95,21 @@ def _run_wgrad(temporaries, operands, grad_weights, *, main_grads, accumulate) -
         grad_weights[:] = kernels.grouped_wgrad(dy, x, split_sizes).unbind(0)
 
 
+def weight_grad_bytes(op) -> list[int]:
+    """What :func:`weight_grads` allocates for ``op`` when called now (for an offload engine's
+    memory budget): the grads themselves (one block), or into main_grad only the placeholder
+    grads of the parameters Megatron marked; nothing when frozen, or delayed without main_grad."""
+    params = weight_params(op)
+    if not params[0].requires_grad:
+        return []
+    if op._accumulate_into_main_grad:
+        placeholders = sum(p.numel() * p.element_size() for p in params if hasattr(p, "grad_added_to_main_grad"))
+        return [placeholders] if placeholders else []
+    if op.wgrad_store is not None and op.wgrad_store.delay_wgrad_compute():
+        return []
+    return [sum(p.numel() for p in params) * params[0].element_size()]
+
+
 def weight_grads(op, dy: torch.Tensor, x: torch.Tensor, split_sizes: torch.Tensor,
                  temporaries: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
     """Grads to return for ``op``'s weight Parameters for ``W_e = dy_e^T @ x_e``.
