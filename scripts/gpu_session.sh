@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4|fit5|fit6|fitall1|fitall2}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4|fit5|fit6|fitall1|fitall2|fitone ENGINE|rest13}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -260,6 +260,19 @@ fitall1|fitall2)
         run 290 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines $e --policies mlp:2,layer:2 \
             --memory-cap 67 --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_67_$e"
     done
+    ;;
+fitone)
+    # thirteenth session (after both setups): one engine at big-ffn with the cap search, MLP 2/4 and
+    # layer 2/4 under the 67 GiB cap, the whole call for it (two policies' cap searches may need more than 290 s)
+    e=${2:?usage: gpu_session.sh fitone ENGINE}
+    run 560 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines "$e" --policies mlp:2,layer:2 \
+        --memory-cap 67 --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_67_$e"
+    phase="fitone_$e"
+    ;;
+rest13)
+    # thirteenth session, call 2 (carry .dev/cute after .dev/te's setup): the GPU test files the
+    # twelfth session did not run on its final code
+    pytest_ 540 tests/test_gpu_ops.py tests/test_gpu_engines.py tests/test_megatron_gpu.py tests/test_moe_step_gpu.py
     ;;
 fit3)
     # twelfth session, call 4: the GPU tests the budget touches (both paths) and those not run on the
