@@ -75,11 +75,15 @@ def combine(results: list[dict], sources: list[str]) -> dict:
             into["failed"].update(s.get("failed", {}))
     target = next((r["config"].get("memory_target_GiB") for r in results
                    if r["config"].get("memory_target_GiB") is not None), None)
+    # the margin sets teo-b's budget only: it is the run with teo-b's (an engine is in one run at most)
+    margin = next((r["config"].get("budget_margin_GiB") for r in results if "teo-b" in r["config"]["engines"]),
+                  results[0]["config"].get("budget_margin_GiB"))
     out = {
         "benchmark": "moe_step", "gpu": results[0]["gpu"],
         "date": " / ".join(dict.fromkeys(r["date"] for r in results)),
         "alloc_conf": results[0].get("alloc_conf"),
-        "config": {**results[0]["config"], "engines": engines, "policies": policies, "memory_target_GiB": target},
+        "config": {**results[0]["config"], "engines": engines, "policies": policies, "memory_target_GiB": target,
+                   "budget_margin_GiB": margin},
         "pcie": pcie,
         "shapes": list(shapes.values()),
         "combined_from": [{"source": src, "date": r["date"], "engines": r["config"]["engines"]}

@@ -655,6 +655,27 @@ def test_runs_made_apart_combine_to_the_report_one_run_gives(tmp_path):
     assert "- from part0.json (2026-11-24 00:00 UTC): v2" in md and md.count("\n| v1 |") == 4 + 2 + 5 + 1
 
 
+def test_combined_runs_keep_the_budget_margin_of_the_run_with_teo_b(tmp_path):
+    # teo-b ran with --budget-margin 1 in the second call; the first call's default (2) must not
+    # name its budget in the combined report
+    import moe_step_combine
+
+    parts = _split_by_engine(_result())
+    parts[0]["config"]["budget_margin_GiB"] = 2.0
+    parts[1]["config"].update(engines=["teo-b"], budget_margin_GiB=1.0)
+    parts[1]["pcie"] = {"teo-b": parts[1]["pcie"].pop("v1")}
+    for s in parts[1]["shapes"]:
+        for r in s["runs"]:
+            r["engine"] = "teo-b"
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, part in zip(paths, parts):
+        path.write_text(json.dumps(part))
+    assert moe_step_combine.main([*map(str, paths), "--stem", "both"]) == 0
+    both = json.loads((tmp_path / "both.json").read_text())
+    assert both["config"]["budget_margin_GiB"] == 1.0
+    assert "memory_budget = the cap in force (the GPU's memory where none is) less 1 GiB" in (tmp_path / "both.md").read_text()
+
+
 @pytest.mark.parametrize("change, named", [
     (lambda r: r.update(gpu="NVIDIA H200"), "gpu differs between the runs"),
     (lambda r: r["config"].update(iters=9), "config.iters differs"),
