@@ -536,3 +536,20 @@ def test_two_by_two_cluster_forward_forms_compile(n, k, b_n_major, epilogue, sch
     multicast = [ln for ln in loads if "multicast::cluster" in ln]
     assert multicast and len(multicast) < len(loads), loads  # shared A and B, and B whole
     assert all(".3d" in ln for ln in loads if ln not in multicast)  # the whole B: (N, K, expert)
+
+
+@pytest.mark.parametrize("n", [64, 200, 1856, 4096, 14336])
+def test_dsrelu_bwd_bytes_match_the_kernel_the_launch_builds(n):
+    """What the fused backward announces to an offload engine's budget for the dsrelu GEMM: dz, then
+    one fp32 row of dprobs partials per n-block of the kernel get_kernel builds (its tile choice)."""
+    import cutlass
+
+    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
+
+    schedule = api.pick_schedule("dsrelu")
+    kern = GroupedGemmSm90(cutlass.BFloat16, n, 1024, 8, b_n_major=True, epilogue="dsrelu",
+                           tile_mn=api.pick_tile(n, schedule), schedule=schedule)
+    t = 12345
+    assert api.dsrelu_bwd_bytes(t, n, 2) == [t * n * 2, kern.n_tiles * t * 4]
+    assert api.dsrelu_bwd_bytes(0, n, 2) == [0]

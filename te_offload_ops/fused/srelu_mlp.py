@@ -212,10 +212,13 @@ class FusedScaledSReLUMLP(FusedOperation):
         if getattr(ctx_act, "teo_z_spent", False):  # TE's fuser refuses a second backward before this
             raise RuntimeError(f"{type(self).__name__}: a second backward through the same graph; the first wrote "
                                "act over the saved z (TE's op fuser does not run a second backward of its ops either)")
-        # dz (act is written over z), then what the wgrads (unless into main_grad or delayed) and dx
-        # allocate: an offload engine with a memory budget makes room and holds back its prefetches
-        engines.make_room([z.numel() * z.element_size(), *weight_grad_bytes(fc2), *weight_grad_bytes(fc1),
-                           *([x.shape[0] * fc1.in_features * dy.element_size()] if ctx1.input_requires_grad else [])],
+        # what this backward allocates, in its order: dz and dprobs' partial sums (act is written
+        # over z), fc2's wgrad (unless into main_grad or delayed), dx, fc1's wgrad: an offload
+        # engine with a memory budget makes room and holds back its prefetches
+        engines.make_room([*kernels.dsrelu_bwd_bytes(z.shape[0], z.shape[1], dy.element_size()),
+                           *weight_grad_bytes(fc2),
+                           *([x.shape[0] * fc1.in_features * dy.element_size()] if ctx1.input_requires_grad else []),
+                           *weight_grad_bytes(fc1)],
                           z.device)
         w2, rev2 = expert_weights(fc2)
         dz, dprobs, act = kernels.grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, reversed_experts=rev2,

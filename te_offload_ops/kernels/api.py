@@ -561,6 +561,17 @@ def grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, *, tile=None, schedul
     return dz, dprobs, act
 
 
+def dsrelu_bwd_bytes(t: int, n: int, itemsize: int, *, tile=None, schedule=None) -> list[int]:
+    """What :func:`grouped_gemm_dsrelu_bwd` with ``act_in_z`` allocates for T tokens and N columns,
+    in its order: dz, then dprobs' fp32 partial sums (one row per n-block). For an offload engine's
+    memory budget; the same tile choice as the launch, nothing compiled."""
+    if t == 0:
+        return [0]
+    schedule = pick_schedule("dsrelu", False, schedule, tile)
+    bn = (tuple(tile) if tile is not None else pick_tile(n, schedule))[1]
+    return [t * n * itemsize, -(-n // bn) * t * 4]
+
+
 WGRAD_BACKEND_ENV = "TEO_WGRAD_BACKEND"  # "cute" or "torch": overrides the default below
 WGRAD_BACKENDS = ("cute", "torch")
 # measured on H100 (benchmarks/results/bench_kernels*): see README "Which kernel runs where"
