@@ -109,3 +109,15 @@ def short_of(sizes: Sequence[int], device: torch.device, stream: Optional[int] =
     index = device.index if device.index is not None else torch.cuda.current_device()
     segments = [s for s in _snapshot() if s.get("device") in (None, index)]
     return unplaced(sizes, free_blocks(segments, stream), mappable)
+
+
+def most_room(device: torch.device, stream: Optional[int] = None) -> int:
+    """The most bytes one allocation on ``device`` (the current stream by default) could get without
+    the allocator releasing its cache, were all the stream's free blocks one: what the cap leaves
+    to map plus every free block. An upper bound: an allocation larger than it plus what giving
+    held bytes back would free cannot be helped by giving them back."""
+    if stream is None:
+        stream = torch.cuda.current_stream(device).cuda_stream
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    segments = [s for s in _snapshot() if s.get("device") in (None, index)]
+    return mappable_bytes(device) + sum(free_blocks(segments, stream))

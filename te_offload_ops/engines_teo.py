@@ -536,6 +536,8 @@ class TeoEngine:
         # release="memory": this step's and the last step's figures (bytes the allocator holds)
         self._memory = self._memory_allocated  # a seam for CPU tests
         self._room = allocator_room.short_of  # (sizes, device) -> those that would not fit: a seam for CPU tests
+        self._most_room = allocator_room.most_room  # (device) -> bytes one allocation could get at most: a seam
+        self.fits_given_up = 0  # looks where giving held bytes back could not make an allocation fit (public)
         self._strict_at_entry: dict[int, int] = {}
         self._end_bytes: Optional[int] = None
         self._layer_bytes = 0
@@ -707,15 +709,24 @@ class TeoEngine:
         record = None if trace is None else {"where": where, "layer": self._fwd_layer, "step": self._step,
                                              "memory": self._memory(), "incoming": incoming, "over": over,
                                              "waits": []}
-        for c in [c for c in self._in_flight if c.source is not None]:  # oldest first: copy order
-            if (keep_layer is not None and c.layer == keep_layer) or c.gpu is not None:  # serving in place: frees nothing
-                continue
+        held = [c for c in self._in_flight if c.source is not None  # oldest first: copy order
+                and not (keep_layer is not None and c.layer == keep_layer) and c.gpu is None]  # in place: frees nothing
+        here = torch.cuda.current_stream(self._device) if self._device is not None else None
+        # (bytes saved on another stream go back to that stream's pool: no room for this one's)
+        fits = {id(c): c for c in held if c.source_stream is None or c.source_stream == here}
+        hopeless = None  # whether giving back could not fit the largest short allocation: asked once
+        for c in held:
             if over > 0:
                 over -= self._drop_held(c, record, "budget")
                 if over <= 0 and sizes:
                     short = self._short_of(sizes)
-            elif c.source_stream is None or c.source_stream == torch.cuda.current_stream(self._device):
-                # (bytes saved on another stream go back to that stream's pool: no room for this one's)
+            elif id(c) in fits:
+                if hopeless is None:
+                    left = sum(f.nbytes for f in fits.values() if f.source is not None)
+                    hopeless = max(short) > self._most_room(self._device) + left
+                    self.fits_given_up += hopeless
+                if hopeless:
+                    break
                 self._drop_held(c, record, "fit")
                 short = self._short_of(sizes)
             if over <= 0 and not short:

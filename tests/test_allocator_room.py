@@ -58,3 +58,13 @@ def test_short_of_reads_the_snapshot_of_its_device_where_the_cap_is_near(monkeyp
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda **kw: asked.append(kw) or [other, here])
     assert allocator_room.short_of([60 * MiB, 100 * MiB], torch.device("cuda", 1), stream=7) == [100 * MiB]
     assert asked == [{"include_traces": False}]  # the recorded history is not read
+
+
+def test_most_room_is_the_room_to_map_and_every_free_block_of_the_stream_on_its_device(monkeypatch):
+    monkeypatch.setattr(allocator_room, "mappable_bytes", lambda device: 20 * MiB)
+    here = _segment([(64, "inactive"), (100, "active_allocated"), (30, "inactive")])
+    side, other = _segment([(500, "inactive")], stream=9), _segment([(4096, "inactive")])
+    here["device"] = side["device"] = 1
+    other["device"] = 0
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda **kw: [other, side, here])
+    assert allocator_room.most_room(torch.device("cuda", 1), stream=7) == (20 + 64 + 30) * MiB

@@ -1116,6 +1116,7 @@ def _budget_engine(monkeypatch, n, L, budget, base=0):
 
     engine._memory = memory
     engine._room = lambda sizes, device: []  # every announced allocation fits (tests of the fit set their own)
+    engine._most_room = lambda device: 1 << 60  # giving held bytes back can always help (one test sets less)
     return engine, stream, extra
 
 
@@ -1273,6 +1274,29 @@ def test_allocations_that_fit_no_free_block_make_held_copies_go_back_though_unde
     assert [c.source is None for c in l0 + l1] == [True, False, True, False]
     assert [w["why"] for w in engine.budget_trace[0]["waits"]] == ["fit", "fit"]
     assert (engine.budget_waits, engine.budget_wait_bytes) == (2, 16)
+
+
+def test_held_copies_stay_where_giving_them_all_back_could_not_fit_the_allocation(monkeypatch):
+    """An announced allocation of 100 bytes fits nowhere; the allocator could give one allocation at
+    most 50 bytes now (free blocks and room to map), and the four held copies free 32: no copy is
+    waited for (it would cost the wait and leave the allocation as short), and the look is counted.
+    With 70 bytes of room they could help: the oldest go back one by one until it fits."""
+    engine, stream, _ = _budget_engine(monkeypatch, 2, 4, budget=1000)
+    engine.enter_layer()
+    l0 = _queued_copies(engine, 0, done=[False, False])
+    engine.enter_layer()
+    l1 = _queued_copies(engine, 1, done=[False, False])
+    engine._device = torch.device("cuda", 0)
+    engine._room = lambda sizes, device: [] if sum(c.nbytes for c in l0 + l1 if c.source is None) >= 24 else [100]
+    engine._most_room = lambda device: 50
+    monkeypatch.setattr(engines_teo, "_BUDGET_ENGINES", weakref.WeakSet([engine]))
+    engines_teo.make_room([100], torch.device("cuda", 0))
+    assert stream.waited == [] and all(c.source is not None for c in l0 + l1)
+    assert (engine.fits_given_up, engine.budget_waits) == (1, 0)
+    engine._most_room = lambda device: 70
+    engines_teo.make_room([100], torch.device("cuda", 0))
+    assert [c.source is None for c in l0 + l1] == [True, True, True, False]
+    assert (engine.fits_given_up, engine.budget_waits) == (1, 3)
 
 
 def test_a_reload_asks_room_for_each_copy_it_brings_back(monkeypatch):

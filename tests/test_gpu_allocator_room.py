@@ -4,7 +4,7 @@ served without a release of the cache, what it says does not fit makes the alloc
 import torch
 
 from conftest import requires_gpu
-from te_offload_ops.allocator_room import free_blocks, short_of
+from te_offload_ops.allocator_room import free_blocks, most_room, short_of
 
 MiB = 2**20
 
@@ -33,6 +33,9 @@ def test_the_model_tells_which_allocations_the_allocator_serves_without_a_retry(
         fits = torch.empty(hole - 56 * MiB, dtype=torch.uint8, device=device)  # into a hole
         assert _retries() == before
         assert short_of([hole + 44 * MiB], device) == [hole + 44 * MiB]  # no hole that large, no room to map
+        # the bound teo's budget asks before giving held bytes back for it counts every free block (the
+        # other hole and the 56 MiB left of this one) and the room to map: it does not give up on this size
+        assert most_room(device) >= hole + 56 * MiB > hole + 44 * MiB
         big = torch.empty(hole + 44 * MiB, dtype=torch.uint8, device=device)  # the allocator releases its cache
         assert _retries() == before + 1
         del fits, big
