@@ -68,3 +68,47 @@ def test_most_room_is_the_room_to_map_and_every_free_block_of_the_stream_on_its_
     other["device"] = 0
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda **kw: [other, side, here])
     assert allocator_room.most_room(torch.device("cuda", 1), stream=7) == (20 + 64 + 30) * MiB
+
+
+def _ranges(*ranges, stream=7):
+    """Mapped ranges of one expandable segment as the snapshot lists them: (address MiB, blocks)."""
+    out = []
+    for address, blocks in ranges:
+        seg = _segment(blocks, stream=stream)
+        seg.update(is_expandable=True, address=address * MiB, total_size=sum(n for n, _ in blocks) * MiB)
+        out.append(seg)
+    return out
+
+
+def test_the_free_block_ending_a_mapped_range_is_told_apart_with_the_address_space_after_it():
+    segments = _ranges((1000, [(100, "active_allocated"), (40, "inactive"), (30, "inactive")]),
+                       (0, [(200, "inactive"), (300, "active_allocated")]))
+    segments.append(_segment([(64, "inactive")]))  # not expandable: every free block is inside
+    inner, ends = allocator_room.expandable_ends(segments, 7)
+    assert sorted(inner) == [40 * MiB, 64 * MiB, 200 * MiB]
+    # in address order: the range at 0 ends allocated, 500 MiB of address space to the next; the
+    # range at 1000 ends with 30 MiB free, and nothing is mapped after it
+    assert ends == [(0, 500 * MiB), (30 * MiB, float("inf"))]
+
+
+def test_new_pages_extend_the_free_block_that_ends_a_range_so_less_must_be_mapped():
+    # 100 MiB fits no block; the range's end block (70 MiB) and 40 MiB of new pages (2 x 20) take it
+    assert unplaced([100 * MiB], [50 * MiB], mappable=40 * MiB, ends=[(70 * MiB, float("inf"))]) == []
+    # without the end block (not expandable) the 40 MiB the cap leaves are too few
+    assert unplaced([100 * MiB], [50 * MiB, 70 * MiB], mappable=40 * MiB) == [100 * MiB]
+    # the end block is used up: the next 100 MiB needs 100 MiB of pages
+    assert unplaced([100 * MiB, 100 * MiB], [], mappable=140 * MiB, ends=[(70 * MiB, float("inf"))]) == []
+    assert unplaced([100 * MiB, 100 * MiB], [], mappable=130 * MiB, ends=[(70 * MiB, float("inf"))]) == [100 * MiB]
+    # the first range in address order with the address space is the one extended: the first range's
+    # end block and the 40 MiB hole after it hold 90 MiB, too few for 100, so the last range (end
+    # block 10 MiB) takes it with 100 MiB of pages
+    ends = [(50 * MiB, 40 * MiB), (10 * MiB, float("inf"))]
+    assert unplaced([100 * MiB], [], mappable=100 * MiB, ends=ends) == []
+    assert unplaced([100 * MiB], [], mappable=80 * MiB, ends=ends) == [100 * MiB]
+
+
+def test_an_end_block_large_enough_is_a_best_fit_candidate_like_any_free_block():
+    # 30 MiB: the 32 MiB end block is the best fit (before the 40 MiB inner one); its 2 MiB rest stays
+    ends = [(32 * MiB, float("inf"))]
+    assert unplaced([30 * MiB, 40 * MiB, 2 * MiB], [40 * MiB], mappable=0, ends=ends) == []
+    assert unplaced([30 * MiB, 40 * MiB, 41 * MiB], [40 * MiB], mappable=0, ends=ends) == [41 * MiB]

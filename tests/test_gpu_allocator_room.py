@@ -43,3 +43,44 @@ def test_the_model_tells_which_allocations_the_allocator_serves_without_a_retry(
         blocks.clear()
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.empty_cache()
+
+
+_EXPANDABLE_CHILD = r"""
+import json, torch
+from te_offload_ops.allocator_room import expandable_ends, short_of
+MiB = 2**20
+dev = torch.device("cuda", 0)
+stream = torch.cuda.current_stream(dev).cuda_stream
+total = torch.cuda.get_device_properties(dev).total_memory
+torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(dev) + 400 * MiB + 60 * MiB) / total, dev)
+a = torch.empty(200 * MiB, dtype=torch.uint8, device=dev)
+b = torch.empty(200 * MiB, dtype=torch.uint8, device=dev)
+del b  # the mapped range now ends with a 200 MiB free block; the cap leaves 60 MiB to map
+ends = expandable_ends(torch.cuda.memory_snapshot(), stream)[1]
+asked = {"fits": short_of([250 * MiB], dev), "too_large": short_of([300 * MiB], dev)}
+before = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)
+c = torch.empty(250 * MiB, dtype=torch.uint8, device=dev)  # the free end block and 60 MiB of new pages
+retries = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) - before
+print(json.dumps({"ends": [[f, None if g == float("inf") else g] for f, g in ends], "asked": asked, "retries": retries}))
+"""
+
+
+@requires_gpu
+def test_with_expandable_segments_new_pages_extend_the_free_block_ending_the_mapped_range():
+    """In a process with expandable segments: a 250 MiB allocation fits no free block (200 MiB at the
+    range's end) nor the 60 MiB the cap leaves to map, yet the allocator serves it without a retry by
+    mapping 60 MiB after that block. The model says it fits; 300 MiB it says would not."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "CUDA_VISIBLE_DEVICES":
+           os.environ.get("CUDA_VISIBLE_DEVICES", str(torch.cuda.current_device())).split(",")[0]}
+    done = subprocess.run([sys.executable, "-c", _EXPANDABLE_CHILD], env=env, capture_output=True, text=True,
+                          timeout=180, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["ends"] == [[200 * MiB, None]], got
+    assert got["asked"] == {"fits": [], "too_large": [300 * MiB]}, got
+    assert got["retries"] == 0, got
