@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4|fit5|fit6|fitall1|fitall2|fitone ENGINE|rest13}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4|fit5|fit6|fitall1|fitall2|fitone ENGINE|rest13|verify13}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -273,6 +273,13 @@ rest13)
     # thirteenth session, call 2 (carry .dev/cute after .dev/te's setup): the GPU test files the
     # twelfth session did not run on its final code
     pytest_ 540 tests/test_gpu_ops.py tests/test_gpu_engines.py tests/test_megatron_gpu.py tests/test_moe_step_gpu.py
+    ;;
+verify13)
+    # thirteenth session, last call (carry .dev/cute after .dev/te's setup): the GPU tests of the
+    # session's changes (the backward's announced allocations, the allocator model with expandable
+    # segments, the budget on both paths)
+    pytest_ 150 -s tests/test_gpu_allocator_room.py tests/test_gpu_fused.py tests/test_gpu_engine_teo.py \
+        -k "allocator or expandable or announces or budget"
     ;;
 fit3)
     # twelfth session, call 4: the GPU tests the budget touches (both paths) and those not run on the
