@@ -8,12 +8,9 @@ avoid it: the free bytes may lie in pieces. teo's ``memory_budget`` asks here, f
 is told of in advance, and gives back held bytes until each one fits.
 
 Read from ``torch.cuda.memory_snapshot()`` (the blocks of the default pool) and the allocator's
-reserved bytes against the cap; a model of the allocator's choice: best fit among the free blocks
-of the stream's large pool, else new memory. With expandable segments the new pages go at the end
-of a mapped range of the stream's segment (the snapshot lists each mapped range as a segment), the
-first in address order with the address space, joined to the free block that ends it: what must
-be mapped is the size less that block. Not modelled: ``max_split_size_mb`` (blocks above it are not
-split) and the small pool (<= 1 MiB), which does not fragment here.
+reserved bytes against the cap; a model of the allocator's choice (best fit among the free blocks
+of the stream's large pool, else new memory), conservative where it is unsure (a free block at the
+end of an expandable segment is not counted as growable).
 """
 
 from __future__ import annotations
@@ -40,45 +37,20 @@ def _round(n: int) -> int:
 def free_blocks(segments: Iterable[dict], stream: int) -> list[int]:
     """Sizes of the free blocks an allocation on ``stream`` (its ``cuda_stream`` handle) may take from
     the default pool's large segments, as ``torch.cuda.memory_snapshot()`` lists them."""
-    # (a CUDA graph's or a MemPool's segments are not for ordinary allocations)
-    return [b["size"] for seg in _stream_pool(segments, stream) for b in seg.get("blocks", ())
-            if b.get("state") == "inactive"]
+    out = []
+    for seg in segments:
+        if seg.get("segment_type") != "large" or seg.get("stream") != stream:
+            continue
+        if tuple(seg.get("segment_pool_id") or _DEFAULT_POOL) != _DEFAULT_POOL:
+            continue  # a CUDA graph's or a MemPool's: not for ordinary allocations
+        out.extend(b["size"] for b in seg.get("blocks", ()) if b.get("state") == "inactive")
+    return out
 
 
-def _pages(n: int) -> int:
-    return -(-max(n, 0) // _MAP_GRANULE) * _MAP_GRANULE
-
-
-def _stream_pool(segments: Iterable[dict], stream: int) -> list[dict]:
-    return [seg for seg in segments if seg.get("segment_type") == "large" and seg.get("stream") == stream
-            and tuple(seg.get("segment_pool_id") or _DEFAULT_POOL) == _DEFAULT_POOL]
-
-
-def expandable_ends(segments: Iterable[dict], stream: int) -> tuple[list[int], list[tuple[int, float]]]:
-    """The stream's free blocks as :func:`unplaced` takes them: those inside mapped ranges, and for
-    each mapped range of an expandable segment, in address order, (the free block that ends it or
-    0, the unmapped address space after it: to the next range, unbounded after the last)."""
-    inner, ranges = [], []
-    for seg in _stream_pool(segments, stream):
-        sizes = [b["size"] if b.get("state") == "inactive" else 0 for b in seg.get("blocks", ())]
-        if seg.get("is_expandable") and sizes:
-            ranges.append((seg["address"], seg["address"] + seg["total_size"], sizes.pop()))
-        inner.extend(n for n in sizes if n)
-    ranges.sort()
-    ends = [(free, (ranges[i + 1][0] - end) if i + 1 < len(ranges) else float("inf"))
-            for i, (_, end, free) in enumerate(ranges)]
-    return inner, ends
-
-
-def unplaced(sizes: Sequence[int], free: Iterable[int], mappable: int,
-             ends: Sequence[tuple[int, float]] = ()) -> list[int]:
+def unplaced(sizes: Sequence[int], free: Iterable[int], mappable: int) -> list[int]:
     """The sizes, in allocation order, that neither a free block (best fit, the rest split off)
-    nor new memory within ``mappable`` bytes would take: each would make the allocator release its
-    cache. ``ends``: with expandable segments, (free block at the end, address space after it) of
-    each mapped range in address order (:func:`expandable_ends`); new pages then extend the first
-    range with the address space, its end block joined to them; ``free`` the other free blocks."""
+    nor ``mappable`` bytes of new memory would take: each would make the allocator release its cache."""
     blocks = sorted(free)
-    ends = [list(e) for e in ends]
     left, out = mappable, []
     for size in sizes:
         if size <= 0:
@@ -87,24 +59,16 @@ def unplaced(sizes: Sequence[int], free: Iterable[int], mappable: int,
         if need <= _LARGE:
             continue  # the small pool: 2 MiB segments, not what fragments here
         i = bisect.bisect_left(blocks, need)
-        end = min((e for e in ends if e[0] >= need), key=lambda e: e[0], default=None)
-        if end is not None and (i == len(blocks) or end[0] < blocks[i]):
-            end[0] = end[0] - need if end[0] - need > _LARGE else 0
-            continue
         if i < len(blocks):
             rest = blocks.pop(i) - need
             if rest > _LARGE:
                 bisect.insort(blocks, rest)
             continue
-        grow = next((e for e in ends if e[0] + e[1] >= need), None)
-        pages = _pages(need - (grow[0] if grow else 0))
-        if pages > left:
+        pages = -(-need // _MAP_GRANULE) * _MAP_GRANULE
+        if pages <= left:
+            left -= pages
+        else:
             out.append(size)
-            continue
-        left -= pages
-        if grow is not None:  # the end block and the new pages: what is left of them ends the range
-            rest = grow[0] + pages - need
-            grow[0], grow[1] = (rest if rest > _LARGE else 0), grow[1] - pages
     return out
 
 
@@ -144,8 +108,7 @@ def short_of(sizes: Sequence[int], device: torch.device, stream: Optional[int] =
         stream = torch.cuda.current_stream(device).cuda_stream
     index = device.index if device.index is not None else torch.cuda.current_device()
     segments = [s for s in _snapshot() if s.get("device") in (None, index)]
-    inner, ends = expandable_ends(segments, stream)
-    return unplaced(sizes, inner, mappable, ends)
+    return unplaced(sizes, free_blocks(segments, stream), mappable)
 
 
 def most_room(device: torch.device, stream: Optional[int] = None) -> int:
