@@ -9,8 +9,11 @@ is told of in advance, and gives back held bytes until each one fits.
 
 Read from ``torch.cuda.memory_snapshot()`` (the blocks of the default pool) and the allocator's
 reserved bytes against the cap; a model of the allocator's choice (best fit among the free blocks
-of the stream's large pool, else new memory), conservative where it is unsure (a free block at the
-end of an expandable segment is not counted as growable).
+of the stream's large pool, else new memory of the whole size). With expandable segments the
+allocator would map only what a free block ending the mapped range lacks, but under a memory
+fraction it first checks the whole size against the cap, so that block does not help: measured
+(tests/test_gpu_allocator_room.py), and modelled so. Not modelled: ``max_split_size_mb`` (blocks
+above it are not split) and the small pool (<= 1 MiB), which does not fragment here.
 """
 
 from __future__ import annotations

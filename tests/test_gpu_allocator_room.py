@@ -43,3 +43,41 @@ def test_the_model_tells_which_allocations_the_allocator_serves_without_a_retry(
         blocks.clear()
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.empty_cache()
+
+
+_EXPANDABLE_CHILD = r"""
+import json, torch
+from te_offload_ops.allocator_room import short_of
+MiB = 2**20
+dev = torch.device("cuda", 0)
+total = torch.cuda.get_device_properties(dev).total_memory
+torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(dev) + 460 * MiB) / total, dev)
+a = torch.empty(200 * MiB, dtype=torch.uint8, device=dev)
+b = torch.empty(200 * MiB, dtype=torch.uint8, device=dev)
+del b  # the mapped range ends with a 200 MiB free block; the cap leaves 60 MiB to map
+asked = {"250": short_of([250 * MiB], dev), "40": short_of([40 * MiB], dev)}
+before = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)
+c = torch.empty(250 * MiB, dtype=torch.uint8, device=dev)
+retries = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) - before
+print(json.dumps({"asked": asked, "retries": retries}))
+"""
+
+
+@requires_gpu
+def test_under_a_cap_the_free_block_ending_an_expandable_segment_does_not_spare_the_retry():
+    """In a process with expandable segments: a 250 MiB allocation fits no free block (200 MiB ends
+    the mapped range) nor the 60 MiB the cap leaves to map. The block and 60 MiB of new pages would
+    hold it, but the allocator checks the whole size against the cap first: it releases its cache
+    and retries. The model says so (short); a 40 MiB allocation it says fits."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", str(torch.cuda.current_device())).split(",")[0]}
+    done = subprocess.run([sys.executable, "-c", _EXPANDABLE_CHILD], env=env, capture_output=True, text=True,
+                          timeout=180, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"asked": {"250": [250 * MiB], "40": []}, "retries": 1}, got
