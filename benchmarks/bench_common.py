@@ -116,6 +116,17 @@ def shrink_png(path, colors: int = 64) -> None:
     small.save(path, format="PNG", optimize=True)
 
 
+def read_result(path) -> dict:
+    """A benchmark's JSON result, plain or gzipped (``.json.gz``: how results are committed, to keep
+    the checkout small enough to travel to the device machine with the CuTe DSL)."""
+    import gzip
+    import json
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
 def write_reports(folder, stem: str, result: dict, markdown, chart) -> list:
     """``folder/stem.{json,md,png}`` from ``result``: ``markdown(result)`` -> text (also printed),
     ``chart(result, path)`` -> whether it drew the PNG. Returns the paths written."""

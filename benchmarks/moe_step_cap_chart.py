@@ -15,14 +15,13 @@ Writes NAME.{md,png} (default ``moe_step_cap_<shape>``): the table of points and
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_common import pyplot, save_png  # noqa: E402
+from bench_common import pyplot, read_result, save_png  # noqa: E402
 
 TOKENS_TARGET, RATE_TARGET = 1.5, 0.95
 
@@ -117,7 +116,7 @@ def main(argv=None) -> int:
     for spec in a.runs:
         name, _, tag = spec.partition("=") if not Path(spec).exists() else (spec, "", "")
         path = Path(name)
-        result = json.loads(path.read_text())
+        result = read_result(path)
         found = cap_points(result, a.shape, tag)
         points += found
         sources.append(f"{path.name}{f' [{tag}]' if tag else ''} ({result.get('gpu')}, {result.get('date')}): "

@@ -22,6 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from bench_common import read_result  # noqa: E402
 from moe_step_report import finish, write_reports  # noqa: E402
 
 # what must agree for rows of two runs to be compared
@@ -100,13 +101,13 @@ def main(argv=None) -> int:
     p.add_argument("--stem", help="file name without extension (default: the first input's + '_combined')")
     args = p.parse_args(argv)
     try:
-        results = [json.loads(path.read_text()) for path in args.inputs]
+        results = [read_result(path) for path in args.inputs]
         result = combine(results, [str(path) for path in args.inputs])
-    except (OSError, json.JSONDecodeError, ValueError) as exc:
+    except (OSError, EOFError, json.JSONDecodeError, ValueError) as exc:
         print(f"moe_step_combine.py: {exc}", file=sys.stderr)
         return 2
     out = args.out or args.inputs[0].parent
-    stem = args.stem or args.inputs[0].stem + "_combined"
+    stem = args.stem or args.inputs[0].name.split(".")[0] + "_combined"
     paths = write_reports(result, out, stem)
     print(f"wrote {', '.join(str(x) for x in paths)}")
     return 0

@@ -10,8 +10,9 @@
 #   phase main   the main job: moe_step quick (v2, teo), the unfused profile, CUDA graphs, ~6 min
 #   phases next1..next5 the seventh session's calls (see each), gemms: main_grad's extra time by
 #   GEMM, sweep: the Megatron settings over the sweep's shapes, ncu: Nsight Compute of the wgrads
-#   The tree that travels is limited to 64 MiB with what is carried: .dev/cute alone is 60.6 MiB,
-#   so a call carrying it works only while the repo's files stay under about 3.4 MiB.
+#   The tree that travels is limited to 64 MiB with what is carried: .dev/cute alone is 63.5 MB,
+#   so a call carrying it works only while the repo's files stay under about 3.4 MB (commit results'
+#   JSON gzipped: 3.45 MB of files was refused in the thirteenth session, 2.84 MB after gzip).
 #   phase suite1 tests/test_kernels_gpu.py and the fused-path files, ~5 min
 #   phase suite2 the rest of the suite, ~8 min
 set -uo pipefail

@@ -595,11 +595,14 @@ def test_cap_ceiling_goes_under_the_cap_table_and_into_the_cap_target_only():
 
 
 def test_results_written_before_these_fields_still_render():
-    old = sorted(p for p in (BENCH / "results").glob("moe_step_*.json") if not p.name.startswith("moe_step_profile"))
+    from bench_common import read_result
+
+    old = sorted(p for pattern in ("moe_step_*.json", "moe_step_*.json.gz") for p in (BENCH / "results").glob(pattern)
+                 if not p.name.startswith("moe_step_profile"))
     if not old:
         pytest.skip("no moe_step results in this checkout")
     for path in old:
-        result = json.loads(path.read_text())
+        result = read_result(path)
         rep.finish(result, result["config"].get("memory_target_GiB"))
         md = rep.markdown(result)
         # results from before the option say "-"; later ones what their processes ran under
