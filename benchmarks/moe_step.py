@@ -90,6 +90,10 @@ ENGINE_ENV = {
     "teo-h4": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},
     # teo with a memory budget (memory_budget): the cap (or the GPU's memory) less --budget-margin
     "teo-b": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},
+    # teo with the budget of a target peak: no offload's peak less the bytes the policy moves, plus
+    # --target-slack; bytes go back (waited for) only where memory would pass it, reloads start as
+    # it allows: the peak is freed of every byte moved, and the waits fall where they must
+    "teo-t": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},
 }
 # benchmark names -> offload_context's engine, options
 ENGINE_OPTIONS = {"teo-p1": ("teo", {"prefetch": 1}), "teo-c16": ("teo", {}), "teo-m": ("teo", {"release": "memory"}),
@@ -273,6 +277,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-margin", type=float, default=2.0,
                    help="GiB: engine teo-b's memory_budget is the cap (under the cap search; else the GPU's "
                         "memory) less this much, the room left for what ops allocate between the engine's looks")
+    p.add_argument("--target-slack", type=float, default=0.0,
+                   help="GiB: engine teo-t's memory_budget is the static floor plus no offload's peak less the "
+                        "bytes the policy moves, plus this much")
     p.add_argument("--alloc-conf", default="",
                    help=f"{ALLOC_ENV} for each engine's process, e.g. expandable_segments:True (as Megatron-Core "
                         "runs commonly use: it avoids the fragmentation that can fail a run under a cap well "
@@ -358,6 +365,8 @@ class StepBench:
         self.torch, self.args, self.engine, self.name = torch, args, engine, name
         self.cap_bytes = None  # bytes: the allocator's limit while a run under the cap is on
         self.budget_waits = None  # teo-b: (copies, MiB) waited for per timed step in the last run
+        self.none_peak_MiB: dict[int, float] = {}  # batch -> no offload's peak above the floor (teo-t's target)
+        self.moved_bytes: dict[tuple, int] = {}  # (scope, layers, batch) -> bytes plain teo moves in a step
         self.mark = lambda phase: contextlib.nullcontext()  # step_profile.phase_mark while profiling
         self.L, self.seq = args.layers, args.seq
         self.hidden = shape["hidden"]
@@ -387,7 +396,7 @@ class StepBench:
         dy = torch.randn(shape, device="cuda", dtype=self.dtype, generator=g)  # what the head sends back
         return x, dy
 
-    def _context(self, policy: Policy):
+    def _context(self, policy: Policy, batch: Optional[int] = None):
         from te_offload_ops.engines import offload_context
 
         if policy.scope == "none":
@@ -395,7 +404,31 @@ class StepBench:
         engine, options = ENGINE_OPTIONS.get(self.engine, (self.engine, {}))
         if self.engine == "teo-b":
             engine, options = "teo", {"memory_budget": self.memory_budget()}
+        if self.engine == "teo-t":
+            engine, options = "teo", {"memory_budget": self.target_budget(policy, batch or self.args.batch)}
         return offload_context(engine, num_layers=policy.layers, model_layers=self.L, **options)
+
+    def target_budget(self, policy: Policy, batch: int) -> int:
+        """teo-t's budget: the floor plus no offload's peak at ``batch`` (measured in this process,
+        else scaled by sequences from the batch measured) less what plain teo moves in a step of this
+        policy, plus --target-slack."""
+        if not self.none_peak_MiB:
+            raise RuntimeError("teo-t's budget needs this process's no-offload run first (the measurements run it "
+                               "first; with --profile, name none before the policies)")
+        measured = min(self.none_peak_MiB, key=lambda b: abs(b - batch))
+        none_peak = self.none_peak_MiB[measured] * batch / measured
+        key = (policy.scope, policy.layers, batch)
+        if key not in self.moved_bytes:
+            self.moved_bytes[key] = self._moved(policy, batch)
+        return int((self.floor_MiB + none_peak) * MiB - self.moved_bytes[key] + self.args.target_slack * GiB)
+
+    def _moved(self, policy: Policy, batch: int) -> int:
+        """Bytes plain teo moves to the host in one step of ``policy`` at ``batch``."""
+        from te_offload_ops.engines import offload_context
+
+        x, dy = self._inputs(batch)
+        context = offload_context("teo", num_layers=policy.layers, model_layers=self.L)
+        return self._step(x, dy, batch, policy, context)["offloaded"]
 
     @contextlib.contextmanager
     def under_cap(self, cap_GiB: Optional[float]):
@@ -449,20 +482,20 @@ class StepBench:
         """``warmup`` untimed then ``count`` timed steps; returns (samples, peak above floor MiB, held MiB)."""
         torch = self.torch
         x, dy = self._inputs(batch)
-        held = self._context(policy) if reuse else None
+        held = self._context(policy, batch) if reuse else None
         for _ in range(warmup):
-            self._step(x, dy, batch, policy, held or self._context(policy))
+            self._step(x, dy, batch, policy, held or self._context(policy, batch))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         engine = getattr(held[0], "engine", None) if held else None
         waits = (engine.budget_waits, engine.budget_wait_bytes, engine.reloads_deferred) \
             if getattr(engine, "memory_budget", None) else None
-        samples = [self._step(x, dy, batch, policy, held or self._context(policy)) for _ in range(count)]
+        samples = [self._step(x, dy, batch, policy, held or self._context(policy, batch)) for _ in range(count)]
         # teo-b: copies the compute stream waited for to stay under the budget, and prefetches put
         # off for room, per timed step
         self.budget_waits = None if waits is None else (
             (engine.budget_waits - waits[0]) / count, (engine.budget_wait_bytes - waits[1]) / count / MiB,
-            (engine.reloads_deferred - waits[2]) / count)
+            (engine.reloads_deferred - waits[2]) / count, engine.memory_budget)
         # active, not allocated: memory an engine handed back while its copy still reads it counts
         peak = active_bytes(peak=True) / MiB
         inputs_MiB = 2 * x.numel() * x.element_size() / MiB
@@ -501,10 +534,13 @@ class StepBench:
                     "held_between_steps_MiB": left - self.floor_MiB})
         if self.budget_waits is not None:
             (row["budget_waits_per_step"], row["budget_wait_MiB_per_step"],
-             row["budget_reloads_deferred_per_step"]) = self.budget_waits
-            row["notes"].append(f"budget {self.memory_budget() / GiB:.1f} GiB: waited for {self.budget_waits[0]:.0f} "
+             row["budget_reloads_deferred_per_step"], budget) = self.budget_waits
+            row["budget_GiB"] = budget / GiB
+            row["notes"].append(f"budget {budget / GiB:.1f} GiB: waited for {self.budget_waits[0]:.0f} "
                                 f"copies ({self.budget_waits[1]:.0f} MiB) per step to stay under it, put off "
                                 f"{self.budget_waits[2]:.1f} prefetches")
+        if policy.scope == "none":
+            self.none_peak_MiB[batch] = row["peak_above_MiB"]  # teo-t's target is against it
         if row["held_between_steps_MiB"] > 1:
             row["notes"].append(f"the engine holds {row['held_between_steps_MiB']:.0f} MiB between steps")
         return row
@@ -708,7 +744,7 @@ def merge(args, children: list[dict]) -> dict:
         "config": {"engines": args.engines, "policies": [p.label(args.layers) for p in args.policies],
                    "warmup": args.warmup, "iters": args.iters, "unfused": args.unfused, "quick": args.quick,
                    "cap_slowdown": args.cap_slowdown, "memory_target_GiB": args.memory_target,
-                   "budget_margin_GiB": args.budget_margin},
+                   "budget_margin_GiB": args.budget_margin, "target_slack_GiB": args.target_slack},
         "pcie": {c["engine"]: c["pcie"] for c in children},
         "shapes": shapes,
     }

@@ -76,15 +76,17 @@ def combine(results: list[dict], sources: list[str]) -> dict:
             into["failed"].update(s.get("failed", {}))
     target = next((r["config"].get("memory_target_GiB") for r in results
                    if r["config"].get("memory_target_GiB") is not None), None)
-    # the margin sets teo-b's budget only: it is the run with teo-b's (an engine is in one run at most)
+    # the margin sets teo-b's budget only, the slack teo-t's: each from the run with that engine
+    # (an engine is in one run at most)
     margin = next((r["config"].get("budget_margin_GiB") for r in results if "teo-b" in r["config"]["engines"]),
                   results[0]["config"].get("budget_margin_GiB"))
+    slack = next((r["config"].get("target_slack_GiB") for r in results if "teo-t" in r["config"]["engines"]), None)
     out = {
         "benchmark": "moe_step", "gpu": results[0]["gpu"],
         "date": " / ".join(dict.fromkeys(r["date"] for r in results)),
         "alloc_conf": results[0].get("alloc_conf"),
         "config": {**results[0]["config"], "engines": engines, "policies": policies, "memory_target_GiB": target,
-                   "budget_margin_GiB": margin},
+                   "budget_margin_GiB": margin, "target_slack_GiB": slack},
         "pcie": pcie,
         "shapes": list(shapes.values()),
         "combined_from": [{"source": src, "date": r["date"], "engines": r["config"]["engines"]}

@@ -19,7 +19,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4|fit5|fit6|fitall1|fitall2|fitone ENGINE|rest13|verify13}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4|fit5|fit6|fitall1|fitall2|fitone ENGINE|rest13|verify13|target1|target2|v2oom}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -281,6 +281,27 @@ verify13)
     # segments, the budget on both paths)
     pytest_ 150 -s tests/test_gpu_allocator_room.py tests/test_gpu_fused.py tests/test_gpu_engine_teo.py \
         -k "allocator or expandable or announces or budget"
+    ;;
+target1)
+    # next session (after both setups): teo-t, teo with the budget of the target peak (no offload's
+    # peak less what the policy moves): the base targets not met (MLP 7/8 and 8/8 at <= 1.03x
+    # freeing all, whole layers 4/8 at <= 1.10x the PCIe bound freeing >= 95%), slack 0 then 0.5 GiB
+    for slack in 0 0.5; do
+        run 285 python3 benchmarks/moe_step.py --shapes base --engines teo-t --policies mlp:6,mlp:7,mlp:8,layer:4 \
+            --target-slack $slack --no-cap --out "$OUT/results/base_t$slack"
+    done
+    ;;
+target2)
+    # next session: teo-t at wide (MLP 7/8, 8/8, layers 4/8 and 6/8) and big-ffn (layer 2/4, MLP 2/4)
+    run 300 python3 benchmarks/moe_step.py --shapes wide --engines teo-t --policies mlp:7,mlp:8,layer:4,layer:6 \
+        --no-cap --out "$OUT/results/wide_t"
+    run 280 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-t --policies mlp:2,layer:2 \
+        --no-cap --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_t"
+    ;;
+v2oom)
+    # next session (after both setups): what stays alive after TE V2's out-of-memory trial (layer 2/4
+    # at big-ffn fit no batch after it in the tenth and thirteenth sessions)
+    run 400 python3 scripts/diag_v2_oom.py v2
     ;;
 fit3)
     # twelfth session, call 4: the GPU tests the budget touches (both paths) and those not run on the
