@@ -354,6 +354,24 @@ def _empty_host_cache() -> None:
         empty()
 
 
+def release_te_offload_state() -> int:
+    """After a failed step: TE V2's offload synchronizers let go of the tensors they hold. A step
+    that fails mid-forward leaves its synchronizer holding the saved GPU tensors, and its autograd
+    graph holds the synchronizer (the unpack hooks, the layer-output prehook): a cycle through C++
+    graph nodes, which gc cannot break. In the tenth and thirteenth sessions no batch of TE V2's
+    layer policy fit after such a failure (read from TE 2.20's cpu_offload.py; to be confirmed on a
+    GPU: scripts/diag_v2_oom.py). Returns how many synchronizers were found."""
+    te_offload = sys.modules.get("transformer_engine.pytorch.cpu_offload")
+    kind = getattr(te_offload, "OffloadSynchronizer", None)
+    if kind is None:
+        return 0
+    found = [o for o in gc.get_objects() if isinstance(o, kind)]
+    for sync in found:
+        for state in getattr(sync, "layer_states", {}).values():
+            state.release_all_memory()
+    return len(found)
+
+
 class StepBench:
     """One model of one shape, its optimizer and preallocated grads, and the runs of its policies."""
 
@@ -505,6 +523,10 @@ class StepBench:
     def _recover(self) -> None:
         torch = self.torch
         self.opt.zero_grad(set_to_none=False)
+        released = release_te_offload_state()
+        if released:
+            print(f"[{self.engine} {self.name}] after the failed step: {released} of TE's offload synchronizers "
+                  "let go of their tensors", flush=True)
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

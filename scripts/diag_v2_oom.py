@@ -1,10 +1,15 @@
-"""Diagnostic: does TE V2 keep GPU memory after an out-of-memory error in the cap search?
+"""Diagnostic: does TE V2 keep GPU memory after an out-of-memory step in the cap search, and does
+moe_step's release of TE's offload synchronizers give it back?
 
-In the tenth session's big-ffn run (benchmarks/results/moe_step_NVIDIA_H100_80GB_HBM3_big-ffn_te.md)
-V2's layer 2/4 fit no batch under the 67 GiB cap, 8 sequences included, which fit before its
-12-sequence trial ran out of memory. This runs the same trials in one process and lists the large
-CUDA tensors left alive after them, with what holds them. Written in the tenth session, committed
-in the eleventh; not run yet (needs a GPU): python3 scripts/diag_v2_oom.py [v2|v1|teo]."""
+In the tenth and thirteenth sessions' big-ffn runs (benchmarks/results/moe_step_NVIDIA_H100_80GB_HBM3_big-ffn_te.md,
+..._big-ffn_67_all.md) V2's layer 2/4 fit no batch under the 67 GiB cap, 8 sequences included, after
+the MLP 2/4 search's last trial (12 sequences) ran out of memory. Read from TE 2.20's cpu_offload.py
+(thirteenth session): a step that fails mid-forward leaves its OffloadSynchronizer holding the saved
+GPU tensors, and the step's autograd graph holds the synchronizer (unpack hooks, the layer-output
+prehook): a cycle through C++ graph nodes that gc cannot break. moe_step now releases every
+synchronizer's layer states after a failed step (release_te_offload_state). This replays the trials
+in one process with that release turned off, prints TE's synchronizers and what they hold, then
+releases them and tries 8 sequences again. Needs a GPU: python3 scripts/diag_v2_oom.py [v2|v1|teo]."""
 import gc
 import os
 import sys
@@ -21,10 +26,12 @@ import torch  # noqa: E402
 
 import moe_step  # noqa: E402
 
-MiB = 2**20
+MiB, GiB = 2**20, 2**30
 args = moe_step.parse_args(["--shapes", "big-ffn", "--layers", "4", "--engines", engine, "--policies", "mlp:2,layer:2"])
 bench = moe_step.StepBench("big-ffn", args.shapes["big-ffn"], args, engine)
 P = moe_step.Policy
+release = moe_step.release_te_offload_state
+moe_step.release_te_offload_state = lambda: 0  # off while the leak is looked at
 
 
 def report(what):
@@ -33,18 +40,29 @@ def report(what):
     st = torch.cuda.memory_stats()
     print(f"{what}: allocated above floor {torch.cuda.memory_allocated() / MiB - bench.floor_MiB:.0f} MiB, "
           f"reserved {torch.cuda.memory_reserved() / MiB:.0f} MiB, inactive split "
-          f"{st.get('inactive_split_bytes.all.current', 0) / MiB:.0f} MiB, segments {st.get('segment.all.current')}", flush=True)
+          f"{st.get('inactive_split_bytes.all.current', 0) / MiB:.0f} MiB", flush=True)
 
 
-def big_cuda_tensors():
-    out = []
-    for o in gc.get_objects():
-        try:
-            if torch.is_tensor(o) and o.is_cuda and o.untyped_storage().nbytes() > 64 * MiB:
-                out.append(o)
-        except Exception:  # noqa: BLE001
-            pass
-    return out
+def group_bytes(group):
+    return sum(t.untyped_storage().nbytes() for t in getattr(group, "tensor_list", ()) if torch.is_tensor(t))
+
+
+def synchronizers():
+    """TE V2's synchronizers alive and what their layer states hold on the GPU and the host."""
+    co = sys.modules.get("transformer_engine.pytorch.cpu_offload")
+    kind = getattr(co, "OffloadSynchronizer", None)
+    if kind is None:
+        print("  (TE's cpu_offload module is not loaded)")
+        return
+    print(f"  OFFLOAD_SYNCHRONIZER: {type(getattr(co, 'OFFLOAD_SYNCHRONIZER', None)).__name__}", flush=True)
+    for sync in [o for o in gc.get_objects() if isinstance(o, kind)]:
+        held = {i: (s.state, group_bytes(s.fwd_gpu_tensor_group) / MiB, group_bytes(s.bwd_gpu_tensor_group) / MiB,
+                    group_bytes(s.cpu_tensor_group) / MiB) for i, s in sync.layer_states.items()}
+        refs = [type(r).__name__ for r in gc.get_referrers(sync)][:6]
+        print(f"  {type(sync).__name__}: num_of_fwds {sync.num_of_fwds}, current layer {sync.current_layer_id}, "
+              f"referrers {refs}", flush=True)
+        for i, (state, fwd, bwd, cpu) in held.items():
+            print(f"    layer {i}: {state}, fwd GPU {fwd:.0f} MiB, bwd GPU {bwd:.0f} MiB, host {cpu:.0f} MiB", flush=True)
 
 
 def trial(policy, batch):
@@ -54,20 +72,13 @@ def trial(policy, batch):
 
 
 report("built")
-base = {id(t) for t in big_cuda_tensors()}
 trial(P("layer", 2), 8)
 trial(P("mlp", 2), 11)
-trial(P("layer", 2), 12)
-left = [t for t in big_cuda_tensors() if id(t) not in base]
-print(f"{len(left)} large CUDA tensors alive that were not there after the build, "
-      f"{sum(t.untyped_storage().nbytes() for t in left) / MiB:.0f} MiB", flush=True)
-for t in left[:12]:
-    refs = [type(r).__module__ + "." + type(r).__qualname__ for r in gc.get_referrers(t)]
-    print(f"  {tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / MiB:.0f} MiB, held by {refs[:5]}", flush=True)
-    for r in gc.get_referrers(t)[:3]:
-        if isinstance(r, (list, dict, tuple)):
-            outer = [type(x).__module__ + "." + type(x).__qualname__ for x in gc.get_referrers(r)][:5]
-            print(f"    that {type(r).__name__} is held by {outer}", flush=True)
-del left
+trial(P("mlp", 2), 12)  # the out-of-memory trial that came before the layer search both times
+synchronizers()
 trial(P("layer", 2), 8)
-trial(P("layer", 2), 10)
+synchronizers()
+print(f"released: {release()} synchronizers", flush=True)
+report("after the release")
+trial(P("layer", 2), 8)
+trial(P("layer", 2), 12)

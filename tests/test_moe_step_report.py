@@ -756,6 +756,31 @@ def test_teo_t_budget_is_the_target_peak_no_offload_less_what_the_policy_moves()
            "moves, plus 0.5 GiB" in rep.markdown(rep.finish(result) or result)
 
 
+def test_after_a_failed_step_te_offload_synchronizers_let_go_of_their_tensors(monkeypatch):
+    """What a step that failed mid-forward left in TE V2's synchronizers (held alive by its autograd
+    graph, out of gc's reach) is released in every layer state; none found where TE's module is absent."""
+    import sys
+    import types
+
+    released = []
+
+    class State:
+        def __init__(self, name):
+            self.name = name
+
+        def release_all_memory(self):
+            released.append(self.name)
+
+    fake = types.ModuleType("transformer_engine.pytorch.cpu_offload")
+    fake.OffloadSynchronizer = type("OffloadSynchronizer", (), {})
+    sync = fake.OffloadSynchronizer()
+    sync.layer_states = {0: State("L0"), 1: State("L1")}
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.cpu_offload", fake)
+    assert moe_step.release_te_offload_state() == 1 and sorted(released) == ["L0", "L1"]
+    monkeypatch.delitem(sys.modules, "transformer_engine.pytorch.cpu_offload")
+    assert moe_step.release_te_offload_state() == 0
+
+
 def _cap_run(engine, none_rate, trials):
     searches = [{"scope": "none", "policy": "none", "batch": 8, "tokens_per_s": none_rate,
                  "trials": [{"batch": 8, "fits": True, "tokens_per_s": none_rate}]},
