@@ -98,7 +98,7 @@ def combine(results: list[dict], sources: list[str]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", type=Path, help="moe_step JSON files, two or more")
+    p.add_argument("inputs", nargs="+", type=Path, help="moe_step JSON files (.json or .json.gz), two or more")
     p.add_argument("--out", type=Path, help="folder for the report (default: the first input's)")
     p.add_argument("--stem", help="file name without extension (default: the first input's + '_combined')")
     args = p.parse_args(argv)
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         print(f"moe_step_combine.py: {exc}", file=sys.stderr)
         return 2
     out = args.out or args.inputs[0].parent
-    stem = args.stem or args.inputs[0].name.split(".")[0] + "_combined"
+    stem = args.stem or Path(args.inputs[0].name.removesuffix(".gz")).stem + "_combined"
     paths = write_reports(result, out, stem)
     print(f"wrote {', '.join(str(x) for x in paths)}")
     return 0

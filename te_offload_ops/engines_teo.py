@@ -692,7 +692,9 @@ class TeoEngine:
         at a time, the memory read again after each: bytes still used elsewhere free nothing).
         ``sizes``: the allocations ``incoming`` is made of, where known: while one of them would fit
         no free block and no memory the cap leaves to map (``allocator_room``: the allocator would
-        give its cache back and remap, stalling every stream), held bytes go back the same way.
+        give its cache back and remap, stalling every stream), held bytes go back the same way;
+        none where giving back every held byte saved on this stream could not make room for the
+        largest of them (``allocator_room.most_room``: counted in :attr:`fits_given_up`).
         (Freeing the oldest layer whole instead was measured: the allocator's retries under a cap
         stayed, and the waits grew; README, Status.)
         ``keep_layer``: a layer whose bytes are about to serve its backward in place stays.
@@ -725,13 +727,15 @@ class TeoEngine:
                     left = sum(f.nbytes for f in fits.values() if f.source is not None)
                     hopeless = max(short) > self._most_room(self._device) + left
                     self.fits_given_up += hopeless
+                    if record is not None and hopeless:
+                        record["gave_up"] = max(short)
                 if hopeless:
                     break
                 self._drop_held(c, record, "fit")
                 short = self._short_of(sizes)
             if over <= 0 and not short:
                 break
-        if record is not None and record["waits"]:
+        if record is not None and (record["waits"] or "gave_up" in record):
             trace.append(record)
 
     def _short_of(self, sizes: Sequence[int]) -> list:

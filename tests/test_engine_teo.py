@@ -1299,6 +1299,26 @@ def test_held_copies_stay_where_giving_them_all_back_could_not_fit_the_allocatio
     assert (engine.fits_given_up, engine.budget_waits) == (1, 3)
 
 
+def test_over_the_budget_copies_go_back_even_where_no_fit_could_be_helped(monkeypatch):
+    """The budget's own drops do not depend on the fit: 10 + 32 + 10 bytes against a budget of 44 is
+    8 over, so the oldest copy goes back though the allocator could give at most 20 bytes at once and
+    the announced 100 fits nowhere; then the fit gives up (copies saved on a side stream, not counted
+    toward what giving back could free, are left alone too)."""
+    engine, stream, _ = _budget_engine(monkeypatch, 2, 4, budget=44, base=10)
+    engine.enter_layer()
+    l0 = _queued_copies(engine, 0, done=[False, False])
+    engine.enter_layer()
+    l1 = _queued_copies(engine, 1, done=[False, False])
+    l1[1].source_stream = _FakeStream()
+    engine._device = torch.device("cuda", 0)
+    engine._room = lambda sizes, device: [100]
+    most = []
+    engine._most_room = lambda device: most.append(device) or 20
+    engine.fit_budget(10, sizes=[10, 100])
+    assert stream.waited == [l0[0].copied] and [c.source is None for c in l0 + l1] == [True, False, False, False]
+    assert (engine.budget_waits, engine.fits_given_up, len(most)) == (1, 1, 1)
+
+
 def test_a_reload_asks_room_for_each_copy_it_brings_back(monkeypatch):
     """Reloads allocate one block per copy: the budget's fit is asked with each copy's size."""
     engine, stream, _ = _budget_engine(monkeypatch, 2, 3, budget=1000)

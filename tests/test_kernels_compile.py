@@ -539,17 +539,29 @@ def test_two_by_two_cluster_forward_forms_compile(n, k, b_n_major, epilogue, sch
 
 
 @pytest.mark.parametrize("n", [64, 200, 1856, 4096, 14336])
-def test_dsrelu_bwd_bytes_match_the_kernel_the_launch_builds(n):
+def test_dsrelu_bwd_bytes_match_the_kernel_the_launch_builds(n, monkeypatch):
     """What the fused backward announces to an offload engine's budget for the dsrelu GEMM: dz, then
-    one fp32 row of dprobs partials per n-block of the kernel get_kernel builds (its tile choice)."""
+    one fp32 row of dprobs partials per n-block of the kernel get_kernel builds for the launch (its
+    tile and schedule captured from the call that would compile it)."""
     import cutlass
 
     from te_offload_ops.kernels import api
     from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
 
-    schedule = api.pick_schedule("dsrelu")
-    kern = GroupedGemmSm90(cutlass.BFloat16, n, 1024, 8, b_n_major=True, epilogue="dsrelu",
-                           tile_mn=api.pick_tile(n, schedule), schedule=schedule)
+    built = []
+
+    def fake_compile(dtype, n_, k, e, b_n_major, epilogue, tile, *, cluster_n, wgrad_m, schedule, call,
+                     slot_stride, b_layout, cluster_m):
+        built.append(GroupedGemmSm90(cutlass.BFloat16, n_, k, e, b_n_major=b_n_major, epilogue=epilogue, tile_mn=tile,
+                                     cluster_n=cluster_n, schedule=schedule))
+        return built[-1], None, 0.0
+
+    monkeypatch.setattr(api, "_compile", fake_compile)
+    # an empty cache, so that the call compiles; the real kernels are back afterwards (the fake must
+    # not serve a later test)
+    monkeypatch.setattr(api, "_CACHE", {})
+    monkeypatch.setattr(api, "_COMPILE_SECONDS", {})
+    api.get_kernel(torch.bfloat16, n, 1024, 8, b_n_major=True, epilogue="dsrelu")
     t = 12345
-    assert api.dsrelu_bwd_bytes(t, n, 2) == [t * n * 2, kern.n_tiles * t * 4]
+    assert api.dsrelu_bwd_bytes(t, n, 2) == [t * n * 2, built[0].n_tiles * t * 4]
     assert api.dsrelu_bwd_bytes(0, n, 2) == [0]

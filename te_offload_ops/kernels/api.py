@@ -564,7 +564,8 @@ def grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, *, tile=None, schedul
 def dsrelu_bwd_bytes(t: int, n: int, itemsize: int, *, tile=None, schedule=None) -> list[int]:
     """What :func:`grouped_gemm_dsrelu_bwd` with ``act_in_z`` allocates for T tokens and N columns,
     in its order: dz, then dprobs' fp32 partial sums (one row per n-block). For an offload engine's
-    memory budget; the same tile choice as the launch, nothing compiled."""
+    memory budget; the same tile choice as the launch, nothing compiled. Left out: the vectors of T
+    elements (probs in dy's dtype, the partials' sum and its cast), 2-4 bytes a token."""
     if t == 0:
         return [0]
     schedule = pick_schedule("dsrelu", False, schedule, tile)
