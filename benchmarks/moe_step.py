@@ -506,15 +506,15 @@ class StepBench:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         engine = getattr(held[0], "engine", None) if held else None
-        waits = (engine.budget_waits, engine.budget_wait_bytes, engine.reloads_deferred, engine.fits_given_up) \
-            if getattr(engine, "memory_budget", None) else None
+        waits = (engine.budget_waits, engine.budget_wait_bytes, engine.reloads_deferred, engine.fits_given_up,
+                 engine.reloads_started_early) if getattr(engine, "memory_budget", None) else None
         samples = [self._step(x, dy, batch, policy, held or self._context(policy, batch)) for _ in range(count)]
         # teo-b: copies the compute stream waited for to stay under the budget, and prefetches put
         # off for room, per timed step
         self.budget_waits = None if waits is None else (
             (engine.budget_waits - waits[0]) / count, (engine.budget_wait_bytes - waits[1]) / count / MiB,
             (engine.reloads_deferred - waits[2]) / count, engine.memory_budget,
-            (engine.fits_given_up - waits[3]) / count)
+            (engine.fits_given_up - waits[3]) / count, (engine.reloads_started_early - waits[4]) / count)
         # active, not allocated: memory an engine handed back while its copy still reads it counts
         peak = active_bytes(peak=True) / MiB
         inputs_MiB = 2 * x.numel() * x.element_size() / MiB
@@ -557,11 +557,13 @@ class StepBench:
                     "held_between_steps_MiB": left - self.floor_MiB})
         if self.budget_waits is not None:
             (row["budget_waits_per_step"], row["budget_wait_MiB_per_step"],
-             row["budget_reloads_deferred_per_step"], budget, row["budget_fits_given_up_per_step"]) = self.budget_waits
+             row["budget_reloads_deferred_per_step"], budget, row["budget_fits_given_up_per_step"],
+             row["budget_copies_reloaded_early_per_step"]) = self.budget_waits
             row["budget_GiB"] = budget / GiB
             row["notes"].append(f"budget {budget / GiB:.1f} GiB: waited for {self.budget_waits[0]:.0f} "
                                 f"copies ({self.budget_waits[1]:.0f} MiB) per step to stay under it, put off "
-                                f"{self.budget_waits[2]:.1f} prefetches, gave up {self.budget_waits[4]:.1f} fits")
+                                f"{self.budget_waits[2]:.1f} prefetches (of them {self.budget_waits[5]:.1f} copies "
+                                f"started in the room there was), gave up {self.budget_waits[4]:.1f} fits")
         if policy.scope == "none":
             self.none_peak_MiB[batch] = row["peak_above_MiB"]  # teo-t's target is against it
         if row["held_between_steps_MiB"] > 1:

@@ -528,6 +528,7 @@ class TeoEngine:
         self.budget_wait_bytes = 0
         self.budget_trace: Optional[list] = None  # a list: fit_budget records its waits there (diagnostic)
         self.reloads_deferred = 0  # prefetches put off for want of room under the budget (public)
+        self.reloads_started_early = 0  # copies of a put-off prefetch started in the room there was (public)
         self._deferred_reloads: list[int] = []  # layers whose prefetch waits for room, in order
         if memory_budget is not None:
             _BUDGET_ENGINES.add(self)
@@ -945,37 +946,50 @@ class TeoEngine:
 
     def _reload(self, layer: int, prefetch: bool = False) -> bool:
         """Queues ``layer``'s copies back to the GPU; False where a ``prefetch`` under a memory
-        budget was put off (it would pass the budget with nothing held left to give back: it
-        starts at a later region's end once the backward has freed room, or at its first use; not
-        at each use, where an op is about to allocate)."""
+        budget was put off in whole or in part: the copies that fit the room under the budget
+        start now, the last saved first (the backward uses them first); the rest start at a later
+        region's end once the backward has freed room, or at the layer's first use (not at each
+        use, where an op is about to allocate)."""
         copies = self._layers.get(layer)
         if copies is None or copies.reloaded or not copies.copies:
             return True
         if self.memory_budget is not None:  # the reloads below allocate: room first (the layer's own held bytes stay)
-            sizes = [c.nbytes for c in copies.copies if c.source is None and not c.used_up]
+            pending = [c for c in copies.copies if c.source is None and not c.used_up and c.gpu is None]
+            sizes = [c.nbytes for c in pending]
             self.fit_budget(sum(sizes), keep_layer=layer, where="reload", sizes=sizes)
             if prefetch and sizes and self._memory() + sum(sizes) > self.memory_budget:
                 if layer not in self._deferred_reloads:
                     self._deferred_reloads.append(layer)
                     self.reloads_deferred += 1
+                room, now = self.memory_budget - self._memory(), []
+                for c in reversed(pending):
+                    if c.nbytes > room:
+                        break
+                    room -= c.nbytes
+                    now.append(c)
+                self._start_reloads(now)
+                self.reloads_started_early += len(now)
                 return False
             if layer in self._deferred_reloads:
                 self._deferred_reloads.remove(layer)
         copies.reloaded = True  # first: a raise below leaves what was started for _release_reload to wait on
-        h2d = None
         for c in copies.copies:
             if c.source is not None:  # never given back (a backward before the release): no copy needed
                 c.gpu, c.reloaded, c.waited = c.source, None, True
-                continue
-            if c.used_up:
-                continue  # used up in an earlier reload of this layer (an unpack past the count copies it back)
-            if h2d is None:
-                _, h2d = self._streams(self._device)
-                # Reloads are allocated on the compute stream, whose earlier kernels may still use
-                # the memory the allocator hands out: the copy stream starts after them.
-                h2d.wait_stream(torch.cuda.current_stream(self._device))
-            self._reload_copy(c, h2d)
+        # not those used up in an earlier reload of this layer (an unpack past the count copies it
+        # back), nor those a put-off prefetch already started
+        self._start_reloads([c for c in copies.copies if c.source is None and not c.used_up and c.gpu is None])
         return True
+
+    def _start_reloads(self, copies: list) -> None:
+        if not copies:
+            return
+        _, h2d = self._streams(self._device)
+        # Reloads are allocated on the compute stream, whose earlier kernels may still use the
+        # memory the allocator hands out: the copy stream starts after them.
+        h2d.wait_stream(torch.cuda.current_stream(self._device))
+        for c in copies:
+            self._reload_copy(c, h2d)
 
     def _reload_copy(self, c: _HostCopy, h2d) -> None:
         """Queues one range's copy back into new memory taken on the compute stream (``h2d`` has
@@ -997,7 +1011,8 @@ class TeoEngine:
 
     def _release_reload(self, layer: int) -> None:
         copies = self._layers.get(layer)
-        if copies is None or not copies.reloaded:
+        if copies is None or not (copies.reloaded or any(c.reloaded is not None and c.gpu is not None
+                                                          for c in copies.copies)):  # (nor started in part)
             return
         self._drop_sources(copies)  # its backward is over
         for c in copies.copies:

@@ -1276,6 +1276,38 @@ def test_allocations_that_fit_no_free_block_make_held_copies_go_back_though_unde
     assert (engine.budget_waits, engine.budget_wait_bytes) == (2, 16)
 
 
+def test_a_put_off_prefetch_starts_the_copies_that_fit_the_last_saved_first(monkeypatch):
+    """Layer 1's three 8-byte copies into a budget of 40 with 21 in use: 19 bytes of room take two,
+    the last saved first (the backward uses them first); the layer stays put off. At a region's end
+    with room the third starts, and the layer counts as reloaded; a use then copies nothing again.
+    Released after its backward, the early copies go back with the rest."""
+    engine, stream, extra = _budget_engine(monkeypatch, 2, 3, budget=40)
+    engine.enter_layer()
+    engine.enter_layer()
+    l1 = _queued_copies(engine, 1, done=[True, True, True])
+    engine.enter_layer()  # the ended copies give their bytes back: nothing held
+    h2d = _FakeStream()
+    h2d.wait_stream = lambda other: None
+    monkeypatch.setattr(engine, "_streams", lambda device=None: (None, h2d))
+    reloaded = []
+
+    def reload_copy(c, stream):
+        reloaded.append(c)
+        c.gpu, c.reloaded, c.reload_stream, c.waited = torch.zeros(c.nbytes, dtype=torch.uint8), _FakeEvent(), h2d, True
+
+    monkeypatch.setattr(engine, "_reload_copy", reload_copy)
+    extra[0] = 21
+    assert engine._reload(1, prefetch=True) is False
+    assert reloaded == [l1[2], l1[1]] and engine._deferred_reloads == [1] and not engine._layers[1].reloaded
+    assert (engine.reloads_deferred, engine.reloads_started_early) == (1, 2)
+    extra[0] = 5  # the backward freed room (the early copies count in the memory too: 5 + 16 + 8 <= 40)
+    engine.region_backward_done(2)
+    assert reloaded == [l1[2], l1[1], l1[0]] and engine._deferred_reloads == [] and engine._layers[1].reloaded
+    assert engine._reload(1) is True and len(reloaded) == 3
+    engine._release_reload(1)
+    assert all(c.gpu is None for c in l1) and not engine._layers[1].reloaded
+
+
 def test_held_copies_stay_where_giving_them_all_back_could_not_fit_the_allocation(monkeypatch):
     """An announced allocation of 100 bytes fits nowhere; the allocator could give one allocation at
     most 50 bytes now (free blocks and room to map), and the four held copies free 32: no copy is
@@ -1354,7 +1386,7 @@ def test_a_prefetch_past_the_budget_waits_for_room_and_a_use_never_waits(monkeyp
     monkeypatch.setattr(engine, "_streams", lambda device=None: (None, h2d))
     reloaded = []
     monkeypatch.setattr(engine, "_reload_copy", lambda c, stream: reloaded.append(c))
-    extra[0] = 30
+    extra[0] = 33  # 7 bytes of room: not one 8-byte copy fits
     assert engine._reload(1, prefetch=True) is False
     assert reloaded == [] and engine.reloads_deferred == 1 and engine._deferred_reloads == [1]
     engine.region_backward_done(2)  # a region's end with no more room: still put off, counted once
