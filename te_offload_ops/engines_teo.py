@@ -967,6 +967,8 @@ class TeoEngine:
                         break
                     room -= c.nbytes
                     now.append(c)
+                while now and self._short_of([c.nbytes for c in now]):  # only where the allocator has the blocks
+                    now.pop()
                 self._start_reloads(now)
                 self.reloads_started_early += len(now)
                 return False

@@ -1278,7 +1278,8 @@ def test_allocations_that_fit_no_free_block_make_held_copies_go_back_though_unde
 
 def test_a_put_off_prefetch_starts_the_copies_that_fit_the_last_saved_first(monkeypatch):
     """Layer 1's three 8-byte copies into a budget of 40 with 21 in use: 19 bytes of room take two,
-    the last saved first (the backward uses them first); the layer stays put off. At a region's end
+    the last saved first (the backward uses them first), and only as many as the allocator has free
+    blocks for (one, then the other at the next look); the layer stays put off. At a region's end
     with room the third starts, and the layer counts as reloaded; a use then copies nothing again.
     Released after its backward, the early copies go back with the rest."""
     engine, stream, extra = _budget_engine(monkeypatch, 2, 3, budget=40)
@@ -1297,7 +1298,12 @@ def test_a_put_off_prefetch_starts_the_copies_that_fit_the_last_saved_first(monk
 
     monkeypatch.setattr(engine, "_reload_copy", reload_copy)
     extra[0] = 21
+    engine._device = torch.device("cuda", 0)
+    engine._room = lambda sizes, device: sizes[1:]  # the allocator has a block for one of them only
     assert engine._reload(1, prefetch=True) is False
+    assert reloaded == [l1[2]] and engine._deferred_reloads == [1] and not engine._layers[1].reloaded
+    engine._room = lambda sizes, device: []
+    assert engine._reload(1, prefetch=True) is False  # 19 - 8 = 11 bytes of room left: one more
     assert reloaded == [l1[2], l1[1]] and engine._deferred_reloads == [1] and not engine._layers[1].reloaded
     assert (engine.reloads_deferred, engine.reloads_started_early) == (1, 2)
     extra[0] = 5  # the backward freed room (the early copies count in the memory too: 5 + 16 + 8 <= 40)
