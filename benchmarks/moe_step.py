@@ -317,6 +317,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--warmup must be >= 0")
     if not (math.isfinite(args.budget_margin) and args.budget_margin >= 0):
         p.error(f"--budget-margin must be a finite number of GiB >= 0, got {args.budget_margin}")
+    if not (math.isfinite(args.target_slack) and args.target_slack >= 0):
+        p.error(f"--target-slack must be a finite number of GiB >= 0, got {args.target_slack}")
     if not (math.isfinite(args.cap_slowdown) and args.cap_slowdown >= 0):
         p.error(f"--cap-slowdown must be a finite fraction >= 0 (0.05: up to 5% slower), got {args.cap_slowdown}")
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -365,7 +367,7 @@ def release_te_offload_state() -> int:
     kind = getattr(te_offload, "OffloadSynchronizer", None)
     if kind is None:
         return 0
-    found = [o for o in gc.get_objects() if isinstance(o, kind)]
+    found = [o for o in gc.get_objects() if issubclass(type(o), kind)]  # (isinstance would wake lazy modules)
     for sync in found:
         for state in getattr(sync, "layer_states", {}).values():
             state.release_all_memory()
@@ -428,11 +430,11 @@ class StepBench:
 
     def target_budget(self, policy: Policy, batch: int) -> int:
         """teo-t's budget: the floor plus no offload's peak at ``batch`` (measured in this process,
-        else scaled by sequences from the batch measured) less what plain teo moves in a step of this
-        policy, plus --target-slack."""
-        if not self.none_peak_MiB:
-            raise RuntimeError("teo-t's budget needs this process's no-offload run first (the measurements run it "
-                               "first; with --profile, name none before the policies)")
+        else scaled by sequences from the batch measured; one step of it first where none ran) less
+        what plain teo moves in a step of this policy, plus --target-slack."""
+        if not self.none_peak_MiB:  # (the measurements run no offload first; a profile may not)
+            _, peak, _ = self._steps(NO_OFFLOAD, batch, count=1, warmup=1)
+            self.none_peak_MiB[batch] = peak - self.floor_MiB
         measured = min(self.none_peak_MiB, key=lambda b: abs(b - batch))
         none_peak = self.none_peak_MiB[measured] * batch / measured
         key = (policy.scope, policy.layers, batch)
@@ -441,12 +443,24 @@ class StepBench:
         return int((self.floor_MiB + none_peak) * MiB - self.moved_bytes[key] + self.args.target_slack * GiB)
 
     def _moved(self, policy: Policy, batch: int) -> int:
-        """Bytes plain teo moves to the host in one step of ``policy`` at ``batch``."""
+        """Bytes plain teo moves to the host in one step of ``policy`` at ``batch``: a step outside
+        any cap in force (plain teo's peak is above teo-t's target), before the peak is measured."""
         from te_offload_ops.engines import offload_context
 
+        torch = self.torch
         x, dy = self._inputs(batch)
         context = offload_context("teo", num_layers=policy.layers, model_layers=self.L)
-        return self._step(x, dy, batch, policy, context)["offloaded"]
+        capped = self.cap_bytes is not None
+        if capped:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        try:
+            return self._step(x, dy, batch, policy, context)["offloaded"]
+        finally:
+            if capped:
+                total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, self.cap_bytes / total))
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
 
     @contextlib.contextmanager
     def under_cap(self, cap_GiB: Optional[float]):
@@ -524,6 +538,7 @@ class StepBench:
     def _recover(self) -> None:
         torch = self.torch
         self.opt.zero_grad(set_to_none=False)
+        torch.cuda.synchronize()  # the failed step's copies may still run
         released = release_te_offload_state()
         if released:
             print(f"[{self.engine} {self.name}] after the failed step: {released} of TE's offload synchronizers "
@@ -562,8 +577,8 @@ class StepBench:
             row["budget_GiB"] = budget / GiB
             row["notes"].append(f"budget {budget / GiB:.1f} GiB: waited for {self.budget_waits[0]:.0f} "
                                 f"copies ({self.budget_waits[1]:.0f} MiB) per step to stay under it, put off "
-                                f"{self.budget_waits[2]:.1f} prefetches (of them {self.budget_waits[5]:.1f} copies "
-                                f"started in the room there was), gave up {self.budget_waits[4]:.1f} fits")
+                                f"{self.budget_waits[2]:.1f} prefetches, started {self.budget_waits[5]:.1f} copies "
+                                f"of put-off prefetches in the room there was, gave up {self.budget_waits[4]:.1f} fits")
         if policy.scope == "none":
             self.none_peak_MiB[batch] = row["peak_above_MiB"]  # teo-t's target is against it
         if row["held_between_steps_MiB"] > 1:
@@ -631,7 +646,9 @@ class StepBench:
                 "reserved_peak_MiB": reserved, "step_ms": row.get("step_ms"), "tokens_per_s": row.get("tokens_per_s"),
                 "fwd_ms": row.get("fwd_ms"), "bwd_ms": row.get("bwd_ms"), "error": row.get("error"),
                 **{k: row[k] for k in ("budget_waits_per_step", "budget_wait_MiB_per_step",
-                                       "budget_reloads_deferred_per_step") if k in row}}
+                                       "budget_reloads_deferred_per_step", "budget_GiB",
+                                       "budget_fits_given_up_per_step", "budget_copies_reloaded_early_per_step")
+                   if k in row}}
 
     def cap_search(self, row: dict, cap_GiB: float) -> dict:
         a = self.args

@@ -1016,6 +1016,8 @@ class TeoEngine:
         if copies is None or not (copies.reloaded or any(c.reloaded is not None and c.gpu is not None
                                                           for c in copies.copies)):  # (nor started in part)
             return
+        if layer in self._deferred_reloads:  # started in part, its backward over: not to be started again
+            self._deferred_reloads.remove(layer)
         self._drop_sources(copies)  # its backward is over
         for c in copies.copies:
             if c.gpu is not None and c.reloaded is not None and not c.waited:  # a prefetch never used

@@ -1314,6 +1314,31 @@ def test_a_put_off_prefetch_starts_the_copies_that_fit_the_last_saved_first(monk
     assert all(c.gpu is None for c in l1) and not engine._layers[1].reloaded
 
 
+def test_a_layer_started_in_part_whose_backward_ended_unused_is_not_reloaded_again(monkeypatch):
+    """A put-off prefetch started two of layer 1's copies; its region's backward ends without a use:
+    the early copies go back and the layer leaves the put-off list, so no later look reloads it."""
+    engine, stream, extra = _budget_engine(monkeypatch, 2, 3, budget=40)
+    engine.enter_layer()
+    engine.enter_layer()
+    l1 = _queued_copies(engine, 1, done=[True, True, True])
+    engine.enter_layer()
+    h2d = _FakeStream()
+    h2d.wait_stream = lambda other: None
+    monkeypatch.setattr(engine, "_streams", lambda device=None: (None, h2d))
+    reloaded = []
+
+    def reload_copy(c, stream):
+        reloaded.append(c)
+        c.gpu, c.reloaded, c.reload_stream, c.waited = torch.zeros(c.nbytes, dtype=torch.uint8), _FakeEvent(), h2d, True
+
+    monkeypatch.setattr(engine, "_reload_copy", reload_copy)
+    extra[0] = 21
+    assert engine._reload(1, prefetch=True) is False and reloaded == [l1[2], l1[1]]
+    extra[0] = 0
+    engine.region_backward_done(1)
+    assert engine._deferred_reloads == [] and all(c.gpu is None for c in l1) and reloaded == [l1[2], l1[1]]
+
+
 def test_held_copies_stay_where_giving_them_all_back_could_not_fit_the_allocation(monkeypatch):
     """An announced allocation of 100 bytes fits nowhere; the allocator could give one allocation at
     most 50 bytes now (free blocks and room to map), and the four held copies free 32: no copy is

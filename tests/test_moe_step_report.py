@@ -731,25 +731,30 @@ def test_teo_b_budget_is_the_cap_in_force_less_the_margin():
 def test_teo_t_budget_is_the_target_peak_no_offload_less_what_the_policy_moves():
     """teo-t's memory_budget: the floor plus this process's no-offload peak (scaled by sequences
     where only another batch was measured) less the bytes plain teo moves in a step of the policy
-    (measured once per policy and batch), plus --target-slack; refused before the no-offload run."""
+    (measured once per policy and batch), plus --target-slack; no offload measured first where it
+    did not run (a profile)."""
     bench = moe_step.StepBench.__new__(moe_step.StepBench)
     bench.args = moe_step.parse_args(["--engines", "teo-t", "--target-slack", "0.5"])
     bench.L, bench.engine, bench.floor_MiB = 8, "teo-t", 1000.0
     bench.none_peak_MiB, bench.moved_bytes = {}, {}
     measured = []
     bench._moved = lambda policy, batch: measured.append((policy.label(8), batch)) or 300 * moe_step.MiB * batch
-    with pytest.raises(RuntimeError, match="needs this process's no-offload run first"):
-        bench.target_budget(Policy("mlp", 7), 2)
-    bench.none_peak_MiB[2] = 4000.0
     MiB, GiB = moe_step.MiB, moe_step.GiB
+    ran = []  # where no no-offload run came first (a profile), one step of it is measured
+    bench._steps = lambda policy, batch, count, warmup=0: ran.append((policy.scope, batch)) or ([], 5000.0, 0.0)
+    assert bench.target_budget(Policy("mlp", 7), 2) == int(5000 * MiB - 600 * MiB + 0.5 * GiB)
+    assert ran == [("none", 2)] and bench.none_peak_MiB == {2: 4000.0}
     assert bench.target_budget(Policy("mlp", 7), 2) == int(5000 * MiB - 600 * MiB + 0.5 * GiB)
     assert bench.target_budget(Policy("mlp", 7), 2) == int(5000 * MiB - 600 * MiB + 0.5 * GiB)
     assert bench.target_budget(Policy("mlp", 7), 3) == int((1000 + 6000) * MiB - 900 * MiB + 0.5 * GiB)
-    assert measured == [("MLP 7/8", 2), ("MLP 7/8", 3)]  # once per policy and batch
+    assert measured == [("MLP 7/8", 2), ("MLP 7/8", 3)] and len(ran) == 1  # once per policy and batch
     context = bench._context(Policy("mlp", 7), 2)
     assert context[0].engine.memory_budget == int(4400 * MiB + 0.5 * GiB) and context[0].engine.num_layers == 7
     assert bench._context(Policy("none", 0))[0] is not None and measured == [("MLP 7/8", 2), ("MLP 7/8", 3)]
     assert moe_step.ENGINE_ENV["teo-t"]["NVTE_CPU_OFFLOAD_V1"] == "0"
+    for bad in ("nan", "-1"):
+        with pytest.raises(SystemExit):
+            moe_step.parse_args(["--target-slack", bad])
     result = _result()
     result["config"].update(engines=["v2", "v1", "teo-t"], target_slack_GiB=0.5)
     assert "- teo-t: teo with memory_budget = the static floor plus no offload's peak less the bytes the policy " \
