@@ -1276,12 +1276,9 @@ def test_allocations_that_fit_no_free_block_make_held_copies_go_back_though_unde
     assert (engine.budget_waits, engine.budget_wait_bytes) == (2, 16)
 
 
-def test_a_put_off_prefetch_starts_the_copies_that_fit_the_last_saved_first(monkeypatch):
-    """Layer 1's three 8-byte copies into a budget of 40 with 21 in use: 19 bytes of room take two,
-    the last saved first (the backward uses them first), and only as many as the allocator has free
-    blocks for (one, then the other at the next look); the layer stays put off. At a region's end
-    with room the third starts, and the layer counts as reloaded; a use then copies nothing again.
-    Released after its backward, the early copies go back with the rest."""
+def _layer_of_three_copies_to_reload(monkeypatch):
+    """A budget engine (40 bytes) with layer 1's three 8-byte copies ended and given back, and
+    reloads that take their bytes at once: (engine, extra memory, layer 1's copies, reloads started)."""
     engine, stream, extra = _budget_engine(monkeypatch, 2, 3, budget=40)
     engine.enter_layer()
     engine.enter_layer()
@@ -1297,6 +1294,16 @@ def test_a_put_off_prefetch_starts_the_copies_that_fit_the_last_saved_first(monk
         c.gpu, c.reloaded, c.reload_stream, c.waited = torch.zeros(c.nbytes, dtype=torch.uint8), _FakeEvent(), h2d, True
 
     monkeypatch.setattr(engine, "_reload_copy", reload_copy)
+    return engine, extra, l1, reloaded
+
+
+def test_a_put_off_prefetch_starts_the_copies_that_fit_the_last_saved_first(monkeypatch):
+    """Layer 1's three 8-byte copies into a budget of 40 with 21 in use: 19 bytes of room take two,
+    the last saved first (the backward uses them first), and only as many as the allocator has free
+    blocks for (one, then the other at the next look); the layer stays put off. At a region's end
+    with room the third starts, and the layer counts as reloaded; a use then copies nothing again.
+    Released after its backward, the early copies go back with the rest."""
+    engine, extra, l1, reloaded = _layer_of_three_copies_to_reload(monkeypatch)
     extra[0] = 21
     engine._device = torch.device("cuda", 0)
     engine._room = lambda sizes, device: sizes[1:]  # the allocator has a block for one of them only
@@ -1317,21 +1324,7 @@ def test_a_put_off_prefetch_starts_the_copies_that_fit_the_last_saved_first(monk
 def test_a_layer_started_in_part_whose_backward_ended_unused_is_not_reloaded_again(monkeypatch):
     """A put-off prefetch started two of layer 1's copies; its region's backward ends without a use:
     the early copies go back and the layer leaves the put-off list, so no later look reloads it."""
-    engine, stream, extra = _budget_engine(monkeypatch, 2, 3, budget=40)
-    engine.enter_layer()
-    engine.enter_layer()
-    l1 = _queued_copies(engine, 1, done=[True, True, True])
-    engine.enter_layer()
-    h2d = _FakeStream()
-    h2d.wait_stream = lambda other: None
-    monkeypatch.setattr(engine, "_streams", lambda device=None: (None, h2d))
-    reloaded = []
-
-    def reload_copy(c, stream):
-        reloaded.append(c)
-        c.gpu, c.reloaded, c.reload_stream, c.waited = torch.zeros(c.nbytes, dtype=torch.uint8), _FakeEvent(), h2d, True
-
-    monkeypatch.setattr(engine, "_reload_copy", reload_copy)
+    engine, extra, l1, reloaded = _layer_of_three_copies_to_reload(monkeypatch)
     extra[0] = 21
     assert engine._reload(1, prefetch=True) is False and reloaded == [l1[2], l1[1]]
     extra[0] = 0
