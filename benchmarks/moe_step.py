@@ -384,7 +384,7 @@ class StepBench:
 
         self.torch, self.args, self.engine, self.name = torch, args, engine, name
         self.cap_bytes = None  # bytes: the allocator's limit while a run under the cap is on
-        self.budget_waits = None  # teo-b: (copies, MiB) waited for per timed step in the last run
+        self.budget_waits = None  # teo-b / teo-t: the budget's counts per timed step in the last run (_steps)
         self.none_peak_MiB: dict[int, float] = {}  # batch -> no offload's peak above the floor (teo-t's target)
         self.moved_bytes: dict[tuple, int] = {}  # (scope, layers, batch) -> bytes plain teo moves in a step
         self.mark = lambda phase: contextlib.nullcontext()  # step_profile.phase_mark while profiling
@@ -450,15 +450,13 @@ class StepBench:
         torch = self.torch
         x, dy = self._inputs(batch)
         context = offload_context("teo", num_layers=policy.layers, model_layers=self.L)
-        capped = self.cap_bytes is not None
-        if capped:
-            torch.cuda.set_per_process_memory_fraction(1.0)
+        if self.cap_bytes is not None:
+            self._limit_allocator(None)
         try:
             return self._step(x, dy, batch, policy, context)["offloaded"]
         finally:
-            if capped:
-                total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, self.cap_bytes / total))
+            if self.cap_bytes is not None:
+                self._limit_allocator(self.cap_bytes)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
 
@@ -471,13 +469,19 @@ class StepBench:
             return
         torch = self.torch
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_GiB * GiB / total))
+        self._limit_allocator(cap_GiB * GiB)
         self.cap_bytes = min(total, int(cap_GiB * GiB))
         try:
             yield
         finally:
-            torch.cuda.set_per_process_memory_fraction(1.0)
+            self._limit_allocator(None)
             self.cap_bytes = None
+
+    def _limit_allocator(self, cap_bytes: Optional[float]) -> None:
+        """The allocator refuses what would pass ``cap_bytes`` (None: the GPU's memory)."""
+        torch = self.torch
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(1.0 if cap_bytes is None else min(1.0, cap_bytes / total))
 
     def memory_budget(self) -> int:
         """teo-b's budget: the cap in force (else the GPU's memory) less --budget-margin."""
@@ -523,8 +527,8 @@ class StepBench:
         waits = (engine.budget_waits, engine.budget_wait_bytes, engine.reloads_deferred, engine.fits_given_up,
                  engine.reloads_started_early) if getattr(engine, "memory_budget", None) else None
         samples = [self._step(x, dy, batch, policy, held or self._context(policy, batch)) for _ in range(count)]
-        # teo-b: copies the compute stream waited for to stay under the budget, and prefetches put
-        # off for room, per timed step
+        # teo-b / teo-t, per timed step: copies waited for to stay under the budget (count, MiB),
+        # prefetches put off, the budget itself, fits given up, copies of put-off prefetches started
         self.budget_waits = None if waits is None else (
             (engine.budget_waits - waits[0]) / count, (engine.budget_wait_bytes - waits[1]) / count / MiB,
             (engine.reloads_deferred - waits[2]) / count, engine.memory_budget,

@@ -116,7 +116,11 @@ def main(argv=None) -> int:
     for spec in a.runs:
         name, _, tag = spec.partition("=") if not Path(spec).exists() else (spec, "", "")
         path = Path(name)
-        result = read_result(path)
+        try:
+            result = read_result(path)
+        except (OSError, EOFError, ValueError) as exc:  # missing, not gzip, not JSON
+            print(f"moe_step_cap_chart.py: cannot read {path}: {exc}", file=sys.stderr)
+            return 2
         found = cap_points(result, a.shape, tag)
         points += found
         sources.append(f"{path.name}{f' [{tag}]' if tag else ''} ({result.get('gpu')}, {result.get('date')}): "
