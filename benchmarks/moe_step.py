@@ -431,7 +431,7 @@ class StepBench:
     def target_budget(self, policy: Policy, batch: int) -> int:
         """teo-t's budget: the floor plus no offload's peak at ``batch`` (measured in this process,
         else scaled by sequences from the batch measured; one step of it first where none ran) less
-        what plain teo moves in a step of this policy, plus --target-slack."""
+        what plain teo moves in a step of this policy (at n = L, (L - 1) / L of it), plus --target-slack."""
         if not self.none_peak_MiB:  # (the measurements run no offload first; a profile may not)
             _, peak, _ = self._steps(NO_OFFLOAD, batch, count=1, warmup=1)
             self.none_peak_MiB[batch] = peak - self.floor_MiB
@@ -440,7 +440,13 @@ class StepBench:
         key = (policy.scope, policy.layers, batch)
         if key not in self.moved_bytes:
             self.moved_bytes[key] = self._moved(policy, batch)
-        return int((self.floor_MiB + none_peak) * MiB - self.moved_bytes[key] + self.args.target_slack * GiB)
+        moved = self.moved_bytes[key]
+        if policy.layers == self.L:
+            # n = L: the layer whose backward comes first is back on the GPU at the peak under any
+            # schedule (its bytes serve its backward in place), so the target frees the other L - 1
+            # (layers move equal bytes: the same shapes, and routing sends every layer T x top-k rows)
+            moved = moved * (self.L - 1) // self.L
+        return int((self.floor_MiB + none_peak) * MiB - moved + self.args.target_slack * GiB)
 
     def _moved(self, policy: Policy, batch: int) -> int:
         """Bytes plain teo moves to the host in one step of ``policy`` at ``batch``: a step outside

@@ -108,10 +108,11 @@ def offload_context(
     ``memory_budget`` ("teo" only): bytes of ``torch.cuda.memory_allocated`` the step may reach;
     instead of a release schedule, offloaded tensors' GPU bytes stay until their copies end and
     the oldest go back early (after a wait for their copies) only where memory would pass the
-    budget. For a memory cap, give it the cap less room for what ops allocate between the engine's
-    looks (saves, uses in backward, layer boundaries, and :func:`make_room` calls, which this
-    package's fused MLP makes before its large outputs); not combined with ``release`` or
-    ``max_held_bytes``.
+    budget. Each look (saves, uses in backward, layer boundaries, and :func:`make_room` calls, which
+    this package's fused MLP makes before its large outputs) keeps room for what ops allocated
+    after the same look in the last step; for a memory cap, still give it the cap less some room
+    (what an op allocates and frees again between two looks is not learned). Not combined with
+    ``release`` or ``max_held_bytes``.
     "teo" accepts ``num_layers == model_layers``; its pinned buffers are always kept for reuse.
     """
     if engine not in ENGINES:

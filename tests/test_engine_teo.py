@@ -1395,6 +1395,36 @@ def test_a_reload_asks_room_for_each_copy_it_brings_back(monkeypatch):
     assert asked == [[c.nbytes for c in l1]] and stream.waited == []
 
 
+def test_the_budget_keeps_room_for_what_ops_allocated_after_a_look_in_the_last_step(monkeypatch):
+    """Budget 34, 16 bytes held over a base of 10. Step 1: a save looks at 26 (under the budget);
+    then ops allocate 12 bytes the engine cannot see coming (saved-tensor hooks see outputs once
+    made): 38, over the budget until the next look waits for a copy. Step 2 learned those 12 bytes
+    for that look: it waits there, before the ops allocate, and the memory stays within the budget.
+    What a look announces is not counted again (a reload's own bytes)."""
+    engine, stream, extra = _budget_engine(monkeypatch, 1, 2, budget=34, base=10)
+    monkeypatch.setattr(engine.pool, "release", lambda buf, ready: None)  # the fake copies have no host buffers
+    peaks = []
+    for step in range(2):
+        extra[0] = 0
+        engine.enter_layer()
+        _queued_copies(engine, 0, done=[False, False])
+        waited = len(stream.waited)
+        engine.pack("x")  # a save looks: 26 bytes in use
+        waited_at_save = len(stream.waited) - waited
+        extra[0] = 12  # the next op's outputs
+        peaks.append(engine._memory())
+        engine.enter_layer()  # layer 1 looks: over the budget (step 1) or not (step 2)
+        engine.fit_budget(5, where="make_room")  # an announced allocation, then made
+        extra[0] += 5
+        engine.pack("y")
+        engine._bwd_layer = 1  # its backward ran (a step whose bursts teach the next)
+        engine._end_step()
+        assert (step, waited_at_save) in ((0, 0), (1, 1))
+    assert peaks == [38, 30]  # step 2 waited for one 8-byte copy before the ops allocated
+    assert engine._last_bursts[("save", 0, None, 0)] == 12
+    assert engine._last_bursts[("make_room", 1, None, 0)] == 0  # announced bytes are not a burst
+
+
 def test_a_prefetch_past_the_budget_waits_for_room_and_a_use_never_waits(monkeypatch):
     """Layer 1's 16 bytes come back into a budget of 40 with 30 in use: its prefetch is put off
     (nothing held to give back); once the backward frees room, the next region's end starts it (a

@@ -731,8 +731,8 @@ def test_teo_b_budget_is_the_cap_in_force_less_the_margin():
 def test_teo_t_budget_is_the_target_peak_no_offload_less_what_the_policy_moves():
     """teo-t's memory_budget: the floor plus this process's no-offload peak (scaled by sequences
     where only another batch was measured) less the bytes plain teo moves in a step of the policy
-    (measured once per policy and batch), plus --target-slack; no offload measured first where it
-    did not run (a profile)."""
+    (measured once per policy and batch; at n = L the (L - 1) / L of it that any schedule can free at
+    the peak), plus --target-slack; no offload measured first where it did not run (a profile)."""
     bench = moe_step.StepBench.__new__(moe_step.StepBench)
     bench.args = moe_step.parse_args(["--engines", "teo-t", "--target-slack", "0.5"])
     bench.L, bench.engine, bench.floor_MiB = 8, "teo-t", 1000.0
@@ -751,6 +751,9 @@ def test_teo_t_budget_is_the_target_peak_no_offload_less_what_the_policy_moves()
     context = bench._context(Policy("mlp", 7), 2)
     assert context[0].engine.memory_budget == int(4400 * MiB + 0.5 * GiB) and context[0].engine.num_layers == 7
     assert bench._context(Policy("none", 0))[0] is not None and measured == [("MLP 7/8", 2), ("MLP 7/8", 3)]
+    # n = L: the last layer's bytes are on the GPU at the peak under any schedule; the target frees the rest
+    assert bench.target_budget(Policy("mlp", 8), 2) == int(5000 * MiB - 600 * MiB * 7 // 8 + 0.5 * GiB)
+    assert bench.target_budget(Policy("layer", 8), 2) == int(5000 * MiB - 600 * MiB * 7 // 8 + 0.5 * GiB)
     assert moe_step.ENGINE_ENV["teo-t"]["NVTE_CPU_OFFLOAD_V1"] == "0"
     for bad in ("nan", "-1"):
         with pytest.raises(SystemExit):
