@@ -19,7 +19,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4|fit5|fit6|fitall1|fitall2|fitone ENGINE|rest13|verify13|target1|target2|v2oom}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4|fit5|fit6|fitall1|fitall2|fitone ENGINE|rest13|verify13|target1|target2|peak|v2oom}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -286,10 +286,12 @@ target1)
     # next session (after both setups): teo-t, teo with the budget of the target peak (no offload's
     # peak less what the policy moves): the base targets not met (MLP 7/8 and 8/8 at <= 1.03x
     # freeing all, whole layers 4/8 at <= 1.10x the PCIe bound freeing >= 95%), slack 0 then 0.5 GiB
-    for slack in 0 0.5; do
+    # (fourteenth session: `target1 SLACK` runs one slack, so the phase fits beside another in one call)
+    for slack in ${2:-0 0.5}; do
         run 285 python3 benchmarks/moe_step.py --shapes base --engines teo-t --policies mlp:6,mlp:7,mlp:8,layer:4 \
             --target-slack $slack --no-cap --out "$OUT/results/base_t$slack"
     done
+    phase="target1_${2:-all}"
     ;;
 target2)
     # next session: teo-t at wide (MLP 7/8, 8/8, layers 4/8 and 6/8) and big-ffn (layer 2/4, MLP 2/4)
@@ -297,6 +299,11 @@ target2)
         --no-cap --out "$OUT/results/wide_t"
     run 280 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-t --policies mlp:2,layer:2 \
         --no-cap --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_t"
+    ;;
+peak)
+    # fourteenth session's diagnostic (after both setups): where a base step's allocated memory peaks
+    # under teo-t (MLP 7/8, 6/8) and what the budget held at its last look before the peak
+    run 250 python3 scripts/diag_peak.py --shape base --policy mlp:7,mlp:6
     ;;
 v2oom)
     # next session (after both setups): what stays alive after TE V2's out-of-memory trial (layer 2/4

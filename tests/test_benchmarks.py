@@ -184,3 +184,32 @@ def test_alloc_history_names_each_unmap_burst_with_the_allocation_that_asked():
     assert lines[2] == "  at 8.0 ms: 1 unmaps, 20 MiB; no allocation after"
     assert lines[3] == "  maps: 1 bursts, 200 MiB in all"
     assert summarize({"device_traces": []}) == ["no allocator events recorded"]
+
+
+def test_diag_peak_finds_the_peak_its_phase_and_the_budget_look_before_it():
+    """The allocated memory rebuilt event by event (allocs up, requested frees down, marker
+    allocations counted as they are): the peak, the phase marker before it, the allocations just
+    before it and the engine's last look (the look markers counted in order)."""
+    sys.path.insert(0, str(BENCH.parent / "scripts"))
+    import diag_peak as dp
+
+    def alloc(size, **kw):
+        return {"action": "alloc", "size": size, "stream": 0, **kw}
+
+    def free(size):
+        return {"action": "free_requested", "size": size, "stream": 0}
+
+    fwd, bwd, look = dp._PHASE_MARK["forward"], dp._PHASE_MARK["backward"], dp._LOOK_MARK
+    frame = [{"filename": "/x/te_offload_ops/fused/srelu_mlp.py", "line": 228, "name": "_backward_fused"}]
+    trace = [alloc(fwd), free(fwd), alloc(100 * MiB), alloc(look), free(look),  # look 0
+             alloc(50 * MiB), alloc(look), free(look),  # look 1
+             alloc(bwd), free(bwd), free(100 * MiB), alloc(look), free(look),  # look 2
+             alloc(120 * MiB, frames=frame), free(120 * MiB), alloc(10 * MiB)]
+    looks = [{"where": w, "layer": 1, "bwd": b, "memory": m, "held": h, "reloaded": 0, "incoming": i}
+             for w, b, m, h, i in (("save", None, 1100 * MiB, 80 * MiB, 0), ("enter", None, 1150 * MiB, 0, 0),
+                                   ("use", 1, 1050 * MiB, 0, 0))]
+    lines = dp.analyse(trace, start=1000 * MiB, floor=1000 * MiB, looks=looks)
+    assert lines[0].startswith("peak 170 MiB above the floor, in the backward (event 13 of 16)")
+    assert "alloc     120.0 MiB stream 0: srelu_mlp.py:228 _backward_fused" in lines[-5]
+    assert any(">" in line and "use " in line and "backward layer 1" in line for line in lines)
+    assert not any(">" in line and "save" in line for line in lines)
