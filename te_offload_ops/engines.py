@@ -110,7 +110,7 @@ def offload_context(
     the oldest go back early (after a wait for their copies) only where memory would pass the
     budget. Each look (saves, uses in backward, layer boundaries, and :func:`make_room` calls, which
     this package's fused MLP makes before its large outputs) keeps room for what ops allocated
-    after the same look in the last step; for a memory cap, still give it the cap less some room
+    after the same look in the last two steps; for a memory cap, still give it the cap less some room
     (what an op allocates and frees again between two looks is not learned). Not combined with
     ``release`` or ``max_held_bytes``.
     "teo" accepts ``num_layers == model_layers``; its pinned buffers are always kept for reuse.

@@ -531,9 +531,10 @@ class TeoEngine:
         self.reloads_started_early = 0  # copies of a put-off prefetch started in the room there was (public)
         self._deferred_reloads: list[int] = []  # layers whose prefetch waits for room, in order
         # memory_budget: what ops allocated between one look and the next, learned per look from the
-        # last whole step and kept free under the budget (see _burst_after)
+        # last two whole steps and kept free under the budget (see _fit)
         self._bursts: dict = {}  # look key -> bytes allocated after it, this step
-        self._last_bursts: dict = {}  # the same, from the last step that ran its backward through
+        self._last_bursts: list[dict] = []  # the same, from the last two steps whose backward ran through
+        self._backward_finished = False  # this step's backward ran through (finish_backward)
         self._look_seen: dict = {}  # look key -> how often seen this step (the key's last part)
         self._last_look: Optional[tuple] = None  # (key, memory at its end) of this step's last look
         self._bwd_layer: Optional[int] = None  # the layer whose backward began last (a look's key)
@@ -686,17 +687,28 @@ class TeoEngine:
         self._wait_and_drop(held[:cut])
         self.bytes_held_past_release += sum(c.nbytes for c in held[cut:])
 
-    def _drop_copied(self) -> None:
+    def _drop_copied(self) -> bool:
         """The bytes of every copy to the host that has ended go back to the allocator: an event
-        query, no wait (one copy stream runs the copies in order: the first not ended stops the scan)."""
-        queue = self._in_flight
+        query, no wait (one copy stream runs the copies in order: the first not ended stops the scan).
+        Whether any went back."""
+        queue, dropped = self._in_flight, False
         while queue:
             c = queue[0]
             if c.source is not None:
                 if not c.copied.query():
-                    return
+                    return dropped
                 c.source = None  # its copy is over: the memory can be reused at once, in any stream's order
+                dropped = True
             queue.popleft()
+        return dropped
+
+    def _note_burst(self, memory: int) -> None:
+        """What ops allocated since the last look beyond what it announced, read before anything
+        goes back at this one (bytes given back after the peak would hide it)."""
+        if self._last_look is not None:
+            last_key, last_end = self._last_look
+            self._bursts[last_key] = max(self._bursts.get(last_key, 0), memory - last_end)
+            self._last_look = None
 
     def fit_budget(self, incoming: int = 0, keep_layer: Optional[int] = None, where: str = "",
                    sizes: Sequence[int] = ()) -> None:
@@ -716,13 +728,12 @@ class TeoEngine:
         that waited, with timing events around each wait; a diagnostic, off by default)."""
         if self.memory_budget is None:
             return
-        self._drop_copied()
-        key = self._look_key(where)
         memory = self._memory()
-        if self._last_look is not None:  # what ops allocated since the last look, beyond what it announced
-            last_key, last_end = self._last_look
-            self._bursts[last_key] = max(self._bursts.get(last_key, 0), memory - last_end)
-        self.budget_margin = self._last_bursts.get(key, 0)
+        self._note_burst(memory)
+        if self._drop_copied():
+            memory = self._memory()
+        key = self._look_key(where)
+        self.budget_margin = max((b.get(key, 0) for b in self._last_bursts), default=0)
         after = memory
         try:
             after = self._fit(memory, incoming, keep_layer, where, sizes)
@@ -845,9 +856,10 @@ class TeoEngine:
             self._strict_at_entry, self._end_bytes, self._layer_bytes = {}, None, 0
         self._in_flight.clear()
         self._deferred_reloads.clear()
-        if self._bursts and self._bwd_layer is not None:  # a step that ran its backward: its bursts teach the next
-            self._last_bursts = self._bursts
+        if self._bursts and self._backward_finished:  # a step that ran through: its bursts teach the next two
+            self._last_bursts = [self._bursts] + self._last_bursts[:1]
         self._bursts, self._look_seen, self._last_look, self._bwd_layer = {}, {}, None, None
+        self._backward_finished = False
         if not self._layers:
             return
         for layer in list(self._layers):
@@ -950,6 +962,8 @@ class TeoEngine:
     def backward_boundary(self, layer: int) -> None:
         """Layer ``layer``'s backward begins: drop later layers' reloads, reload this one and prefetch."""
         self._note_forward_end()
+        if self.memory_budget is not None:  # before the releases below give bytes back
+            self._note_burst(self._memory())
         self._bwd_layer = layer
         if not self._finish_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
@@ -979,6 +993,7 @@ class TeoEngine:
         """The backward is over: its reloads are dropped and its host buffers go back to the pool,
         as TE's engines do (so a second backward through the same graph is refused)."""
         self._finish_queued = False
+        self._backward_finished = True
         self._end_step()
 
     def _retry_deferred_reloads(self) -> None:
@@ -1017,6 +1032,9 @@ class TeoEngine:
                     now.append(c)
                 while now and self._short_of([c.nbytes for c in now]):  # only where the allocator has the blocks
                     now.pop()
+                if self._last_look is not None:  # the look announced the whole layer: count what starts
+                    key, end = self._last_look
+                    self._last_look = (key, end - sum(sizes) + sum(c.nbytes for c in now))
                 self._start_reloads(now)
                 self.reloads_started_early += len(now)
                 return False

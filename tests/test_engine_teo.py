@@ -1417,12 +1417,58 @@ def test_the_budget_keeps_room_for_what_ops_allocated_after_a_look_in_the_last_s
         engine.fit_budget(5, where="make_room")  # an announced allocation, then made
         extra[0] += 5
         engine.pack("y")
-        engine._bwd_layer = 1  # its backward ran (a step whose bursts teach the next)
-        engine._end_step()
+        engine.finish_backward()  # its backward ran through: a step whose bursts teach the next
         assert (step, waited_at_save) in ((0, 0), (1, 1))
     assert peaks == [38, 30]  # step 2 waited for one 8-byte copy before the ops allocated
-    assert engine._last_bursts[("save", 0, None, 0)] == 12
-    assert engine._last_bursts[("make_room", 1, None, 0)] == 0  # announced bytes are not a burst
+    assert engine._last_bursts[0][("save", 0, None, 0)] == 12
+    assert engine._last_bursts[0][("make_room", 1, None, 0)] == 0  # announced bytes are not a burst
+
+
+def test_the_learned_room_counts_what_ops_allocated_before_ended_copies_gave_bytes_back(monkeypatch):
+    """Ops allocate 12 bytes after a save; a copy (8 bytes) ends before the next look, which gives
+    its bytes back: the growth up to that look was 12, not 4. A step whose backward did not run
+    through (abandoned) teaches nothing; the room is the larger of the last two steps'."""
+    engine, stream, extra = _budget_engine(monkeypatch, 1, 2, budget=100, base=10)
+    monkeypatch.setattr(engine.pool, "release", lambda buf, ready: None)
+
+    def step(growth, finish=True):
+        extra[0] = 0
+        engine.enter_layer()
+        copies = _queued_copies(engine, 0, done=[False, False])
+        engine.pack("x")
+        extra[0] = growth
+        copies[0].copied.done = True  # ended before the next look
+        engine.enter_layer()
+        if finish:
+            engine.finish_backward()
+        else:
+            engine.abandon_step()
+
+    key = ("save", 0, None, 0)
+    step(12)
+    assert engine._last_bursts[0][key] == 12
+    step(30, finish=False)
+    assert len(engine._last_bursts) == 1 and engine._last_bursts[0][key] == 12
+    step(5)
+    extra[0] = 0
+    engine.enter_layer()
+    _queued_copies(engine, 0, done=[False])
+    engine.pack("x")
+    assert engine.budget_margin == 12  # the larger of the last two whole steps' 5 and 12
+
+
+def test_budget_engines_read_the_allocators_nested_statistics(monkeypatch):
+    """The memory read at every look: the nested statistics' current allocated bytes (0 where the
+    allocator has none yet), not torch.cuda.memory_allocated's flattened copy of them all."""
+    engine = TeoEngine(1, 2, memory_budget=1 << 30)
+    engine._device = torch.device("cuda", 0)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict",
+                        lambda device=None: asked.append(device) or {"allocated_bytes": {"all": {"current": 1234}}})
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: pytest.fail("the flattened read"))
+    assert engine._memory_allocated() == 1234 and asked == [engine._device]
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: {})
+    assert engine._memory_allocated() == 0
 
 
 def test_a_prefetch_past_the_budget_waits_for_room_and_a_use_never_waits(monkeypatch):
