@@ -4,7 +4,8 @@
 
 Runs no offload, then the policy under the engine (moe_step.py's names: teo, teo-m, teo-t, ...), in
 one process (one model). For each: warm-up steps, then one step with the allocator's history
-recorded (Python frames). From the history it rebuilds the memory allocated event by event and
+recorded (Python frames only with --frames: recording them slows the host, and copies that
+would still run end in time). From the history it rebuilds the memory allocated event by event and
 prints the step's peak above the static floor, its phase (forward, backward, optimizer), the
 allocations just before it (size, stream, the frames of this package, TE and the model), and,
 for a budget engine, its last look before the peak: where, which forward layer, the memory then

@@ -539,7 +539,6 @@ class TeoEngine:
         self._last_look: Optional[tuple] = None  # (key, memory at its end) of this step's last look
         self._bwd_layer: Optional[int] = None  # the layer whose backward began last (a look's key)
         self.budget_margin = 0  # the room kept at the last look for what ops allocate before the next (public)
-        self._freed_by_waits = 0  # bytes the budget's waits gave back, all steps (a look's memory after them)
         if memory_budget is not None:
             _BUDGET_ENGINES.add(self)
         # copies to the host whose GPU bytes the engine may still hold, in the copy stream's order
@@ -750,16 +749,17 @@ class TeoEngine:
 
     def _fit(self, memory: int, incoming: int, keep_layer: Optional[int], where: str, sizes: Sequence[int]) -> int:
         """:meth:`fit_budget`'s waits. The room kept (``budget_margin``) is what ops allocated after
-        this look in the last step before the engine looked again: saved-tensor hooks see an op's
-        outputs only once it has made them, and a look that filled the budget with held copies left
-        the peak over it by as much (measured: about 1 GiB over at base MLP 7/8, the forward's last
-        layer and the backward's first ops). In a step's first run nothing is learned yet. Returns
-        the memory after the waits (no second read where nothing was waited for: a read costs host time)."""
+        this look in the last two steps before the engine looked again: saved-tensor hooks see an
+        op's outputs only once it has made them, and a look that filled the budget with held copies
+        left the peak over it by as much (measured without it: about 1 GiB over at base MLP 7/8; at
+        wide MLP 7/8 the peak came at the last layer's MLP in the forward, 1 GiB held). Nothing is
+        learned in the first step. Returns the memory after the waits (no second read where nothing
+        was waited for: a read costs host time)."""
         over = memory + incoming + self.budget_margin - self.memory_budget
         short = [] if over > 0 or not sizes else self._short_of(sizes)
         if over <= 0 and not short:
             return memory
-        freed_before = self._freed_by_waits
+        freed = 0
         trace = self.budget_trace
         record = None if trace is None else {"where": where, "layer": self._fwd_layer, "step": self._step,
                                              "memory": self._memory(), "incoming": incoming, "over": over,
@@ -772,7 +772,9 @@ class TeoEngine:
         hopeless = None  # whether giving back could not fit the largest short allocation: asked once
         for c in held:
             if over > 0:
-                over -= self._drop_held(c, record, "budget")
+                gone = self._drop_held(c, record, "budget")
+                freed += gone
+                over -= gone
                 if over <= 0 and sizes:
                     short = self._short_of(sizes)
             elif id(c) in fits:
@@ -784,13 +786,13 @@ class TeoEngine:
                         record["gave_up"] = max(short)
                 if hopeless:
                     break
-                self._drop_held(c, record, "fit")
+                freed += self._drop_held(c, record, "fit")
                 short = self._short_of(sizes)
             if over <= 0 and not short:
                 break
         if record is not None and (record["waits"] or "gave_up" in record):
             trace.append(record)
-        return memory - (self._freed_by_waits - freed_before)
+        return memory - freed
 
     def _short_of(self, sizes: Sequence[int]) -> list:
         """The allocations of ``sizes`` the allocator could not serve now without a release of its cache."""
@@ -806,7 +808,6 @@ class TeoEngine:
         self.budget_waits += 1
         self.budget_wait_bytes += c.nbytes
         freed = before - self._memory()
-        self._freed_by_waits += freed
         if record is not None:
             resume = torch.cuda.Event(enable_timing=True)
             resume.record(torch.cuda.current_stream(self._device))
