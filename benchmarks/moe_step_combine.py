@@ -81,12 +81,13 @@ def combine(results: list[dict], sources: list[str]) -> dict:
     margin = next((r["config"].get("budget_margin_GiB") for r in results if "teo-b" in r["config"]["engines"]),
                   results[0]["config"].get("budget_margin_GiB"))
     slack = next((r["config"].get("target_slack_GiB") for r in results if "teo-t" in r["config"]["engines"]), None)
+    freed = next((r["config"].get("target_freed") for r in results if "teo-t" in r["config"]["engines"]), None)
     out = {
         "benchmark": "moe_step", "gpu": results[0]["gpu"],
         "date": " / ".join(dict.fromkeys(r["date"] for r in results)),
         "alloc_conf": results[0].get("alloc_conf"),
         "config": {**results[0]["config"], "engines": engines, "policies": policies, "memory_target_GiB": target,
-                   "budget_margin_GiB": margin, "target_slack_GiB": slack},
+                   "budget_margin_GiB": margin, "target_slack_GiB": slack, "target_freed": freed},
         "pcie": pcie,
         "shapes": list(shapes.values()),
         "combined_from": [{"source": src, "date": r["date"], "engines": r["config"]["engines"]}

@@ -474,7 +474,9 @@ def markdown(result: dict) -> str:
         lines.append(f"- teo-b: teo with memory_budget = the cap in force (the GPU's memory where none is) less "
                      f"{c['budget_margin_GiB']:g} GiB")
     if "teo-t" in c.get("engines", []):
-        lines.append(f"- teo-t: teo with memory_budget = the static floor plus no offload's peak less the bytes "
+        freed = c.get("target_freed") or 1.0
+        share = "the bytes" if freed == 1 else f"{freed:g} of the bytes"
+        lines.append(f"- teo-t: teo with memory_budget = the static floor plus no offload's peak less {share} "
                      f"the policy moves, plus {c.get('target_slack_GiB') or 0:g} GiB")
     for part in result.get("combined_from", []):  # moe_step_combine.py: runs made in separate calls
         lines.append(f"- from {Path(part['source']).name} ({part['date']}): {', '.join(part['engines'])}")

@@ -2,6 +2,8 @@
 process (one model), with where each budget wait fell and how long the compute stream stalled there.
 
     python3 scripts/diag_budget.py --batch 12 --cap 67 --margins 2,1,0.5 [--shape big-ffn --layers 4]
+    python3 scripts/diag_budget.py --shape base --layers 8 --batch 8 --scope mlp --offload 7 --cap 0 \
+        --margins "" --no-layer-schedule --target-freed 1,0.96      (moe_step.py's teo-t budgets, no cap)
 
 Each variant: a context reused over --warmup + --iters steps under the cap (the allocator limited
 to it, as moe_step.py's cap search does); prints step / forward / backward ms (median), the
@@ -78,10 +80,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="big-ffn")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--offload", type=int, default=2, help="whole layers offloaded")
+    p.add_argument("--offload", type=int, default=2, help="layers offloaded")
+    p.add_argument("--scope", choices=("layer", "mlp"), default="layer", help="what of each layer is offloaded")
     p.add_argument("--batch", type=int, default=12)
-    p.add_argument("--cap", type=float, default=67.0, help="GiB")
-    p.add_argument("--margins", default="2,1,0.5", help="GiB under the cap for teo's memory_budget")
+    p.add_argument("--cap", type=float, default=67.0, help="GiB (0: no cap)")
+    p.add_argument("--margins", default="2,1,0.5", help="GiB under the cap for teo's memory_budget (\"\": none)")
+    p.add_argument("--target-freed", default="",
+                   help="fractions: budgets as moe_step.py's teo-t sets them (no offload's peak less this share "
+                        "of the bytes the policy moves), e.g. 1,0.96")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--history", action="store_true", help="the allocator's maps and unmaps in the last step")
@@ -103,17 +109,23 @@ def main() -> int:
     args = moe_step.parse_args(["--shapes", a.shape, "--layers", str(a.layers), "--batch", str(a.batch),
                                 "--engines", "teo", "--no-cap"])
     bench = moe_step.StepBench(a.shape, args.shapes[a.shape], args, "teo")
-    policy = moe_step.Policy("layer", a.offload)
-    print(f"{torch.cuda.get_device_name()}: {a.shape}, L={a.layers}, layer {a.offload}/{a.layers}, {a.batch} sequences, "
-          f"cap {a.cap} GiB, static floor {bench.floor_MiB / 1024:.1f} GiB", flush=True)
-    variants = ([] if a.no_layer_schedule else [("layer schedule", {})]) + [(f"budget: cap - {m} GiB", {"memory_budget": int((a.cap - float(m)) * GiB)})
-                                           for m in a.margins.split(",")]
+    policy = moe_step.Policy(a.scope, a.offload)
+    cap = a.cap or None
+    print(f"{torch.cuda.get_device_name()}: {a.shape}, L={a.layers}, {policy.label(a.layers)}, {a.batch} sequences, "
+          f"cap {cap} GiB, static floor {bench.floor_MiB / 1024:.1f} GiB", flush=True)
+    variants = ([] if a.no_layer_schedule else [("layer schedule", {})]) + [
+        (f"budget: cap - {m} GiB", {"memory_budget": int((a.cap - float(m)) * GiB)}) for m in a.margins.split(",") if m]
+    for freed in [f for f in a.target_freed.split(",") if f]:
+        bench.args.target_freed = float(freed)
+        budget = bench.target_budget(policy, a.batch)
+        variants.append((f"teo-t freeing {freed} of the bytes moved: budget {budget / GiB:.2f} GiB",
+                         {"memory_budget": budget}))
     x, dy = bench._inputs(a.batch)
     for name, options in variants:
         torch.cuda.empty_cache()
         moe_step._empty_host_cache()
         try:
-            with bench.under_cap(a.cap):  # the allocator limited as moe_step.py's cap search limits it
+            with bench.under_cap(cap):  # the allocator limited as moe_step.py's cap search limits it
                 from te_offload_ops import allocator_room
 
                 dev = torch.device("cuda", torch.cuda.current_device())
@@ -142,8 +154,8 @@ def main() -> int:
               flush=True)
         for r in engine.budget_trace or []:
             stalls = [w["events"][0].elapsed_time(w["events"][1]) for w in r["waits"]]
-            print(f"   {r['where']:9s} fwd layer {r['layer']}: memory {r['memory'] / GiB:.2f} GiB + {r['incoming'] / GiB:.2f}"
-                  f" announced, {r['over'] / GiB:.2f} over; waited for "
+            print(f"   {r['where']:9s} fwd layer {r['layer']}, bwd layer {r.get('bwd_layer')}: memory {r['memory'] / GiB:.2f} GiB + {r['incoming'] / GiB:.2f}"
+                  f" announced, room kept {r['margin'] / GiB:.2f}, {r['over'] / GiB:.2f} over; waited for "
                   + "; ".join(f"L{w['copy_of_layer']} {w['nbytes'] / MiB:.0f} MiB ({w['why']}, freed {w['freed'] / MiB:.0f}) "
                               f"{t:.1f} ms" for w, t in zip(r["waits"], stalls)), flush=True)
         if options:

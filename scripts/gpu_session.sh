@@ -19,7 +19,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4|fit5|fit6|fitall1|fitall2|fitone ENGINE|rest13|verify13|target1|target2|peak|v2oom}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4|fit5|fit6|fitall1|fitall2|fitone ENGINE|rest13|verify13|target1|target2|peak|v2oom|base15|t15a|t15b|waits15|t15c|t15te|t15d|t15e}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -304,6 +304,71 @@ peak)
     # fourteenth session's diagnostic (after both setups): where a base step's allocated memory peaks
     # under teo-t (MLP 7/8, 6/8) and what the budget held at its last look before the peak
     run 250 python3 scripts/diag_peak.py --shape base --policy mlp:7,mlp:6
+    ;;
+base15)
+    # fifteenth session (after both setups): teo-t at base MLP 7/8 and 8/8 on the review's mends, then
+    # where their backward's extra time goes (the profile: copies per layer, the compute stream's gaps)
+    run 240 python3 benchmarks/moe_step.py --shapes base --engines teo-t --policies mlp:7,mlp:8 --no-cap \
+        --out "$OUT/results/base_t15"
+    run 300 python3 benchmarks/moe_step.py --shapes base --engines teo-t --profile mlp:7,mlp:8 --profile-steps 2 \
+        --out "$OUT/results/base_t15_profile"
+    ;;
+t15a)
+    # fifteenth session, call 2 (carry .dev/cute after .dev/te's setup): the budget's GPU tests on the
+    # fused path (the last layer's copies put off at n = L), then teo-t at base freeing 0.96 of the
+    # bytes moved (issue 12's target: 0.95), and MLP 8/8 freeing all (the put-off copies alone)
+    pytest_ 150 -s tests/test_gpu_engine_teo.py -k "(budget or uncopied) and not unfused"
+    run 250 python3 benchmarks/moe_step.py --shapes base --engines teo-t --policies mlp:6,mlp:7,mlp:8,layer:4 \
+        --target-freed 0.96 --no-cap --out "$OUT/results/base_t096"
+    run 150 python3 benchmarks/moe_step.py --shapes base --engines teo-t --policies mlp:8 --no-cap \
+        --out "$OUT/results/base_t1"
+    ;;
+t15b)
+    # fifteenth session: teo-t freeing 0.96 at wide (MLP 7/8, 8/8, layers 4/8 and 6/8) and big-ffn
+    # (layer 2/4, MLP 2/4)
+    run 300 python3 benchmarks/moe_step.py --shapes wide --engines teo-t --policies mlp:7,mlp:8,layer:4,layer:6 \
+        --target-freed 0.96 --no-cap --out "$OUT/results/wide_t096"
+    run 280 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-t --policies mlp:2,layer:2 \
+        --target-freed 0.96 --no-cap --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_t096"
+    ;;
+waits15)
+    # fifteenth session: where teo-t's budget waits fall at base MLP 7/8 and 8/8 (freeing all, and 0.96)
+    for n in 7 8; do
+        run 140 python3 scripts/diag_budget.py --shape base --layers 8 --batch 8 --scope mlp --offload $n --cap 0 \
+            --margins "" --no-layer-schedule --target-freed 1,0.96 --warmup 3 --iters 5
+    done
+    ;;
+t15c)
+    # fifteenth session (carry .dev/cute after .dev/te's setup): the fused MLP announcing each
+    # allocation just before it (tests), where the budget's waits now fall at base MLP 7/8, then
+    # teo-t at base freeing 0.96 of the bytes moved and freeing all (MLP 7/8, 8/8)
+    pytest_ 120 -s tests/test_gpu_fused.py tests/test_gpu_engine_teo.py -k "announces or ((budget or uncopied) and not unfused)"
+    run 100 python3 scripts/diag_budget.py --shape base --layers 8 --batch 8 --scope mlp --offload 7 --cap 0 \
+        --margins "" --no-layer-schedule --target-freed 1,0.96 --warmup 3 --iters 5
+    run 200 python3 benchmarks/moe_step.py --shapes base --engines teo-t --policies mlp:6,mlp:7,mlp:8,layer:4 \
+        --target-freed 0.96 --no-cap --out "$OUT/results/base_t096"
+    run 130 python3 benchmarks/moe_step.py --shapes base --engines teo-t --policies mlp:7,mlp:8 --no-cap \
+        --out "$OUT/results/base_t1"
+    ;;
+t15te)
+    # fifteenth session, call 1 (carry .dev/te, after its setup): the TE-only GPU tests of what changed
+    # (the engines, teo's unfused path, TE's fused grouped MLP under the policy)
+    pytest_ 300 -s tests/test_gpu_engine_teo.py tests/test_gpu_engines.py tests/test_te_fused_mlp.py \
+        tests/test_te_fused_mlp_gpu.py -k "unfused or not fused"
+    ;;
+t15d)
+    # fifteenth session, call 2 (carry .dev/cute after .dev/te's setup): the fused path's GPU tests of
+    # what changed (each allocation announced before it, under every Megatron setting; the budget on
+    # the fused path; the allocator's room)
+    pytest_ 280 tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py tests/test_gpu_allocator_room.py
+    pytest_ 60 -s tests/test_gpu_engine_teo.py -k "not unfused"
+    ;;
+t15e)
+    # fifteenth session, call 3: teo-t freeing 0.96 at wide and big-ffn (layer 2/4, MLP 2/4)
+    run 250 python3 benchmarks/moe_step.py --shapes wide --engines teo-t --policies mlp:7,mlp:8,layer:4,layer:6 \
+        --target-freed 0.96 --no-cap --out "$OUT/results/wide_t096"
+    run 280 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-t --policies mlp:2,layer:2 \
+        --target-freed 0.96 --no-cap --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_t096"
     ;;
 v2oom)
     # next session (after both setups): what stays alive after TE V2's out-of-memory trial (layer 2/4

@@ -38,7 +38,9 @@ modules leave); when it moves is this module's own schedule:
   and no memory the cap leaves to map (the allocator would release its cache and remap, which
   stalls the GPU: ``allocator_room``). The engine looks at each layer entry, save, use in backward and backward
   boundary. So the forward waits only where memory runs out at the cap, not at every layer entry,
-  and what the peak cannot hold is gone by then (see :meth:`TeoEngine.fit_budget`);
+  and what the peak cannot hold is gone by then (see :meth:`TeoEngine.fit_budget`). With ``n = L``
+  the last layer's copies are put off until the budget needs their room (its backward comes
+  first and uses them in place: see :meth:`TeoEngine._puts_off_copies`);
 * backward: reloads run on a second stream, into memory taken on the compute stream after the
   work queued there so far; a saved tensor's first use makes the compute stream wait for its own
   reload only. A reload goes back to the allocator as a tensor kept on the GPU does: the engine
@@ -433,12 +435,12 @@ def free_pinned_buffers() -> None:
 class _HostCopy:
     """One byte range of a GPU storage, copied to a host buffer (and back in backward)."""
 
-    host: HostBuffer
+    host: Optional[HostBuffer]  # None while the copy is put off (see TeoEngine._puts_off_copies)
     nbytes: int
     start: int  # where the range begins in the source storage (for views of it saved later)
     storage_ptr: int
     storage_ref: StorageWeakRef
-    copied: Any  # event: the D2H copy is done
+    copied: Any  # event: the D2H copy is done (None: put off, not started)
     source: Optional[torch.Tensor] = None  # uint8 view of the GPU bytes, held until the copy is seen to end
     source_stream: Any = None  # the stream the tensor was saved on (its memory goes back there)
     gpu: Optional[torch.Tensor] = None  # uint8 bytes on the GPU (the reload, or the source) while reloaded
@@ -448,6 +450,8 @@ class _HostCopy:
     handles: int = 0  # handles to this range autograd holds (packs this step)
     unpacks: int = 0  # of those, unpacked in this backward: at `handles` the engine lets go of the reload
     layer: Optional[int] = None  # the layer that saved it
+    ready: Any = None  # a put-off copy: the event after which its bytes may be read
+    count: Optional[tuple] = None  # a put-off copy: (counter key, bytes) to count when it starts
 
     @property
     def used_up(self) -> bool:
@@ -694,7 +698,7 @@ class TeoEngine:
         while queue:
             c = queue[0]
             if c.source is not None:
-                if not c.copied.query():
+                if c.copied is None or not c.copied.query():  # (a put-off copy ends only once started)
                     return dropped
                 c.source = None  # its copy is over: the memory can be reused at once, in any stream's order
                 dropped = True
@@ -761,7 +765,8 @@ class TeoEngine:
             return memory
         freed = 0
         trace = self.budget_trace
-        record = None if trace is None else {"where": where, "layer": self._fwd_layer, "step": self._step,
+        record = None if trace is None else {"where": where, "layer": self._fwd_layer, "bwd_layer": self._bwd_layer,
+                                             "step": self._step,
                                              "memory": self._memory(), "incoming": incoming, "over": over,
                                              "margin": self.budget_margin, "waits": []}
         held = [c for c in self._in_flight if c.source is not None  # oldest first: copy order
@@ -804,6 +809,8 @@ class TeoEngine:
         if record is not None:
             reach = torch.cuda.Event(enable_timing=True)
             reach.record(torch.cuda.current_stream(c.source.device))
+        if c.copied is None:  # put off until the budget needed its bytes: now
+            self._start_copy(c)
         self._wait_and_drop([c])
         self.budget_waits += 1
         self.budget_wait_bytes += c.nbytes
@@ -817,7 +824,11 @@ class TeoEngine:
 
     @classmethod
     def _drop_sources(cls, copies: "_LayerCopies") -> None:
-        """All of a layer's GPU bytes go back after the streams waited for its copies."""
+        """All of a layer's GPU bytes go back after the streams waited for its copies (its backward
+        or its step is over: a copy still put off is not needed, and never starts)."""
+        for c in copies.copies:
+            if c.copied is None:
+                c.source = None
         cls._wait_and_drop([c for c in copies.copies if c.source is not None])
 
     @staticmethod
@@ -867,7 +878,8 @@ class TeoEngine:
             self._release_reload(layer)
             self._drop_sources(self._layers[layer])
             for c in self._layers[layer].copies:
-                self.pool.release(c.host, c.reloaded if c.reloaded is not None else c.copied)
+                if c.host is not None:  # (a copy put off and never started took no buffer)
+                    self.pool.release(c.host, c.reloaded if c.reloaded is not None else c.copied)
         self._layers.clear()
         self._step += 1
 
@@ -909,11 +921,16 @@ class TeoEngine:
                 found = i
                 break
         if found is None:
-            layer.copies.append(self._copy_to_host(t, storage, span))
-            layer.copies[-1].layer = self._fwd_layer
-            self._in_flight.append(layer.copies[-1])
+            if self._puts_off_copies(self._fwd_layer):
+                c = self._host_copy(t, storage, span)
+                c.count = self._count_key(t, owner, span.nbytes)
+            else:
+                c = self._copy_to_host(t, storage, span)
+                self._count(t, owner, span.nbytes)
+            c.layer = self._fwd_layer
+            layer.copies.append(c)
+            self._in_flight.append(c)
             found = len(layer.copies) - 1
-            self._count(t, owner, span.nbytes)
         layer.copies[found].handles += 1
         return _Moved(self._step, self._fwd_layer, found, at - layer.copies[found].start,
                       tuple(t.shape), tuple(t.stride()), t.dtype)
@@ -926,13 +943,35 @@ class TeoEngine:
         else:  # a part of a quantized tensor: its bytes, under the tensor autograd saved
             self.counter.bytes[self.counter.classify(owner)] += nbytes
 
+    def _count_key(self, t: torch.Tensor, owner: torch.Tensor, nbytes: int) -> Optional[tuple]:
+        """What :meth:`_count` would add, to be added once a put-off copy starts (None: no counter)."""
+        if self.counter is None:
+            return None
+        return (self.counter.classify(owner), t.numel() * t.element_size() if t is owner else nbytes)
+
+    def _puts_off_copies(self, layer: int) -> bool:
+        """Whether ``layer``'s copies to the host wait until the budget needs their bytes: under a
+        ``memory_budget`` with every layer offloaded (n = L), the last layer's. Its backward comes
+        first, so its bytes are back on the GPU when the backward begins under any schedule: copied
+        at once, they would take the copy engine from the layers before it and come back at once
+        (measured at base MLP 8/8: 16 ms of the first layer's backward waiting, against 7 at 7/8).
+        Kept, they serve its backward in place, unless the budget asks for their room first."""
+        return self.memory_budget is not None and self.num_layers == self.model_layers == layer + 1
+
     def _streams(self, device=None):
         if self._d2h is None:  # on the model's device, which need not be the current one
             self._d2h, self._h2d = torch.cuda.Stream(device=device), torch.cuda.Stream(device=device)
         return self._d2h, self._h2d
 
     def _copy_to_host(self, t: torch.Tensor, storage, span: Move) -> _HostCopy:
-        d2h, _ = self._streams(t.device)
+        """``t``'s range ``span`` of ``storage``, its copy to the host queued at once."""
+        c = self._host_copy(t, storage, span)
+        self._start_copy(c)
+        return c
+
+    def _host_copy(self, t: torch.Tensor, storage, span: Move) -> _HostCopy:
+        """The record of ``t``'s range ``span`` of ``storage``, held on the GPU, its copy not yet queued."""
+        self._streams(t.device)
         if self._device is None:
             self._device = t.device
         saved_on = torch.cuda.current_stream(t.device)
@@ -943,20 +982,30 @@ class TeoEngine:
         # from a 512-byte boundary of the storage: a reloaded view keeps its address's alignment
         start = span.start - span.start % 512
         span = Move(start, span.start + span.nbytes - start)
-        host = self.pool.acquire(span.nbytes)
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, span.start, (span.nbytes,), (1,))
-        d2h.wait_event(ready)
+        # the engine holds the bytes (src) until the copy ends or the budget or a release needs them
+        # back, where the stream it was saved on waits for the copy (a side stream inside the
+        # context: that stream's pool gets the memory back)
+        return _HostCopy(None, span.nbytes, span.start, storage.data_ptr(), StorageWeakRef(storage), None, src,
+                         saved_on, ready=ready)
+
+    def _start_copy(self, c: _HostCopy) -> None:
+        """Queues ``c``'s copy to a pinned host buffer on the copy stream (counted if it was put off)."""
+        d2h, _ = self._streams(self._device)
+        host = self.pool.acquire(c.nbytes)
+        d2h.wait_event(c.ready)
         if host.ready is not None:
             d2h.wait_event(host.ready)  # last step's reload from this buffer
         with torch.cuda.stream(d2h):
-            for a, b in copy_pieces(span.nbytes, self.copy_chunk):
-                host.tensor[a:b].copy_(src[a:b], non_blocking=True)
+            for a, b in copy_pieces(c.nbytes, self.copy_chunk):
+                host.tensor[a:b].copy_(c.source[a:b], non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(d2h)
-        # the engine holds the bytes (src) until the layer's release, where the stream it was saved on waits
-        # for the copy (a side stream inside the context: that stream's pool gets the memory back)
-        return _HostCopy(host, span.nbytes, span.start, storage.data_ptr(), StorageWeakRef(storage), copied, src,
-                         saved_on)
+        c.host, c.copied, c.ready = host, copied, None
+        if c.count is not None:
+            key, nbytes = c.count
+            self.counter.bytes[key] += nbytes
+            c.count = None
 
     # -- backward --------------------------------------------------------------------------
 
@@ -971,7 +1020,7 @@ class TeoEngine:
             self._finish_queued = True
         for done in [j for j in self._layers if j > layer]:
             self._release_reload(done)
-        self.fit_budget(where="backward")
+        self.fit_budget(keep_layer=layer, where="backward")  # (its held bytes serve it in place)
         for j in reloads_at_backward_start(layer, self.prefetch, self.num_layers, self.model_layers):
             self._reload(j, prefetch=j != layer)
 
@@ -1017,7 +1066,8 @@ class TeoEngine:
         if copies is None or copies.reloaded or not copies.copies:
             return True
         if self.memory_budget is not None:  # the reloads below allocate: room first (the layer's own held bytes stay)
-            pending = [c for c in copies.copies if c.source is None and not c.used_up and c.gpu is None]
+            pending = [c for c in copies.copies
+                       if c.source is None and not c.used_up and c.gpu is None and c.copied is not None]
             sizes = [c.nbytes for c in pending]
             self.fit_budget(sum(sizes), keep_layer=layer, where="reload", sizes=sizes)
             limit = self.memory_budget - self.budget_margin  # the room ops took after this look last step
@@ -1046,8 +1096,10 @@ class TeoEngine:
             if c.source is not None:  # never given back (a backward before the release): no copy needed
                 c.gpu, c.reloaded, c.waited = c.source, None, True
         # not those used up in an earlier reload of this layer (an unpack past the count copies it
-        # back), nor those a put-off prefetch already started
-        self._start_reloads([c for c in copies.copies if c.source is None and not c.used_up and c.gpu is None])
+        # back), nor those a put-off prefetch already started, nor those never copied (put off, and
+        # let go at their layer's end: an unpack after it raises there)
+        self._start_reloads([c for c in copies.copies
+                             if c.source is None and not c.used_up and c.gpu is None and c.copied is not None])
         return True
 
     def _start_reloads(self, copies: list) -> None:
@@ -1109,6 +1161,13 @@ class TeoEngine:
                 "step); a second backward through the same graph (retain_graph=True) is not supported")
         self._reload(handle.layer)  # no-op when prefetched
         c = self._layers[handle.layer].copies[handle.index]
+        if c.gpu is None and c.source is not None:  # still held: in place again
+            c.gpu, c.reloaded, c.waited = c.source, None, True
+        if c.gpu is None and c.copied is None:
+            raise RuntimeError(
+                f"teo offload: a saved tensor of layer {handle.layer} was used after its layer's backward ended; "
+                "its copy to the host was put off (the last layer's, under memory_budget with every layer "
+                "offloaded) and its GPU bytes went back then, so there is nothing to bring back")
         if c.gpu is None:  # used more often than autograd held handles to it: bring it back again
             if not self.told_extra_unpack:
                 self.told_extra_unpack = True

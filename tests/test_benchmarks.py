@@ -42,6 +42,17 @@ def test_benchmarks_exit_clearly_without_a_gpu(script):
     assert "cannot run" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_diag_budget_takes_the_mlp_scope_and_teo_t_budgets_and_exits_clearly_without_a_gpu():
+    script = str(BENCH.parent / "scripts" / "diag_budget.py")
+    args = ["--shape", "base", "--layers", "8", "--batch", "8", "--scope", "mlp", "--offload", "7", "--cap", "0",
+            "--margins", "", "--no-layer-schedule", "--target-freed", "1,0.96"]
+    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "diag_budget.py needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, script, "--scope", "experts"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "invalid choice: 'experts'" in proc.stderr
+
+
 def test_graphs_report_names_targets_and_ratios(tmp_path):
     from bench_graphs import markdown, plot
 

@@ -1500,3 +1500,96 @@ def test_a_prefetch_past_the_budget_waits_for_room_and_a_use_never_waits(monkeyp
     reloaded.clear()
     extra[0] = 39
     assert engine._reload(1) is True and reloaded == l1  # for a use: no waiting for room
+
+
+# ------------------------------------------------------------------------------------------------
+# n = L under a budget: the last layer's copies are put off until the budget needs their bytes
+
+
+class _RecordedEvent(_QueriedEvent):
+    def record(self, stream=None):
+        pass
+
+
+def _put_off_engine(monkeypatch, budget):
+    """A budget engine, n = L = 2, that packs CPU tensors through the real save path: fake streams
+    and events (each copy's event is queried as not ended), a fake pool and a counter."""
+    engine, stream, extra = _budget_engine(monkeypatch, 2, 2, budget=budget)
+    monkeypatch.setattr(policy, "OFFLOAD_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _RecordedEvent("event"))
+    d2h = _NamedStream("d2h")
+    monkeypatch.setattr(engine, "_streams", lambda device=None: (d2h, None))
+    engine.pool, _ = _fake_pool()
+    engine.counter = OffloadCounter()
+    return engine, stream, extra, d2h
+
+
+def test_with_every_layer_offloaded_the_last_layers_copies_wait_for_the_budget(monkeypatch):
+    """n = L under a budget with room: the first layer's saves are copied at once; the last layer's
+    are held on the GPU with no copy queued, no host buffer taken and nothing counted as offloaded;
+    its backward uses them in place and its end lets them go, still without a copy."""
+    engine, stream, extra, d2h = _put_off_engine(monkeypatch, budget=1 << 40)
+    first, last = torch.arange(BIG, dtype=torch.float32), torch.arange(BIG, dtype=torch.float32) * 2
+    engine.enter_layer()
+    engine.pack(first)
+    engine.layer_done(0)
+    engine.enter_layer()
+    handle = engine.pack(last)
+    engine.layer_done(1)
+    (c0,), (c1,) = engine._layers[0].copies, engine._layers[1].copies
+    assert c0.copied is not None and c0.host is not None and torch.equal(c0.host.tensor[: c0.nbytes].view(torch.float32), first)
+    assert c1.copied is None and c1.host is None and c1.source is not None
+    assert engine.counter.total == BIG * 4 and engine.pool.in_use == 1  # the first layer's only
+    engine._finish_queued = True  # (as in a backward: the step's end is queued there)
+    engine.backward_boundary(1)
+    out = engine.unpack(handle)
+    assert out.data_ptr() == last.data_ptr() and torch.equal(out, last)  # in place
+    waited = list(stream.waited)
+    engine.region_backward_done(1)
+    assert c1.source is None and c1.gpu is None and c1.copied is None  # gone without a copy
+    assert stream.waited == waited and engine.counter.total == BIG * 4 and engine.pool.in_use == 1
+    with pytest.raises(RuntimeError, match="layer 1 was used after its layer's backward ended; its copy to the host "
+                                           "was put off"):
+        engine.unpack(handle)
+
+
+def test_a_put_off_copy_starts_when_the_budget_needs_its_bytes(monkeypatch):
+    """Over the budget with only the last layer's bytes held: its copy starts then (counted as
+    offloaded), the compute stream waits for it, and the bytes go back; the data reaches the host."""
+    engine, stream, extra, d2h = _put_off_engine(monkeypatch, budget=1 << 40)
+    engine.enter_layer()
+    engine.layer_done(0)
+    engine.enter_layer()
+    last = torch.arange(BIG, dtype=torch.float32)
+    engine.pack(last)
+    (c1,) = engine._layers[1].copies
+    assert c1.copied is None and engine.counter.total == 0
+    engine.memory_budget = BIG * 4  # the held bytes plus what comes next pass it
+    engine.fit_budget(1)
+    assert c1.copied is not None and c1.source is None and stream.waited == [c1.copied]
+    assert engine.counter.total == BIG * 4 and engine.budget_waits == 1
+    assert torch.equal(c1.host.tensor[: c1.nbytes].view(torch.float32), last)
+
+
+@pytest.mark.parametrize("n, L, budget", [(1, 2, 1 << 40), (2, 2, None)])
+def test_copies_are_put_off_only_for_the_last_layer_of_a_budget_engine_offloading_all(n, L, budget):
+    engine = TeoEngine(n, L, memory_budget=budget)
+    assert not any(engine._puts_off_copies(j) for j in range(L))
+    assert TeoEngine(L, L, memory_budget=1 << 40)._puts_off_copies(L - 1)
+    assert not TeoEngine(L, L, memory_budget=1 << 40)._puts_off_copies(L - 2)
+
+
+def test_a_backward_boundary_look_never_gives_back_the_bytes_of_the_layer_it_begins(monkeypatch):
+    """Over the budget as layer 1's backward begins: older layers' copies are waited for, never
+    layer 1's own held bytes (its backward would bring them straight back)."""
+    engine, stream, extra = _budget_engine(monkeypatch, 2, 2, budget=100)
+    engine.enter_layer()
+    l0 = _queued_copies(engine, 0, done=[False])
+    engine.enter_layer()
+    l1 = _queued_copies(engine, 1, done=[False, False])
+    engine._finish_queued = True  # (as in a backward: the step's end is queued there)
+    monkeypatch.setattr(engine, "_reload", lambda layer, prefetch=False: True)
+    extra[0] = 90  # 90 + 24 held > 100, and still over once layer 0's 8 are back
+    engine.backward_boundary(1)
+    assert stream.waited == [l0[0].copied] and all(c.source is not None for c in l1)

@@ -415,6 +415,24 @@ def test_copies_seen_ended_free_their_bytes_during_the_forward(monkeypatch, path
 
 
 @requires_gpu
+def test_with_every_layer_offloaded_a_budget_with_room_leaves_the_last_layer_uncopied(path):
+    """n = L under a budget with room: the last layer's saved tensors never cross PCIe (its
+    backward, which comes first, uses them in place), every other layer's move as plain teo moves
+    them, nothing is waited for, and two steps through one context are bitwise equal to no offload.
+    (Under a tight budget its copies start when the budget needs their room: the test below.)"""
+    cfg = Config(layers=LAYERS, experts=4, hidden=1024, ffn=768, splits=(1024, 0, 3000, 72))
+    stack, inputs = make_stack(cfg), make_inputs(cfg)
+    run_step(stack, inputs, "none")  # allocates the grads
+    base = run_step(stack, inputs, "none", keep_grads=True)
+    by_layer = _moved_by_layer(run_step(stack, inputs, "teo", offload_layers=LAYERS, keep_grads=True)["moved"])
+    assert by_layer.get(LAYERS - 1, 0) > 0  # plain teo moves the last layer too
+    floor = torch.cuda.memory_allocated()
+    _, engine = _exact_steps_with_one_context(stack, inputs, base, LAYERS, memory_budget=floor + (1 << 30))
+    assert engine.budget_waits == 0
+    assert engine.counter.total == 2 * sum(n for j, n in by_layer.items() if j != LAYERS - 1)
+
+
+@requires_gpu
 @pytest.mark.parametrize("num_layers", [LAYERS - 1, LAYERS])
 def test_memory_budget_keeps_steps_exact_and_memory_at_the_budget(monkeypatch, num_layers, path):
     """memory_budget with slow copies, one context over two steps each. With room to spare nothing

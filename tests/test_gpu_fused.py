@@ -153,8 +153,10 @@ def test_the_forward_in_row_blocks_gives_the_same_results_bit_for_bit(monkeypatc
 def test_the_backward_announces_what_it_allocates_in_the_order_it_allocates_it(monkeypatch):
     """An offload engine's memory budget fits each announced size into the allocator's free blocks
     in turn (te_offload_ops.allocator_room), so the fused backward must name its allocations as the
-    allocator sees them: dz, dprobs' fp32 partials, fc2's wgrad, dx, fc1's wgrad, in that order
-    (the sizes asked for, as the allocator's history records them; other, smaller allocations may
+    allocator sees them: dz and dprobs' fp32 partials, then fc2's wgrad, dx, fc1's wgrad, each
+    announced just before it is allocated (a copy the budget gives back has until then to end).
+    Checked in the allocator's history: a marker allocation at each announcement, and each
+    announced size allocated after its marker and before the next (other, smaller allocations may
     come between)."""
     from te_offload_ops import engines
 
@@ -164,9 +166,15 @@ def test_the_backward_announces_what_it_allocates_in_the_order_it_allocates_it(m
     x = x.detach().requires_grad_()
     out = mlp(x, splits, probs[0], splits)
     assert forward_plan(mlp) == ["FusedScaledSReLUMLP"]
-    announced = []
+    announced, marks = [], [(1003 + k) * 512 for k in range(8)]  # sizes no op of this step allocates
     real = engines.make_room
-    monkeypatch.setattr(engines, "make_room", lambda sizes, *a, **k: announced.append(list(sizes)) or real(sizes, *a, **k))
+
+    def announce(sizes, *a, **k):
+        torch.empty(marks[len(announced)], dtype=torch.uint8, device="cuda")  # allocated and freed: in the history
+        announced.append(list(sizes))
+        return real(sizes, *a, **k)
+
+    monkeypatch.setattr(engines, "make_room", announce)
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=100000)
     try:
@@ -175,9 +183,11 @@ def test_the_backward_announces_what_it_allocates_in_the_order_it_allocates_it(m
         snap = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    assert len(announced) == 1, announced
     t, h, f = x.shape[0], cfg.hidden, cfg.ffn
-    assert announced[0][0] == t * f * 2 and announced[0][2:] == [4 * h * f * 2, t * h * 2, 4 * f * h * 2]
+    assert len(announced) == 4 and announced[0][0] == t * f * 2 and len(announced[0]) == 2, announced
+    assert announced[1:] == [[4 * h * f * 2], [t * h * 2], [4 * f * h * 2]], announced
     allocs = [e["size"] for e in snap["device_traces"][torch.cuda.current_device()] if e["action"] == "alloc"]
-    it = iter(allocs)  # each announced size found after the one before it
-    assert all(any(size == a for a in it) for size in announced[0]), f"announced {announced[0]}, allocated {allocs}"
+    at = [allocs.index(m) for m in marks[:4]] + [len(allocs)]
+    for i, sizes in enumerate(announced):
+        it = iter(allocs[at[i] + 1: at[i + 1]])  # between this announcement and the next, in order
+        assert all(any(size == a for a in it) for size in sizes), f"announced {sizes}, allocated {allocs[at[i]:at[i + 1]]}"

@@ -762,6 +762,15 @@ def test_teo_t_budget_is_the_target_peak_no_offload_less_what_the_policy_moves()
     result["config"].update(engines=["v2", "v1", "teo-t"], target_slack_GiB=0.5)
     assert "- teo-t: teo with memory_budget = the static floor plus no offload's peak less the bytes the policy " \
            "moves, plus 0.5 GiB" in rep.markdown(rep.finish(result) or result)
+    # --target-freed: the budget frees that share of the bytes moved (the target is 0.95)
+    bench.args = moe_step.parse_args(["--engines", "teo-t", "--target-freed", "0.96"])
+    assert bench.target_budget(Policy("mlp", 7), 2) == int(5000 * MiB - 600 * MiB * 0.96)
+    assert bench.target_budget(Policy("mlp", 8), 2) == int(5000 * MiB - (600 * MiB * 7 // 8) * 0.96)
+    for bad in ("0", "1.2", "nan", "-0.5"):
+        with pytest.raises(SystemExit):
+            moe_step.parse_args(["--target-freed", bad])
+    result["config"].update(target_slack_GiB=0, target_freed=0.96)
+    assert "less 0.96 of the bytes the policy moves, plus 0 GiB" in rep.markdown(rep.finish(result) or result)
 
 
 def test_after_a_failed_step_te_offload_synchronizers_let_go_of_their_tensors(monkeypatch):

@@ -36,6 +36,12 @@ log = logging.getLogger(__name__)
 _MAX_PENDING_CHECKS = 64  # split-size checks of earlier calls kept before the oldest is awaited
 
 
+def _make_room(sizes: list[int], device) -> None:
+    """``engines.make_room`` for allocations that may be none (a wgrad into main_grad or delayed)."""
+    if sizes:
+        engines.make_room(sizes, device)
+
+
 class FusedScaledSReLUMLP(FusedOperation):
     """Joint forward/backward fusion of te_offload_ops GroupedLinear, ScaledSReLU, GroupedLinear."""
 
@@ -134,17 +140,21 @@ class FusedScaledSReLUMLP(FusedOperation):
         ffn, itemsize = fc1.out_features, x2d.element_size()
         rows = chunk_rows(tokens, ffn, itemsize)
         # z, act (one block of rows) and y, in allocation order: an offload engine with a memory
-        # budget makes room first
-        engines.make_room([tokens * ffn * itemsize, min(rows, tokens) * ffn * itemsize,
-                           tokens * fc2.out_features * itemsize], x2d.device)
+        # budget makes room for each just before it is allocated (copies still running have until
+        # then to end; room for all at once would wait for them sooner)
+        z_act_bytes = [tokens * ffn * itemsize, min(rows, tokens) * ffn * itemsize]
+        y_bytes = tokens * fc2.out_features * itemsize
         if rows >= tokens:
+            engines.make_room(z_act_bytes, x2d.device)
             w1, rev1 = expert_weights(fc1)  # one at a time: where they must be stacked, a copy each
             act, z = kernels.grouped_gemm_srelu_fwd(x2d, w1, split_sizes, probs_flat, reversed_experts=rev1)
             del w1
+            engines.make_room([y_bytes], x2d.device)
             w2, rev2 = expert_weights(fc2)
             y = kernels.grouped_gemm(act, w2, split_sizes, reversed_experts=rev2)
             del w2
-        else:
+        else:  # z, act's block and y are allocated up front
+            engines.make_room([*z_act_bytes, y_bytes], x2d.device)
             z, y = self._forward_in_blocks(x2d, split_sizes, probs_flat, rows)
         if check is not None:  # a later forward resolves it if no backward has (one that never runs)
             self._pending_checks.append(check)
@@ -214,23 +224,24 @@ class FusedScaledSReLUMLP(FusedOperation):
                                "act over the saved z (TE's op fuser does not run a second backward of its ops either)")
         # what this backward allocates, in its order: dz and dprobs' partial sums (act is written
         # over z), fc2's wgrad (unless into main_grad or delayed), dx, fc1's wgrad: an offload
-        # engine with a memory budget makes room and holds back its prefetches
-        engines.make_room([*kernels.dsrelu_bwd_bytes(z.shape[0], z.shape[1], dy.element_size()),
-                           *weight_grad_bytes(fc2),
-                           *([x.shape[0] * fc1.in_features * dy.element_size()] if ctx1.input_requires_grad else []),
-                           *weight_grad_bytes(fc1)],
-                          z.device)
+        # engine with a memory budget makes room for each just before it (what it gives back may
+        # be a copy still running, which then has until that allocation to end)
+        device = z.device
+        engines.make_room(list(kernels.dsrelu_bwd_bytes(z.shape[0], z.shape[1], dy.element_size())), device)
         w2, rev2 = expert_weights(fc2)
         dz, dprobs, act = kernels.grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, reversed_experts=rev2,
                                                           act_in_z=True)
         ctx_act.teo_z_spent = True
         del w2, z
+        _make_room(weight_grad_bytes(fc2), device)
         dw2 = weight_grads(fc2, dy, act, split_sizes, temporaries=[act])
         del act
         dx = None
         if ctx1.input_requires_grad:
+            _make_room([x.shape[0] * fc1.in_features * dy.element_size()], device)
             w1, rev1 = expert_weights(fc1)
             dx = kernels.grouped_gemm(dz, w1, split_sizes, trans_b=True, reversed_experts=rev1)
+        _make_room(weight_grad_bytes(fc1), device)
         dw1 = weight_grads(fc1, dz, x, split_sizes, temporaries=[dz])
         dprobs = dprobs.view(ctx_act.probs_shape) if ctx_act.probs_require_grad else None
         return dx, [dw1, (), dw2], [(None,), (dprobs,), (None,)]
