@@ -19,7 +19,7 @@ set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
-phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4|fit5|fit6|fitall1|fitall2|fitone ENGINE|rest13|verify13|target1|target2|peak|v2oom|base15|t15a|t15b|waits15|t15c|t15te|t15d|t15e}
+phase=${1:?usage: gpu_session.sh te|new|main|next1|next2|next3|next4|next5|gemms|sweep|host64|host2|tests2|holdtests|hold|hold2|hostab|way|ncu|suite1|suite2|final|tebig|budget1|budget2|budget3|budgetgc|budgethist|fit1|fit2|fit3|fit4|fit5|fit6|fitall1|fitall2|fitone ENGINE|rest13|verify13|target1|target2|peak|v2oom|base15|t15a|waits15|t15c|t15te|t15d|t15e}
 log="$OUT/$phase.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 
@@ -322,14 +322,6 @@ t15a)
         --target-freed 0.96 --no-cap --out "$OUT/results/base_t096"
     run 150 python3 benchmarks/moe_step.py --shapes base --engines teo-t --policies mlp:8 --no-cap \
         --out "$OUT/results/base_t1"
-    ;;
-t15b)
-    # fifteenth session: teo-t freeing 0.96 at wide (MLP 7/8, 8/8, layers 4/8 and 6/8) and big-ffn
-    # (layer 2/4, MLP 2/4)
-    run 300 python3 benchmarks/moe_step.py --shapes wide --engines teo-t --policies mlp:7,mlp:8,layer:4,layer:6 \
-        --target-freed 0.96 --no-cap --out "$OUT/results/wide_t096"
-    run 280 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-t --policies mlp:2,layer:2 \
-        --target-freed 0.96 --no-cap --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_t096"
     ;;
 waits15)
     # fifteenth session: where teo-t's budget waits fall at base MLP 7/8 and 8/8 (freeing all, and 0.96)

@@ -822,14 +822,22 @@ class TeoEngine:
                                     "events": (reach, resume)})
         return freed
 
-    @classmethod
-    def _drop_sources(cls, copies: "_LayerCopies") -> None:
-        """All of a layer's GPU bytes go back after the streams waited for its copies (its backward
-        or its step is over: a copy still put off is not needed, and never starts)."""
+    def _drop_sources(self, copies: "_LayerCopies", step_over: bool = False) -> None:
+        """All of a layer's GPU bytes go back after the streams waited for its copies. A copy still
+        put off goes without ever starting where nothing will read it again: its step is over, or
+        autograd unpacked every handle it held to it. Otherwise (a region's end seen before all
+        its uses, as multi-threaded autograd or a reentrant checkpoint can report it) it starts
+        now and its bytes stay held until it ends, as any copy's: a later use finds them in place
+        or reloads them, so an early end costs memory and copies, not results."""
+        starting = set()
         for c in copies.copies:
-            if c.copied is None:
-                c.source = None
-        cls._wait_and_drop([c for c in copies.copies if c.source is not None])
+            if c.copied is None and c.source is not None:
+                if step_over or c.used_up:
+                    c.source = None
+                else:
+                    self._start_copy(c)
+                    starting.add(id(c))
+        self._wait_and_drop([c for c in copies.copies if c.source is not None and id(c) not in starting])
 
     @staticmethod
     def _wait_and_drop(held: list) -> None:
@@ -875,8 +883,8 @@ class TeoEngine:
         if not self._layers:
             return
         for layer in list(self._layers):
-            self._release_reload(layer)
-            self._drop_sources(self._layers[layer])
+            self._release_reload(layer, step_over=True)
+            self._drop_sources(self._layers[layer], step_over=True)
             for c in self._layers[layer].copies:
                 if c.host is not None:  # (a copy put off and never started took no buffer)
                     self.pool.release(c.host, c.reloaded if c.reloaded is not None else c.copied)
@@ -1130,14 +1138,14 @@ class TeoEngine:
         c.reloaded.record(h2d)
         c.waited = False
 
-    def _release_reload(self, layer: int) -> None:
+    def _release_reload(self, layer: int, step_over: bool = False) -> None:
         copies = self._layers.get(layer)
         if copies is None or not (copies.reloaded or any(c.reloaded is not None and c.gpu is not None
                                                           for c in copies.copies)):  # (nor started in part)
             return
         if layer in self._deferred_reloads:  # started in part, its backward over: not to be started again
             self._deferred_reloads.remove(layer)
-        self._drop_sources(copies)  # its backward is over
+        self._drop_sources(copies, step_over)  # its backward is over
         for c in copies.copies:
             if c.gpu is not None and c.reloaded is not None and not c.waited:  # a prefetch never used
                 c.reload_stream.wait_event(c.reloaded)  # its copy may still run
@@ -1161,13 +1169,12 @@ class TeoEngine:
                 "step); a second backward through the same graph (retain_graph=True) is not supported")
         self._reload(handle.layer)  # no-op when prefetched
         c = self._layers[handle.layer].copies[handle.index]
-        if c.gpu is None and c.source is not None:  # still held: in place again
-            c.gpu, c.reloaded, c.waited = c.source, None, True
         if c.gpu is None and c.copied is None:
             raise RuntimeError(
-                f"teo offload: a saved tensor of layer {handle.layer} was used after its layer's backward ended; "
-                "its copy to the host was put off (the last layer's, under memory_budget with every layer "
-                "offloaded) and its GPU bytes went back then, so there is nothing to bring back")
+                f"teo offload: a saved tensor of layer {handle.layer} was unpacked more often than it was saved, "
+                "after its layer's backward ended; its copy to the host was put off (the last layer's, under "
+                "memory_budget with every layer offloaded) and its GPU bytes went back at its last counted use, "
+                "so there is nothing to bring back")
         if c.gpu is None:  # used more often than autograd held handles to it: bring it back again
             if not self.told_extra_unpack:
                 self.told_extra_unpack = True

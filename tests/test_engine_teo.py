@@ -1549,8 +1549,8 @@ def test_with_every_layer_offloaded_the_last_layers_copies_wait_for_the_budget(m
     engine.region_backward_done(1)
     assert c1.source is None and c1.gpu is None and c1.copied is None  # gone without a copy
     assert stream.waited == waited and engine.counter.total == BIG * 4 and engine.pool.in_use == 1
-    with pytest.raises(RuntimeError, match="layer 1 was used after its layer's backward ended; its copy to the host "
-                                           "was put off"):
+    with pytest.raises(RuntimeError, match="layer 1 was unpacked more often than it was saved, after its layer's "
+                                           "backward ended; its copy to the host was put off"):
         engine.unpack(handle)
 
 
@@ -1570,6 +1570,51 @@ def test_a_put_off_copy_starts_when_the_budget_needs_its_bytes(monkeypatch):
     assert c1.copied is not None and c1.source is None and stream.waited == [c1.copied]
     assert engine.counter.total == BIG * 4 and engine.budget_waits == 1
     assert torch.equal(c1.host.tensor[: c1.nbytes].view(torch.float32), last)
+
+
+def test_a_put_off_copy_not_yet_used_when_its_region_ends_starts_then_and_reloads_later(monkeypatch):
+    """A region's end reported before all its uses (multi-threaded autograd, a reentrant
+    checkpoint): the range used already goes without a copy; the one not yet used starts its copy
+    to the host then (counted then), stays held, no stream waiting, until the copy is seen to end,
+    and its later use reloads it with the right bytes."""
+    engine, stream, extra, d2h = _put_off_engine(monkeypatch, budget=1 << 40)
+    h2d = _NamedStream("h2d")
+    h2d.wait_stream = lambda other: None
+    monkeypatch.setattr(engine, "_streams", lambda device=None: (d2h, h2d))
+    engine.enter_layer()
+    engine.layer_done(0)
+    engine.enter_layer()
+    a, b = torch.arange(BIG, dtype=torch.float32), torch.arange(BIG, dtype=torch.float32) * 3
+    ha, hb = engine.pack(a), engine.pack(b)
+    engine.layer_done(1)
+    engine._finish_queued = True
+    engine.backward_boundary(1)
+    assert torch.equal(engine.unpack(ha), a)
+    engine.region_backward_done(1)  # too early: b is still to be used
+    ca, cb = engine._layers[1].copies
+    assert ca.copied is None and ca.host is None and ca.source is None  # used: gone without a copy
+    assert cb.copied is not None and cb.source is not None and cb.copied not in stream.waited
+    assert engine.counter.total == BIG * 4
+    cb.copied.done = True
+    engine.fit_budget()  # a look sees the copy ended: its bytes go back
+    assert cb.source is None and cb.copied not in stream.waited
+    b_again = engine.unpack(hb)
+    assert b_again.data_ptr() != b.data_ptr() and torch.equal(b_again, b)  # reloaded from the host
+
+
+def test_a_step_whose_backward_never_ran_lets_put_off_copies_go_without_starting_them(monkeypatch):
+    """A forward, then the next step's forward with no backward between (evaluation, a skipped
+    step): the last layer's put-off copies never start, and no pinned buffer is given back for them."""
+    engine, stream, extra, d2h = _put_off_engine(monkeypatch, budget=1 << 40)
+    for _ in range(2):
+        engine.enter_layer()
+        engine.pack(torch.arange(BIG, dtype=torch.float32))
+        engine.layer_done(0)
+        engine.enter_layer()
+        engine.pack(torch.arange(BIG, dtype=torch.float32))
+        engine.layer_done(1)
+    assert engine._step == 1 and engine.pool.in_use == 1  # the first step's layer-0 buffer went back
+    assert engine.counter.total == 2 * BIG * 4 and all(c.copied is None for c in engine._layers[1].copies)
 
 
 @pytest.mark.parametrize("n, L, budget", [(1, 2, 1 << 40), (2, 2, None)])
