@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import statistics
+import sys
 
 
 def cuda_problem() -> str | None:
@@ -22,6 +23,21 @@ def cuda_problem() -> str | None:
     except Exception as exc:  # noqa: BLE001 (report any import failure plainly)
         return f"Transformer Engine does not import ({exc}); run: bash scripts/setup_env.sh"
     return None
+
+
+def moe_step_bench(script: str, shape: str, layers: int, batch: int, engine: str, extra: tuple = ()):
+    """For a diagnostic script: ``moe_step``'s model and step at ``shape`` for ``engine`` (no cap
+    search; ``extra``: more of moe_step.py's arguments), or None after saying on stderr why this
+    machine cannot run it (the script then exits 2)."""
+    problem = cuda_problem()
+    if problem:
+        print(f"{script} needs a CUDA GPU with Transformer Engine: {problem}", file=sys.stderr)
+        return None
+    import moe_step
+
+    args = moe_step.parse_args(["--shapes", shape, "--layers", str(layers), "--batch", str(batch),
+                                "--engines", engine, "--no-cap", *extra])
+    return moe_step.StepBench(shape, args.shapes[shape], args, engine)
 
 
 def file_stem(benchmark: str, gpu: str, *suffixes: str) -> str:

@@ -76,6 +76,18 @@ def run_variant(torch, bench, a, policy, options, x, dy):
     return engine, samples, allocator, torch.cuda.max_memory_allocated() / GiB, history
 
 
+def _fractions(text: str) -> list[float]:
+    """--target-freed: "1,0.96" -> [1.0, 0.96], each a share of the bytes moved in (0, 1]."""
+    try:
+        values = [float(f) for f in text.split(",") if f.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"fractions separated by commas, e.g. 1,0.96; got {text!r}") from None
+    bad = [v for v in values if not 0 < v <= 1]  # (nan fails both comparisons)
+    if bad:
+        raise argparse.ArgumentTypeError(f"each fraction must be in (0, 1], got {bad}")
+    return values
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="big-ffn")
@@ -85,7 +97,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=12)
     p.add_argument("--cap", type=float, default=67.0, help="GiB (0: no cap)")
     p.add_argument("--margins", default="2,1,0.5", help="GiB under the cap for teo's memory_budget (\"\": none)")
-    p.add_argument("--target-freed", default="",
+    p.add_argument("--target-freed", type=_fractions, default=[],
                    help="fractions: budgets as moe_step.py's teo-t sets them (no offload's peak less this share "
                         "of the bytes the policy moves), e.g. 1,0.96")
     p.add_argument("--warmup", type=int, default=2)
@@ -96,29 +108,26 @@ def main() -> int:
     p.add_argument("--no-layer-schedule", action="store_true", help="only the budgets")
     a = p.parse_args()
 
-    from bench_common import cuda_problem
+    if not 0 <= a.offload <= a.layers:
+        p.error(f"--offload must be in 0..--layers={a.layers}, got {a.offload}")
+    from bench_common import moe_step_bench
 
-    problem = cuda_problem()
-    if problem:
-        print(f"diag_budget.py needs a CUDA GPU with Transformer Engine: {problem}", file=sys.stderr)
+    bench = moe_step_bench("diag_budget.py", a.shape, a.layers, a.batch, "teo")
+    if bench is None:
         return 2
     import torch
 
     import moe_step
-
-    args = moe_step.parse_args(["--shapes", a.shape, "--layers", str(a.layers), "--batch", str(a.batch),
-                                "--engines", "teo", "--no-cap"])
-    bench = moe_step.StepBench(a.shape, args.shapes[a.shape], args, "teo")
     policy = moe_step.Policy(a.scope, a.offload)
     cap = a.cap or None
     print(f"{torch.cuda.get_device_name()}: {a.shape}, L={a.layers}, {policy.label(a.layers)}, {a.batch} sequences, "
           f"cap {cap} GiB, static floor {bench.floor_MiB / 1024:.1f} GiB", flush=True)
     variants = ([] if a.no_layer_schedule else [("layer schedule", {})]) + [
         (f"budget: cap - {m} GiB", {"memory_budget": int((a.cap - float(m)) * GiB)}) for m in a.margins.split(",") if m]
-    for freed in [f for f in a.target_freed.split(",") if f]:
-        bench.args.target_freed = float(freed)
+    for freed in a.target_freed:
+        bench.args.target_freed = freed
         budget = bench.target_budget(policy, a.batch)
-        variants.append((f"teo-t freeing {freed} of the bytes moved: budget {budget / GiB:.2f} GiB",
+        variants.append((f"teo-t freeing {freed:g} of the bytes moved: budget {budget / GiB:.2f} GiB",
                          {"memory_budget": budget}))
     x, dy = bench._inputs(a.batch)
     for name, options in variants:

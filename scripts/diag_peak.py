@@ -117,26 +117,21 @@ def main() -> int:
     p.add_argument("--frames", action="store_true", help="record Python frames (slows the host: timing changes)")
     a = p.parse_args()
 
-    from bench_common import cuda_problem
+    from bench_common import moe_step_bench
 
-    problem = cuda_problem()
-    if problem:
-        print(f"diag_peak.py needs a CUDA GPU with Transformer Engine: {problem}", file=sys.stderr)
+    bench = moe_step_bench("diag_peak.py", a.shape, a.layers, a.batch, a.engine,
+                           ("--target-slack", str(a.slack), "--policies", a.policy))
+    if bench is None:
         return 2
     import torch
 
     import moe_step
-
-    args = moe_step.parse_args(["--shapes", a.shape, "--layers", str(a.layers), "--batch", str(a.batch),
-                                "--engines", a.engine, "--no-cap", "--target-slack", str(a.slack),
-                                "--policies", a.policy])
-    bench = moe_step.StepBench(a.shape, args.shapes[a.shape], args, a.engine)
     floor = int(bench.floor_MiB * MiB)
     print(f"{torch.cuda.get_device_name()}: {a.shape}, L={a.layers}, {a.batch} sequences, engine {a.engine}, "
           f"static floor {bench.floor_MiB:.0f} MiB", flush=True)
     x, dy = bench._inputs(a.batch)
     plain_mark = bench.mark
-    for policy in (moe_step.NO_OFFLOAD, *args.policies):
+    for policy in (moe_step.NO_OFFLOAD, *bench.args.policies):
         bench.mark = plain_mark
         context = bench._context(policy, a.batch)
         engine = getattr(context[0], "engine", None)

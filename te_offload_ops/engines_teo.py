@@ -929,12 +929,13 @@ class TeoEngine:
                 found = i
                 break
         if found is None:
+            count = self._count_key(t, owner, span.nbytes)
             if self._puts_off_copies(self._fwd_layer):
                 c = self._host_copy(t, storage, span)
-                c.count = self._count_key(t, owner, span.nbytes)
+                c.count = count  # counted when (if) it starts
             else:
                 c = self._copy_to_host(t, storage, span)
-                self._count(t, owner, span.nbytes)
+                self._count(count)
             c.layer = self._fwd_layer
             layer.copies.append(c)
             self._in_flight.append(c)
@@ -943,19 +944,17 @@ class TeoEngine:
         return _Moved(self._step, self._fwd_layer, found, at - layer.copies[found].start,
                       tuple(t.shape), tuple(t.stride()), t.dtype)
 
-    def _count(self, t: torch.Tensor, owner: torch.Tensor, nbytes: int) -> None:
-        if self.counter is None:
-            return
-        if t is owner:
-            self.counter.add(t)
-        else:  # a part of a quantized tensor: its bytes, under the tensor autograd saved
-            self.counter.bytes[self.counter.classify(owner)] += nbytes
-
     def _count_key(self, t: torch.Tensor, owner: torch.Tensor, nbytes: int) -> Optional[tuple]:
-        """What :meth:`_count` would add, to be added once a put-off copy starts (None: no counter)."""
+        """(counter key, bytes) that moving ``t`` adds to the counter (None: no counter): a tensor
+        autograd saved counts whole, a part of a quantized one its range's bytes under that tensor."""
         if self.counter is None:
             return None
         return (self.counter.classify(owner), t.numel() * t.element_size() if t is owner else nbytes)
+
+    def _count(self, count: Optional[tuple]) -> None:
+        if count is not None:
+            key, nbytes = count
+            self.counter.bytes[key] += nbytes
 
     def _puts_off_copies(self, layer: int) -> bool:
         """Whether ``layer``'s copies to the host wait until the budget needs their bytes: under a
@@ -1010,10 +1009,8 @@ class TeoEngine:
         copied = torch.cuda.Event()
         copied.record(d2h)
         c.host, c.copied, c.ready = host, copied, None
-        if c.count is not None:
-            key, nbytes = c.count
-            self.counter.bytes[key] += nbytes
-            c.count = None
+        self._count(c.count)
+        c.count = None
 
     # -- backward --------------------------------------------------------------------------
 

@@ -43,14 +43,21 @@ def test_benchmarks_exit_clearly_without_a_gpu(script):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_diag_budget_takes_the_mlp_scope_and_teo_t_budgets_and_exits_clearly_without_a_gpu():
+def test_diag_scripts_refuse_bad_arguments_and_exit_clearly_without_a_gpu():
     script = str(BENCH.parent / "scripts" / "diag_budget.py")
     args = ["--shape", "base", "--layers", "8", "--batch", "8", "--scope", "mlp", "--offload", "7", "--cap", "0",
             "--margins", "", "--no-layer-schedule", "--target-freed", "1,0.96"]
     proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "diag_budget.py needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
-    proc = subprocess.run([sys.executable, script, "--scope", "experts"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "invalid choice: 'experts'" in proc.stderr
+    for bad, said in ((["--scope", "experts"], "invalid choice: 'experts'"),
+                      (["--target-freed", "1,1.2"], "each fraction must be in (0, 1], got [1.2]"),
+                      (["--target-freed", "half"], "fractions separated by commas"),
+                      (["--layers", "8", "--offload", "9"], "--offload must be in 0..--layers=8, got 9")):
+        proc = subprocess.run([sys.executable, script, *bad], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    peak = str(BENCH.parent / "scripts" / "diag_peak.py")  # the same set-up (bench_common.moe_step_bench)
+    proc = subprocess.run([sys.executable, peak, "--policy", "mlp:7"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "diag_peak.py needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_graphs_report_names_targets_and_ratios(tmp_path):
