@@ -176,6 +176,31 @@ def test_slices_not_tiling_one_buffer_are_saved_as_they_are(monkeypatch):
     assert ctx.to_save[5] is gap[0]
 
 
+def _fp8_slices(tokens, width):
+    """What split_quantize saves for wgrad under FP8 delayed/current scaling: one storage per
+    group, columnwise (transposed) data only, each allocated on its own."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
+
+    return [Float8TensorStorage(data=None, fp8_scale_inv=torch.ones(1), fp8_dtype=tex.DType.kFloat8E4M3,
+                                data_transpose=torch.zeros(width, n, dtype=torch.uint8), fake_dtype=torch.float32)
+            for n in tokens]
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_fp8_slices_are_saved_as_they_are_under_the_policy(offload, monkeypatch):
+    op = teo.GroupedLinear(3, 16, 8, bias=False, device="cpu", offload=offload)
+    xs = _fp8_slices((3, 0, 5), 16)
+    ws = [getattr(op, f"weight{i}") for i in range(3)]
+    saved = [torch.tensor([3, 0, 5]), None, None, None, None, *xs, *ws]
+    assert list(op.saved_weights(saved)) == ws
+    ctx = _run_fuser_forward(op, saved, monkeypatch, torch.randn(8, 16))
+    assert list(ctx.to_save) == saved and getattr(ctx, "teo_input_rows", None) is None
+    for x in xs:  # data and scale-inverse follow the op's flag; weights stay
+        assert all(getattr(t, KEEP_ATTR, False) == (not offload) for t in x.get_data_tensors() if t is not None)
+    assert all(getattr(w, KEEP_ATTR, False) for w in ws)
+
+
 def test_unknown_saved_layout_is_an_error_not_a_silent_offload():
     op = teo.GroupedLinear(3, 16, 8, bias=False, device="cpu")
     saved, _, _ = _split_path_saved(op)

@@ -77,11 +77,14 @@ class GroupedLinear(OffloadableOp, te.ops.GroupedLinear):
         if self.num_groups == 1 or len(saved) != prefix + self.num_groups + num_weights:
             return saved  # one input entry already (graph-safe path, or a single group)
         slices = saved[prefix : prefix + self.num_groups]
-        if any(x is None for x in slices):
+        if any(type(x) is not torch.Tensor for x in slices):
+            # Quantized slices: split_quantize allocates them one by one under FP8 delayed and
+            # current scaling (nothing shared to save instead), in one block under block scaling
+            # and MXFP8/NVFP4, whose storages TE's engines take part by part as TE's ops do.
             return saved
         buf = _covering_buffer(slices, (input_, slices[0]._base))
         if buf is None:
-            return saved  # e.g. FP8 slices from split_quantize: separate tensors, nothing pinned
+            return saved
         ctx.teo_input_rows = [x.shape[0] for x in slices]
         return saved[:prefix] + (buf,) + saved[prefix + self.num_groups :]
 
