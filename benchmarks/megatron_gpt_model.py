@@ -1,0 +1,345 @@
+"""A Megatron-Core GPT-MoE model in Megatron's own training loop, one or more GPUs.
+
+What ``benchmarks/megatron_gpt.py`` times and the multi-GPU and FP8 tests check: Megatron's
+``GPTModel`` from its Transformer Engine layer spec (``use_te_offload_ops`` on it for our
+experts), the alltoall token dispatcher with expert parallelism ``ep``, wrapped in Megatron's
+``DistributedDataParallel`` with the distributed optimizer, trained by
+``get_forward_backward_func()`` over ``microbatches`` micro-batches then ``optimizer.step()``,
+on random tokens. Megatron's parallel state must be set up first (:func:`init_parallel`).
+
+Megatron's non-TE linear layers (the output layer) call APEX's ``fused_weight_gradient_mlp_cuda``
+under ``gradient_accumulation_fusion``; where APEX is missing, :func:`install_wgrad_accum_standin`
+registers a torch stand-in before Megatron is imported.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import socket
+import sys
+import types
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Optional
+
+WGRAD_ACCUM_MODULE = "fused_weight_gradient_mlp_cuda"
+# Megatron's fine-grained offloading names; the three that touch the routed experts are ours too.
+EXPERT_OFFLOAD_CHOICES = ("expert_fc1", "moe_act", "fused_group_mlp")
+
+
+def install_wgrad_accum_standin() -> bool:
+    """Make ``import fused_weight_gradient_mlp_cuda`` work (APEX's, or a torch stand-in); True if
+    the stand-in was installed. Megatron's linear layers look for it when imported; one imported
+    already is given the module too."""
+    if sys.modules.get(WGRAD_ACCUM_MODULE) is None:
+        try:
+            importlib.import_module(WGRAD_ACCUM_MODULE)
+        except ImportError:
+            sys.modules[WGRAD_ACCUM_MODULE] = _wgrad_accum_standin()
+    installed = getattr(sys.modules[WGRAD_ACCUM_MODULE], "__doc__", "") == _STANDIN_DOC
+    layers = sys.modules.get("megatron.core.tensor_parallel.layers")
+    if layers is not None and not getattr(layers, "_grad_accum_fusion_available", True):
+        layers.fused_weight_gradient_mlp_cuda = sys.modules[WGRAD_ACCUM_MODULE]
+        layers._grad_accum_fusion_available = True
+    return installed
+
+
+_STANDIN_DOC = "torch stand-in for APEX's fused_weight_gradient_mlp_cuda (te_offload_ops benchmarks and tests)"
+
+
+def _wgrad_accum_standin() -> types.ModuleType:
+    import torch
+
+    def wgrad_gemm_accum(total_input: "torch.Tensor", grad_output: "torch.Tensor", main_grad: "torch.Tensor"):
+        # main_grad (out x in) += grad_output^T (out x tokens) @ input (tokens x in): APEX's contract
+        main_grad.add_(torch.matmul(grad_output.t(), total_input))
+
+    module = types.ModuleType(WGRAD_ACCUM_MODULE, _STANDIN_DOC)
+    module.wgrad_gemm_accum_fp32 = wgrad_gemm_accum
+    module.wgrad_gemm_accum_fp16 = wgrad_gemm_accum
+    return module
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """The model and the tokens one rank trains per step (``microbatches`` x ``micro_batch`` x ``seq``)."""
+
+    layers: int = 4
+    hidden: int = 2048
+    heads: int = 16
+    ffn: int = 1408  # moe_ffn_hidden_size
+    experts: int = 16
+    topk: int = 4
+    seq: int = 2048
+    micro_batch: int = 4
+    microbatches: int = 2
+    vocab: int = 32768
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.microbatches * self.micro_batch * self.seq
+
+    def check(self, ep: int) -> None:
+        """ValueError naming the first field that cannot build a model at expert parallelism ``ep``."""
+        for name, value in asdict(self).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.topk > self.experts:
+            raise ValueError(f"topk ({self.topk}) must be at most experts ({self.experts})")
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep <= 0 or self.experts % ep:
+            raise ValueError(f"experts ({self.experts}) must be a multiple of the expert parallelism ({ep!r})")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How the experts run and what offloads: one row of the benchmark, one side of a test."""
+
+    ours: bool = True
+    offload_modules: tuple = ()  # Megatron's fine-grained offloading (empty: off)
+    teo_scope: Optional[str] = None  # use_teo_offload's scope (None: teo off)
+    teo_layers: Optional[int] = None  # use_teo_offload's num_layers (None: all)
+    teo_budget_gib: Optional[float] = None  # use_teo_offload's memory_budget, GiB
+    ep_overlap: bool = False  # overlap_moe_expert_parallel_comm + delay_wgrad_compute
+    fp8: Optional[str] = None  # "hybrid" | "e4m3"
+    fp8_recipe: Optional[str] = None  # "delayed" | "tensorwise" | "blockwise"
+    extra: dict = field(default_factory=dict)  # more TransformerConfig fields
+
+
+# ------------------------------------------------------------------------------------------------
+# Process and parallel state
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(base: Optional[dict] = None) -> dict:
+    """The environment for ranks on this host: NVLink multicast off (the GPU host requires it)."""
+    env = dict(os.environ if base is None else base)
+    env["NCCL_NVLS_ENABLE"] = "0"
+    env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a rank that fails ends its peers' waits
+    return env
+
+
+def init_parallel(ep: int, seed: int, timeout_minutes: int = 5) -> tuple[int, int]:
+    """torch.distributed (from torchrun's environment, or one rank) and Megatron's parallel state
+    with expert parallelism ``ep``; returns (rank, world size)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    for name, value in worker_env({}).items():
+        os.environ[name] = value
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not torch.distributed.is_initialized():
+        if world == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ["MASTER_PORT"] = str(free_port())
+        torch.distributed.init_process_group("nccl", rank=rank, world_size=world,
+                                             timeout=datetime.timedelta(minutes=timeout_minutes))
+    if world % ep:
+        raise ValueError(f"expert parallelism {ep} does not divide the {world} ranks")
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep, create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(seed)
+    return rank, world
+
+
+# ------------------------------------------------------------------------------------------------
+# Model, DDP, optimizer
+
+
+def make_config(shape: GPTShape, variant: Variant, ep: int):
+    """Megatron's TransformerConfig for ``shape`` under ``variant`` (squared-ReLU experts, bf16)."""
+    import torch
+    from megatron.core.activations import squared_relu
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(
+        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        ffn_hidden_size=shape.ffn, moe_ffn_hidden_size=shape.ffn, num_moe_experts=shape.experts,
+        moe_router_topk=shape.topk, moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none", moe_router_dtype="fp32", moe_permute_fusion=True,
+        expert_model_parallel_size=ep, activation_func=squared_relu, use_fused_weighted_squared_relu=True,
+        add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+        hidden_dropout=0.0, attention_dropout=0.0, use_transformer_engine_op_fuser=True,
+        gradient_accumulation_fusion=True,
+    )
+    if variant.offload_modules:
+        kwargs.update(fine_grained_activation_offloading=True, offload_modules=list(variant.offload_modules))
+    if variant.ep_overlap:
+        kwargs.update(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+    if variant.fp8 is not None:
+        kwargs.update(fp8=variant.fp8, fp8_recipe=variant.fp8_recipe or "delayed")
+    kwargs.update(variant.extra)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(config, ours: bool):
+    """Megatron's TE layer spec with grouped-GEMM MoE (every layer an MoE layer); ours: with
+    use_te_offload_ops."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    from te_offload_ops.megatron import use_te_offload_ops
+
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=True)
+    return use_te_offload_ops(spec) if ours else spec
+
+
+def build_gpt(shape: GPTShape, config, ours: bool, weights: Optional[dict] = None):
+    """GPTModel on this rank's GPU (rope, untied output layer); ``weights``: a state dict to load."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    model = GPTModel(config=config, transformer_layer_spec=layer_spec(config, ours), vocab_size=shape.vocab,
+                     max_sequence_length=shape.seq, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False).cuda()
+    if weights is not None:
+        model.load_state_dict(weights)
+    return model
+
+
+def cpu_state(model) -> dict:
+    """``model``'s state dict on the host (tensors copied), to build another model from."""
+    import torch
+
+    return {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in model.state_dict().items()}
+
+
+def wrap_for_training(model, config, *, lr: float = 1e-4):
+    """Megatron's DDP (fp32 grads, overlapped reduce) and distributed Adam; sets the config hooks
+    Megatron's training loop sets. Returns (ddp_model, optimizer)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    # delay_wgrad_compute: DDP then reduces a deferred wgrad when backward_dw has added it, as Megatron's
+    # training script sets it from the same flag
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                                               use_distributed_optimizer=True,
+                                               delay_wgrad_compute=bool(getattr(config, "delay_wgrad_compute", False)))
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.no_sync_func = ddp.no_sync
+    config.grad_sync_func = ddp.start_grad_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    opt_config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, bf16=True,
+                                 params_dtype=config.params_dtype, use_distributed_optimizer=True, clip_grad=1.0)
+    optimizer = get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False)
+    return ddp, optimizer
+
+
+# ------------------------------------------------------------------------------------------------
+# Data and one training step
+
+
+def random_batches(shape: GPTShape, seed: int, device: Any = "cuda") -> list[dict]:
+    """One step's micro-batches of random tokens (the same on every call with the same seed)."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    batches = []
+    for _ in range(shape.microbatches):
+        tokens = torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq + 1), generator=g)
+        batches.append({
+            "tokens": tokens[:, :-1].contiguous().to(device),
+            "labels": tokens[:, 1:].contiguous().to(device),
+            "position_ids": torch.arange(shape.seq).unsqueeze(0).expand(shape.micro_batch, -1).contiguous().to(device),
+            "loss_mask": torch.ones(shape.micro_batch, shape.seq, device=device),
+        })
+    return batches
+
+
+def _loss(loss_mask, output_tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = (losses * mask).sum() / mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator: Iterator, model, return_schedule_plan: bool = False):
+    """Megatron's forward_step_func: the GPT forward with labels, or its schedule plan (EP overlap)."""
+    from functools import partial
+
+    batch = next(data_iterator)
+    inputs = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
+                  labels=batch["labels"])
+    if return_schedule_plan:
+        return model.build_schedule_plan(**inputs, loss_mask=batch["loss_mask"]), partial(_loss, batch["loss_mask"])
+    return model(**inputs), partial(_loss, batch["loss_mask"])
+
+
+def train_step(ddp, optimizer, shape: GPTShape, batches: list[dict], *, step_optimizer: bool = True,
+               after_backward=None) -> float:
+    """One Megatron training step (zeroed grads, forward/backward over the micro-batches, grads
+    reduced, then the optimizer unless ``step_optimizer`` is False); the mean loss of the step.
+    ``after_backward(ddp)`` runs between the backward and the optimizer (e.g. to read grads)."""
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
+        num_microbatches=len(batches), seq_length=shape.seq, micro_batch_size=shape.micro_batch,
+        decoder_seq_length=shape.seq, forward_only=False)
+    if after_backward is not None:
+        after_backward(ddp)
+    if step_optimizer:
+        optimizer.step()
+    return float(torch.stack([d["lm loss"] for d in losses]).mean())
+
+
+# ------------------------------------------------------------------------------------------------
+# What moved
+
+
+class MegatronOffloadCounter:
+    """Counts the bytes Megatron's fine-grained offloading copies to the host, while installed."""
+
+    def __init__(self):
+        self.bytes = 0
+        self._real = None
+
+    def __enter__(self):
+        from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+        self._fgo = fgo
+        self._real = real = fgo.ChunkOffloadHandler.offload
+        counter = self
+
+        def counting(handler, src_tensor, *args, **kwargs):
+            counter.bytes += src_tensor.numel() * src_tensor.element_size()
+            return real(handler, src_tensor, *args, **kwargs)
+
+        fgo.ChunkOffloadHandler.offload = counting
+        return self
+
+    def __exit__(self, *exc):
+        self._fgo.ChunkOffloadHandler.offload = self._real
+        return False
+
+
+def experts_path(model) -> str:
+    """What the first MoE layer's experts ran (after a forward): the op fuser's forward plan."""
+    for module in model.modules():
+        ops = getattr(module, "_fused_ops", None)
+        if ops is not None and hasattr(module, "_with_fused_impl"):
+            return "+".join(type(op).__name__ for group in ops[0]._module_groups for op, _ in group._forward_ops)
+    return "not run"
+
+
+def apply_teo(model, variant: Variant):
+    """use_teo_offload for ``variant`` (None where teo is off)."""
+    if variant.teo_scope is None:
+        return None
+    from te_offload_ops.megatron import use_teo_offload
+
+    budget = None if variant.teo_budget_gib is None else int(variant.teo_budget_gib * 2**30)
+    return use_teo_offload(model, scope=variant.teo_scope, num_layers=variant.teo_layers, memory_budget=budget)

@@ -1,0 +1,130 @@
+"""GPU, two GPUs of one host (sm_90, megatron-core 0.19.2): expert parallelism 2 through Megatron-Core.
+
+The module launches ``torchrun --nproc-per-node 2 tests/megatron_ep_worker.py`` once (about 2-4
+minutes on two H100s, most of it imports and kernel compilation) and asserts on what each rank
+wrote (see the worker's docstring for the cases): Megatron's MoE layer at EP=2 with our experts
+against stock experts from the same weights under each ``offload_modules`` choice; a GPTModel
+on Megatron's EP-overlap schedule (``overlap_moe_expert_parallel_comm`` with
+``delay_wgrad_compute``) on our fused experts; and the same GPTModel under ``use_teo_offload``.
+Skipped, with the reason, where fewer than two GPUs are visible.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import gpu_skip_reason
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "megatron_ep_worker.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from megatron_gpt_model import EXPERT_OFFLOAD_CHOICES, worker_env  # noqa: E402
+
+RANKS = 2
+REL_TOL = 2e-2  # bf16: our fused kernels against TE's unfused ops; a wrong or missing term is off by O(1)
+MODEL_REL_TOL = 3e-2  # every grad of a 2-layer GPTModel (router and attention downstream of the experts too)
+LOSS_REL_TOL = 5e-3
+
+
+def _problem() -> str | None:
+    if torch.cuda.device_count() < RANKS:
+        return f"needs {RANKS} GPUs of one host, {torch.cuda.device_count()} visible"
+    if (reason := gpu_skip_reason(need_sm90=True)) is not None:
+        return reason
+    from te_offload_ops.megatron import require_megatron
+
+    try:
+        require_megatron()
+    except ImportError as exc:
+        return str(exc)
+    from te_offload_ops.fused.selection import kernel_problem
+
+    return kernel_problem()
+
+
+pytestmark = pytest.mark.skipif(_problem() is not None, reason=_problem() or "")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Each rank's results ({case: measurements}), from one torchrun of the worker."""
+    out = tmp_path_factory.mktemp("megatron_ep")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
+           str(WORKER), "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=900)
+        log = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        log = f"timed out after {exc.timeout} s\n{exc.stdout or ''}{exc.stderr or ''}"
+    files = [out / f"rank{r}.json" for r in range(RANKS)]
+    if not all(f.exists() for f in files):
+        pytest.fail(f"the worker wrote {sum(f.exists() for f in files)} of {RANKS} rank files; its output ends:\n"
+                    + log[-6000:])
+    results = [json.loads(f.read_text())["cases"] for f in files]
+    print(log[-3000:])
+    return results, log
+
+
+def case(ranks, name: str) -> list[dict]:
+    results, log = ranks
+    found = [r.get(name) for r in results]
+    if any(f is None for f in found):
+        pytest.fail(f"case {name} is missing from a rank's results (the worker stopped before it?); output ends:\n"
+                    + log[-4000:])
+    for r, f in enumerate(found):
+        assert "error" not in f, f"rank {r}, {name}:\n{f['error']}"
+    return found
+
+
+FLAGS = {"none": [True, True, True], "expert_fc1": [True, False, False], "moe_act": [False, True, False],
+         "fused_group_mlp": [True, True, True]}
+
+
+@pytest.mark.parametrize("choice", ["none", *EXPERT_OFFLOAD_CHOICES])
+def test_moe_layer_at_ep2_matches_stock_experts_under_each_offload_choice(ranks, choice):
+    for r, got in enumerate(case(ranks, f"moe_layer/{choice}")):
+        assert got["local_experts"] == 4, got  # 8 experts over EP=2
+        assert got["plan"] == ["FusedScaledSReLUMLP"], got["plan"]
+        assert got["flags"] == FLAGS[choice]
+        for key in ("vs_stock_first", "vs_stock"):  # one micro-batch, then a second added into main_grad
+            assert got[key]["keys"] >= 5 and got[key]["max_rel_err"] <= REL_TOL, (r, key, got[key])
+        # Megatron's offloading moves bytes and brings them back, never changes them
+        assert got["vs_ours_without_offload"]["all_equal"], (r, got["vs_ours_without_offload"])
+        assert (got["offloaded_bytes"] > 0) == (choice != "none"), (r, got["offloaded_bytes"])
+
+
+def test_gpt_on_megatrons_plain_schedule_matches_stock_experts(ranks):
+    for r, got in enumerate(case(ranks, "ep_overlap/ours_plain_vs_stock")):
+        assert got["plan"] == "FusedScaledSReLUMLP", got["plan"]
+        assert got["grads"]["keys"] > 10 and got["grads"]["max_rel_err"] <= MODEL_REL_TOL, (r, got["grads"])
+        assert max(got["loss_rel_err"]) <= LOSS_REL_TOL, (r, got["loss_rel_err"])
+
+
+def test_ep_overlap_schedule_defers_expert_wgrads_on_the_fused_path(ranks):
+    for r, got in enumerate(case(ranks, "ep_overlap/ours")):
+        assert got["plan"] == "FusedScaledSReLUMLP", got["plan"]
+        # backward_dw added every expert's deferred wgrad, and DDP reduced it
+        assert got["expert_grads"] > 0 and got["expert_grads_nonzero"], got
+        for key in ("vs_ours_plain", "vs_stock_plain"):
+            assert got[key]["max_rel_err"] <= MODEL_REL_TOL, (r, key, got[key])
+        for key in ("loss_rel_err_vs_ours_plain", "loss_rel_err_vs_stock_plain"):
+            assert max(got[key]) <= LOSS_REL_TOL, (r, key, got[key])
+    results, _ = ranks
+    stock = results[0].get("ep_overlap/stock", {})
+    print("stock experts on the EP-overlap schedule:", "error: " + stock["error"].strip().splitlines()[-1]
+          if "error" in stock else stock)
+
+
+@pytest.mark.parametrize("name", ["teo/layer", "teo/experts_budget"])
+def test_teo_in_megatrons_loop_moves_bytes_and_changes_no_bits(ranks, name):
+    for r, got in enumerate(case(ranks, name)):
+        assert got["plan"] == "FusedScaledSReLUMLP", got["plan"]
+        assert got["teo_bytes"] > 0, got
+        assert got["losses_equal"], (r, got["losses"], got["base_losses"])
+        assert got["grads"]["keys"] > 10 and got["grads"]["all_equal"], (r, got["grads"])
