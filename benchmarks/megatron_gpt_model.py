@@ -102,6 +102,7 @@ class Variant:
     teo_scope: Optional[str] = None  # use_teo_offload's scope (None: teo off)
     teo_layers: Optional[int] = None  # use_teo_offload's num_layers (None: all)
     teo_budget_gib: Optional[float] = None  # use_teo_offload's memory_budget, GiB
+    kernel_dtoh: bool = False  # use_kernel_dtoh: the dispatcher's split sizes to the host by kernel
     ep_overlap: bool = False  # overlap_moe_expert_parallel_comm + delay_wgrad_compute
     fp8: Optional[str] = None  # "hybrid" | "e4m3"
     fp8_recipe: Optional[str] = None  # "delayed" | "tensorwise" | "blockwise"
@@ -123,6 +124,7 @@ def worker_env(base: Optional[dict] = None) -> dict:
     env = dict(os.environ if base is None else base)
     env["NCCL_NVLS_ENABLE"] = "0"
     env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+    env["NVSHMEM_DISABLE_NVLS"] = "1"
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a rank that fails ends its peers' waits
     return env
 

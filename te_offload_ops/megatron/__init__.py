@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from .adopt import adopt
+from .dispatch_sync import KernelDtoH, use_kernel_dtoh
 from .offload import EXPERT_OFFLOAD_MODULES, ExpertOffload, expert_offload
 from .spec import replace_builders, use_te_offload_ops
 from .teo_offload import SCOPE_CLASSES, TeoOffload, find_offload_modules, teo_offload_problems, use_teo_offload
@@ -30,6 +31,7 @@ __all__ = [
     "SUPPORTED",
     "TESTED",
     "ExpertOffload",
+    "KernelDtoH",
     "TEOGroupedMLP",
     "TeoOffload",
     "UnsupportedMegatronError",
@@ -41,6 +43,7 @@ __all__ = [
     "replace_builders",
     "require_megatron",
     "teo_offload_problems",
+    "use_kernel_dtoh",
     "use_te_offload_ops",
     "use_teo_offload",
 ]

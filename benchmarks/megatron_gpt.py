@@ -1,0 +1,568 @@
+#!/usr/bin/env python3
+"""Megatron-Core GPT-MoE training steps: stock TE experts against ours, Megatron's offloading
+against teo, at expert parallelism 1 and 2.
+
+The model (``benchmarks/megatron_gpt_model.py``): Megatron's GPTModel from its Transformer Engine
+layer spec, every layer an MoE layer (squared-ReLU experts on TE's op fuser, alltoall dispatcher,
+fused permute), bf16, Megatron's DDP (fp32 grads, overlapped reduce) with the distributed Adam,
+trained by ``get_forward_backward_func()`` over the micro-batches, then ``optimizer.step()``;
+random tokens. Defaults: 4 layers, H=2048, 16 heads, 16 experts top-4, F=1408, vocab 32768,
+2 micro-batches x 4 x 2048 tokens per rank. Each EP setting runs in its own processes
+(``torchrun --nproc-per-node EP`` of this script with ``--worker-ep``), the variants one after
+another from the same weights. Variants (``--variants``):
+
+* ``stock``: Megatron's TEGroupedMLP on TE's op fuser (TE's ops; on Hopper in bf16 they run unfused);
+* ``ours``: ``use_te_offload_ops`` (the fused Hopper op);
+* ``ours+megatron``: ours under Megatron's fine-grained offloading of ``--offload-modules``
+  (default expert_fc1,moe_act; Megatron keeps the last layer's group on the GPU);
+* ``ours+teo``: ours with the routed experts of the first L-1 layers under teo
+  (``use_teo_offload(scope="experts")``: what Megatron's choice moves), ``--teo-budget-gib`` its budget;
+* ``ours+teo-layer``: whole transformer layers 1..L-1 under teo (``scope="layer"``);
+* ``stock+megatron``: stock under Megatron's "fused_group_mlp" offloading (the only choice its
+  op-fuser path takes; not in the default: where it fails on the GPU the process ends);
+* a ``+kdtoh`` suffix on an offloading variant adds ``use_kernel_dtoh`` (the dispatcher's split
+  sizes to the host by kernel, past the copy engine's queue of offload copies).
+
+Per variant and EP: median step time (the slowest rank's), tokens/s over all ranks, peak memory
+allocated (and above the floor held between steps: weights, grads, optimizer state), bytes
+offloaded per step per rank, the first step's loss and grads against stock's (same weights and
+tokens), and the issue's targets. ``--profile`` adds, per offloading variant, two steps under
+torch.profiler and where the offload copies meet NCCL's kernels and the dispatcher's copies
+(``benchmarks/comm_copy_overlap.py``). Writes megatron_gpt_<GPU>.{json,md,png} into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+sys.path.insert(0, str(HERE))
+
+from bench_common import file_stem, pyplot, save_png, write_reports  # noqa: E402
+from megatron_gpt_model import EXPERT_OFFLOAD_CHOICES, GPTShape, Variant, worker_env  # noqa: E402
+
+BASE_VARIANTS = ("stock", "ours", "ours+megatron", "ours+teo", "ours+teo-layer", "stock+megatron")
+KERNEL_DTOH_SUFFIX = "+kdtoh"
+DEFAULT_VARIANTS = "stock,ours,ours+megatron,ours+teo,ours+teo+kdtoh"
+GRAD_REL_TOL = 3e-2  # as tests/test_megatron_ep_gpu.py: every grad of the model against stock's
+TARGETS = {"speedup_ep2": 1.7, "offload_cost_ep2": 1.03}
+
+
+def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=None) -> Variant:
+    """The Variant a variant name stands for (ValueError for unknown names)."""
+    base, kdtoh = (name[:-len(KERNEL_DTOH_SUFFIX)], True) if name.endswith(KERNEL_DTOH_SUFFIX) else (name, False)
+    teo = dict(teo_layers=layers - 1, teo_budget_gib=teo_budget_gib)
+    table = {
+        "stock": Variant(ours=False),
+        "ours": Variant(ours=True),
+        "ours+megatron": Variant(ours=True, offload_modules=tuple(offload_modules)),
+        "ours+teo": Variant(ours=True, teo_scope="experts", **teo),
+        "ours+teo-layer": Variant(ours=True, teo_scope="layer", **teo),
+        "stock+megatron": Variant(ours=False, offload_modules=("fused_group_mlp",)),
+    }
+    if base not in table:
+        raise ValueError(f"unknown variant {name!r}; choose from {', '.join(BASE_VARIANTS)} "
+                         f"(an offloading one may end in {KERNEL_DTOH_SUFFIX})")
+    found = table[base]
+    if kdtoh and not (found.offload_modules or found.teo_scope):
+        raise ValueError(f"{name}: {KERNEL_DTOH_SUFFIX} is for variants that offload")
+    return replace(found, kernel_dtoh=kdtoh)
+
+
+def offloads(v: Variant) -> bool:
+    return bool(v.offload_modules) or v.teo_scope is not None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = GPTShape()
+    for name, default, help_ in [("layers", d.layers, "transformer layers (each an MoE layer)"),
+                                 ("hidden", d.hidden, "hidden size"), ("heads", d.heads, "attention heads"),
+                                 ("ffn", d.ffn, "expert FFN size (moe_ffn_hidden_size)"),
+                                 ("experts", d.experts, "routed experts"), ("topk", d.topk, "experts per token"),
+                                 ("seq", d.seq, "sequence length"), ("micro-batch", d.micro_batch, "sequences per micro-batch"),
+                                 ("microbatches", d.microbatches, "micro-batches per step (per rank)"),
+                                 ("vocab", d.vocab, "vocabulary")]:
+        p.add_argument(f"--{name}", type=int, default=default, help=f"{help_} (default {default})")
+    p.add_argument("--ep", default="1,2", help="expert-parallel sizes to run, each on that many GPUs (default 1,2)")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS,
+                   help=f"comma-separated from {', '.join(BASE_VARIANTS)}, offloading ones with an optional "
+                        f"{KERNEL_DTOH_SUFFIX} (default {DEFAULT_VARIANTS})")
+    p.add_argument("--offload-modules", default="expert_fc1,moe_act",
+                   help=f"Megatron's offload_modules for ours+megatron, from {', '.join(EXPERT_OFFLOAD_CHOICES)}")
+    p.add_argument("--teo-budget-gib", type=float, default=None, help="teo's memory_budget (default: none)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (the first builds and compiles)")
+    p.add_argument("--iters", type=int, default=8, help="timed steps")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--profile", action="store_true",
+                   help="also profile two steps of each offloading variant: offload copies against NCCL kernels")
+    p.add_argument("--trace-dir", type=Path, default=None, help="keep the profiled chrome traces here (gzipped)")
+    p.add_argument("--out", type=Path, default=HERE / "results", help="folder for JSON, markdown, PNG")
+    p.add_argument("--worker-ep", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    p.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what the workers are launched with
+    for name in ("layers", "hidden", "heads", "ffn", "experts", "topk", "seq", "micro_batch", "microbatches",
+                 "vocab", "iters"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.warmup < 1:
+        p.error("--warmup must be at least 1 (the first step builds the experts' ops and compiles kernels)")
+    if args.layers < 2:
+        p.error("--layers must be at least 2: the offloading variants offload layers 1..L-1")
+    if args.teo_budget_gib is not None and args.teo_budget_gib <= 0:
+        p.error("--teo-budget-gib must be positive")
+    try:
+        args.ep = sorted({int(x) for x in args.ep.split(",") if x.strip()})
+    except ValueError:
+        p.error(f"--ep takes comma-separated ints, got {args.ep!r}")
+    if not args.ep or any(e <= 0 for e in args.ep):
+        p.error("--ep needs at least one positive size")
+    args.offload_modules = tuple(m.strip() for m in args.offload_modules.split(",") if m.strip())
+    bad = [m for m in args.offload_modules if m not in EXPERT_OFFLOAD_CHOICES]
+    if bad or not args.offload_modules:
+        p.error(f"--offload-modules: {bad or 'none given'}; choose from {', '.join(EXPERT_OFFLOAD_CHOICES)}")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not args.variants or len(set(args.variants)) != len(args.variants):
+        p.error("--variants needs distinct names")
+    for v in args.variants:
+        try:
+            variant_for(v, args.layers, args.offload_modules)
+        except ValueError as exc:
+            p.error(f"--variants: {exc}")
+    args.shape = shape_of(args)
+    for ep in args.ep:
+        try:
+            args.shape.check(ep)
+        except ValueError as exc:
+            p.error(f"at --ep {ep}: {exc}")
+    return args
+
+
+def shape_of(args) -> GPTShape:
+    return GPTShape(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=args.ffn, experts=args.experts,
+                    topk=args.topk, seq=args.seq, micro_batch=args.micro_batch, microbatches=args.microbatches,
+                    vocab=args.vocab)
+
+
+def problem(max_ep: int) -> str | None:
+    """Why this benchmark cannot run here, or None."""
+    from bench_common import cuda_problem
+
+    if (found := cuda_problem()) is not None:
+        return found
+    import torch
+
+    if torch.cuda.device_count() < max_ep:
+        return f"--ep {max_ep} needs {max_ep} GPUs of this host, {torch.cuda.device_count()} visible (pass --ep 1)"
+    from te_offload_ops.megatron import require_megatron
+
+    try:
+        require_megatron()
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# One rank of one EP setting (the worker)
+
+
+def log(rank: int, text: str) -> None:
+    if rank == 0:
+        print(text, flush=True)
+
+
+def measure(args, name: str, ep: int, rank: int, weights: dict, stock_grads: dict | None) -> dict:
+    import torch
+
+    from megatron_gpt_model import (
+        MegatronOffloadCounter,
+        apply_teo,
+        build_gpt,
+        experts_path,
+        make_config,
+        random_batches,
+        train_step,
+        wrap_for_training,
+    )
+    from te_offload_ops.megatron import use_kernel_dtoh
+
+    shape = args.shape
+    v = variant_for(name, shape.layers, args.offload_modules, args.teo_budget_gib)
+    config = make_config(shape, v, ep)
+    model = build_gpt(shape, config, v.ours, weights)
+    teo = apply_teo(model, v)
+    ddp, optimizer = wrap_for_training(model, config)
+    kdtoh = use_kernel_dtoh() if v.kernel_dtoh else None
+    data = [random_batches(shape, seed=args.seed + i + 1000 * rank) for i in range(2)]
+    megatron = MegatronOffloadCounter() if v.offload_modules else contextlib.nullcontext()
+    first = {}
+
+    def read_grads(ddp_model):
+        if not first:
+            first.update({n: p.main_grad.detach().to("cpu", torch.bfloat16)
+                          for n, p in ddp_model.module.named_parameters()})
+
+    try:
+        with megatron:
+            first_loss = train_step(ddp, optimizer, shape, data[0], after_backward=read_grads)
+            for i in range(1, args.warmup):
+                train_step(ddp, optimizer, shape, data[i % 2])
+            log(rank, f"  [ep={ep}] {name}: {args.warmup} warmup steps done ({experts_path(model)})")
+            torch.cuda.synchronize()
+            floor = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            moved0 = (teo.counter.total if teo is not None else 0, getattr(megatron, "bytes", 0))
+            times = []
+            for i in range(args.iters):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                train_step(ddp, optimizer, shape, data[i % 2])
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e3)
+            peak = torch.cuda.max_memory_allocated()
+            moved = ((teo.counter.total if teo is not None else 0) - moved0[0]
+                     + getattr(megatron, "bytes", 0) - moved0[1]) / args.iters
+            profile = profile_steps(args, name, ep, rank, ddp, optimizer, data) if args.profile and offloads(v) else None
+    finally:
+        if kdtoh is not None:
+            kdtoh.remove()
+        if teo is not None:
+            teo.remove()
+    row = {"variant": name, "ep": ep, "rank": rank, "experts_path": experts_path(model),
+           "step_ms": statistics.median(times), "step_ms_min": min(times), "step_ms_max": max(times),
+           "floor_GiB": floor / 2**30, "peak_GiB": peak / 2**30, "peak_above_floor_GiB": (peak - floor) / 2**30,
+           "offloaded_MiB_per_step": moved / 2**20, "first_loss": first_loss, "profile": profile}
+    if stock_grads is not None:
+        errs = {n: rel_err(first[n], g) for n, g in stock_grads.items() if n in first}
+        worst = max(errs, key=errs.get) if errs else None
+        row.update(grad_max_rel_err=errs.get(worst), grad_worst=worst, grads_compared=len(errs))
+    del ddp, optimizer, model
+    torch.cuda.empty_cache()
+    return row if name != "stock" else {**row, "_grads": first}
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def profile_steps(args, name, ep, rank, ddp, optimizer, data) -> dict:
+    import gzip
+
+    import torch
+
+    from comm_copy_overlap import analyze
+    from megatron_gpt_model import train_step
+
+    steps = 2
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            train_step(ddp, optimizer, args.shape, data[i % 2])
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        text = path.read_text()
+    if args.trace_dir is not None:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
+        stem = f"megatron_gpt_ep{ep}_{name.replace('+', '_')}_rank{rank}.trace.json.gz"
+        with gzip.open(args.trace_dir / stem, "wt") as f:
+            f.write(text)
+    summary = analyze(json.loads(text)["traceEvents"], steps=steps)
+    log(rank, f"  [ep={ep}] {name}: profile: NCCL {summary['nccl_ms']:.1f} ms/step, offload copies "
+              f"{summary['offload_d2h_ms']:.1f} d2h + {summary['offload_h2d_ms']:.1f} h2d ms, beside NCCL "
+              f"{summary['overlap_ms']:.1f} ms; dispatcher copies waited {summary['small_d2h']['wait_ms']:.2f} ms "
+              f"({summary['small_d2h']['wait_behind_offload_ms']:.2f} behind offload copies)")
+    return summary
+
+
+def worker(args) -> int:
+    import torch
+
+    from megatron_gpt_model import build_gpt, cpu_state, init_parallel, install_wgrad_accum_standin, make_config
+
+    install_wgrad_accum_standin()
+    ep = args.worker_ep
+    rank, world = init_parallel(ep, args.seed, timeout_minutes=3)  # a rank that fails ends the others' waits
+    shape = args.shape
+    log(rank, f"[ep={ep}] {world} rank(s) on {torch.cuda.get_device_name()}: L={shape.layers} H={shape.hidden} "
+              f"E={shape.experts} top-{shape.topk} F={shape.ffn}, {shape.microbatches} x {shape.micro_batch} x "
+              f"{shape.seq} tokens per rank")
+    weights = cpu_state(build_gpt(shape, make_config(shape, Variant(ours=False), ep), ours=False))
+    torch.cuda.empty_cache()
+    rows, stock_grads = [], None
+    out = args.worker_out / f"rank{rank}.json"
+    for i, name in enumerate(args.variants, 1):
+        log(rank, f"[ep={ep}] [{i}/{len(args.variants)}] {name} ...")
+        try:
+            row = measure(args, name, ep, rank, weights, stock_grads)
+        except Exception as exc:  # noqa: BLE001 (a variant that fails is reported, the others still run)
+            import traceback
+
+            row = {"variant": name, "ep": ep, "rank": rank, "error": f"{type(exc).__name__}: {exc}",
+                   "traceback": traceback.format_exc()}
+            print(f"[ep={ep}] rank {rank} {name} failed: {row['error']}", flush=True)
+        if "_grads" in row:
+            stock_grads = row.pop("_grads")
+        rows.append(row)
+        out.write_text(json.dumps({"rank": rank, "world": world, "gpu": torch.cuda.get_device_name(), "rows": rows},
+                                  indent=1))
+        if "error" not in row:
+            log(rank, f"[ep={ep}] [{i}/{len(args.variants)}] {name:22s} step {row['step_ms']:7.1f} ms  peak "
+                      f"{row['peak_GiB']:5.2f} GiB  offloaded {row['offloaded_MiB_per_step']:6.0f} MiB/step")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# The launcher: one torchrun per EP setting, then the report
+
+
+def worker_command(args, ep: int, out: Path) -> list[str]:
+    """torchrun of this script as the worker for ``ep`` ranks, with the same settings."""
+    argv = list(args.argv)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ep}",
+            str(Path(__file__).resolve()), *argv, "--worker-ep", str(ep), "--worker-out", str(out)]
+
+
+def merge_ranks(per_rank: list[dict]) -> list[dict]:
+    """One row per variant from every rank's rows: the slowest rank's step, the largest peak and
+    offload, the worst grad error; an error on any rank makes the row an error."""
+    merged = []
+    names = [r["variant"] for r in per_rank[0]["rows"]] if per_rank else []
+    for name in names:
+        rows = [next((r for r in rank["rows"] if r["variant"] == name), None) for rank in per_rank]
+        if any(r is None for r in rows):
+            merged.append({"variant": name, "ep": rows[0]["ep"] if rows[0] else None,
+                           "error": "missing on a rank (the worker stopped)"})
+            continue
+        errors = [r["error"] for r in rows if "error" in r]
+        if errors:
+            merged.append({"variant": name, "ep": rows[0]["ep"], "error": errors[0]})
+            continue
+        row = dict(rows[0])
+        row.pop("rank", None)
+        row["ranks"] = len(rows)
+        for key in ("step_ms", "step_ms_min", "step_ms_max", "peak_GiB", "peak_above_floor_GiB", "floor_GiB",
+                    "offloaded_MiB_per_step"):
+            row[key] = max(r[key] for r in rows)
+        if rows[0].get("grad_max_rel_err") is not None:
+            worst = max(rows, key=lambda r: r["grad_max_rel_err"])
+            row["grad_max_rel_err"], row["grad_worst"] = worst["grad_max_rel_err"], worst["grad_worst"]
+        row["first_loss"] = sum(r["first_loss"] for r in rows) / len(rows)
+        row["profile_per_rank"] = [r.get("profile") for r in rows] if any(r.get("profile") for r in rows) else None
+        merged.append(row)
+    return merged
+
+
+def add_comparisons(rows: list[dict], tokens_per_rank: int) -> None:
+    """Per row: tokens/s over all ranks, speed against stock and ours at the same EP, memory freed
+    against ours, first-step loss against stock's, and tokens that fit under ours' peak (predicted)."""
+    for row in rows:
+        if "error" in row:
+            continue
+        same = {r["variant"]: r for r in rows if r.get("ep") == row["ep"] and "error" not in r}
+        row["tokens_per_s"] = tokens_per_rank * row["ranks"] / (row["step_ms"] * 1e-3)
+        stock, ours = same.get("stock"), same.get("ours")
+        row["speedup_vs_stock"] = stock["step_ms"] / row["step_ms"] if stock else None
+        row["step_vs_ours"] = row["step_ms"] / ours["step_ms"] if ours else None
+        row["freed_vs_ours_GiB"] = ours["peak_GiB"] - row["peak_GiB"] if ours else None
+        row["loss_rel_err_vs_stock"] = abs(row["first_loss"] - stock["first_loss"]) / abs(stock["first_loss"]) \
+            if stock else None
+        # activations grow with the tokens of a micro-batch: under ours' peak as a cap, the tokens
+        # this variant fits, predicted from its peak above the floor
+        if ours and row["peak_above_floor_GiB"] > 0:
+            room = ours["peak_GiB"] - row["floor_GiB"]
+            row["tokens_under_ours_peak_x"] = room / row["peak_above_floor_GiB"]
+        else:
+            row["tokens_under_ours_peak_x"] = None
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets, each with the figure reached (None where its rows were not run)."""
+    def get(ep, name):
+        return next((r for r in rows if r.get("ep") == ep and r["variant"] == name and "error" not in r), None)
+
+    out = []
+    ours2, stock2 = get(2, "ours"), get(2, "stock")
+    out.append({"target": "ours at EP=2 >= 1.7x stock's step", "value": ours2 and ours2["speedup_vs_stock"],
+                "met": None if not (ours2 and stock2) else ours2["speedup_vs_stock"] >= TARGETS["speedup_ep2"]})
+    for ep in (1, 2):
+        row = get(ep, "ours")
+        if row and row.get("grad_max_rel_err") is not None:
+            out.append({"target": f"ours' grads within {GRAD_REL_TOL} of stock's (EP={ep})",
+                        "value": row["grad_max_rel_err"], "met": row["grad_max_rel_err"] <= GRAD_REL_TOL})
+    for name in [r["variant"] for r in rows if r.get("ep") == 2 and r["variant"].startswith("ours+")]:
+        row = get(2, name)
+        out.append({"target": f"{name} at EP=2 costs <= 3% over ours", "value": row and row["step_vs_ours"],
+                    "met": None if not row else row["step_vs_ours"] <= TARGETS["offload_cost_ep2"]})
+    for ep in (1, 2):
+        megatron = get(ep, "ours+megatron")
+        for name in [r["variant"] for r in rows if r.get("ep") == ep and r["variant"].startswith("ours+teo")]:
+            teo = get(ep, name)
+            if megatron and teo and None not in (teo["freed_vs_ours_GiB"], megatron["freed_vs_ours_GiB"]):
+                frees = teo["freed_vs_ours_GiB"] >= megatron["freed_vs_ours_GiB"] - 1 / 64
+                cheaper = teo["step_ms"] <= megatron["step_ms"]
+                out.append({"target": f"{name} frees >= ours+megatron at no more cost (EP={ep})",
+                            "value": f"freed {teo['freed_vs_ours_GiB']:.2f} vs {megatron['freed_vs_ours_GiB']:.2f} GiB, "
+                                     f"step {teo['step_ms']:.1f} vs {megatron['step_ms']:.1f} ms",
+                            "met": frees and cheaper})
+                more = (teo["tokens_under_ours_peak_x"] or 0) > (megatron["tokens_under_ours_peak_x"] or 0)
+                out.append({"target": f"{name} fits more tokens than ours+megatron under ours' peak (EP={ep}, "
+                                      "predicted)",
+                            "value": f"x{teo['tokens_under_ours_peak_x']:.2f} vs x{megatron['tokens_under_ours_peak_x']:.2f}",
+                            "met": more})
+    return out
+
+
+COLUMNS = [  # header, key, format
+    ("EP", "ep", "{}"), ("variant", "variant", "{}"), ("experts ran as", "experts_path", "{}"),
+    ("step ms", "step_ms", "{:.1f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
+    ("vs stock", "speedup_vs_stock", "{:.2f}x"), ("vs ours", "step_vs_ours", "{:.3f}"),
+    ("peak GiB", "peak_GiB", "{:.2f}"), ("above floor GiB", "peak_above_floor_GiB", "{:.2f}"),
+    ("freed vs ours GiB", "freed_vs_ours_GiB", "{:.2f}"), ("offloaded MiB/step", "offloaded_MiB_per_step", "{:.0f}"),
+    ("tokens under ours' peak", "tokens_under_ours_peak_x", "x{:.2f}"),
+    ("loss vs stock", "loss_rel_err_vs_stock", "{:.1e}"), ("grads vs stock", "grad_max_rel_err", "{:.1e}"),
+]
+
+
+def markdown(result: dict) -> str:
+    c = result["config"]
+    lines = [
+        f"# Megatron-Core GPT-MoE training step on {result['gpu']} ({result['date']})", "",
+        f"megatron-core {result['versions']['megatron-core']}, TE {result['versions']['transformer-engine']}, "
+        f"torch {result['versions']['torch']}. GPTModel (TE layer spec), {c['layers']} MoE layers, H={c['hidden']}, "
+        f"{c['heads']} heads, E={c['experts']} top-{c['topk']}, F={c['ffn']}, vocab {c['vocab']}, "
+        f"{c['microbatches']} x {c['micro_batch']} x {c['seq']} tokens per rank per step, bf16, alltoall dispatcher, "
+        "Megatron DDP + distributed Adam; median of "
+        f"{c['iters']} steps after {c['warmup']} (the slowest rank's). Peak: memory allocated; floor: allocated "
+        "between steps. Offloaded: per rank per step. Tokens under ours' peak: predicted from the peak above the "
+        "floor (activations scale with tokens). Loss and grads: the first step against stock's, same weights and "
+        "tokens.", "",
+        "| " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
+    ]
+    for row in result["rows"]:
+        if "error" in row:
+            lines.append(f"| {row.get('ep')} | {row['variant']} | failed: {row['error'][:120]} |"
+                         + " |" * (len(COLUMNS) - 3))
+            continue
+        lines.append("| " + " | ".join("-" if row.get(k) is None else f.format(row[k]) for _, k, f in COLUMNS) + " |")
+    if result.get("targets"):
+        lines += ["", "| target | reached | met |", "|---|---|---|"]
+        for t in result["targets"]:
+            value = t["value"]
+            value = "-" if value is None else (f"{value:.3g}" if isinstance(value, float) else value)
+            lines.append(f"| {t['target']} | {value} | {'-' if t['met'] is None else 'yes' if t['met'] else 'no'} |")
+    profiled = [r for r in result["rows"] if r.get("profile_per_rank")]
+    if profiled:
+        lines += ["", "Offload copies against NCCL (per step, rank 0 .. n; `--profile`):", "",
+                  "| EP | variant | rank | NCCL ms | offload d2h ms | offload h2d ms | beside NCCL ms | dispatcher "
+                  "copies | their wait ms | of it behind offload copies ms | by kernel: count, wait ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for row in profiled:
+            for rank, p in enumerate(row["profile_per_rank"]):
+                if p is None:
+                    continue
+                s, k = p["small_d2h"], p["kernel_dtoh"]
+                lines.append(f"| {row['ep']} | {row['variant']} | {rank} | {p['nccl_ms']:.1f} | {p['offload_d2h_ms']:.1f} | "
+                             f"{p['offload_h2d_ms']:.1f} | {p['overlap_ms']:.1f} | {s['count']:.0f} | {s['wait_ms']:.2f} | "
+                             f"{s['wait_behind_offload_ms']:.2f} | {k['count']:.0f}, {k['wait_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(result: dict, path: Path) -> bool:
+    plt = pyplot()
+    rows = [r for r in result["rows"] if "error" not in r]
+    if plt is None or not rows:
+        return False
+    labels = [f"EP{r['ep']} {r['variant']}" for r in rows]
+    colors = ["#888888" if r["variant"].startswith("stock") else "#dd8452" if r["variant"] == "ours"
+              else "#4c72b0" if "megatron" in r["variant"] else "#55a868" for r in rows]
+    fig, (ax_t, ax_m) = plt.subplots(2, 1, figsize=(max(8, len(rows) * 0.9), 7.5), sharex=True)
+    xs = range(len(rows))
+    ax_t.bar(xs, [r["step_ms"] for r in rows], color=colors)
+    ax_t.set_ylabel("step time (ms)")
+    ax_m.bar(xs, [r["peak_GiB"] for r in rows], color=colors)
+    ax_m.bar(xs, [r["floor_GiB"] for r in rows], color="none", edgecolor="black", hatch="//", label="floor")
+    ax_m.set_ylabel("peak memory allocated (GiB)")
+    ax_m.legend(loc="upper left")
+    ax_m.set_xticks(list(xs), labels, rotation=35, ha="right", fontsize=8)
+    c = result["config"]
+    fig.suptitle(f"Megatron GPT-MoE on {result['gpu']}: {c['layers']} layers, H={c['hidden']}, E={c['experts']} "
+                 f"top-{c['topk']}, F={c['ffn']} (grey stock, orange ours, blue Megatron offload, green teo)",
+                 fontsize=9)
+    fig.tight_layout()
+    save_png(fig, path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def launch(args) -> int:
+    import torch
+    import transformer_engine
+
+    from te_offload_ops.megatron import installed_version
+
+    rows, gpu = [], None  # the GPU's name comes from the workers: this process makes no CUDA context
+    for ep in args.ep:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"== EP={ep}: torchrun --nproc-per-node {ep} ({len(args.variants)} variants)", flush=True)
+            proc = subprocess.run(worker_command(args, ep, Path(tmp)), env=worker_env(), cwd=HERE.parent)
+            files = sorted(Path(tmp).glob("rank*.json"))
+            per_rank = [json.loads(f.read_text()) for f in files]
+        gpu = gpu or next((r["gpu"] for r in per_rank), None)
+        if proc.returncode != 0:
+            print(f"== EP={ep}: the workers ended with exit status {proc.returncode}", flush=True)
+        if len(per_rank) < ep:
+            rows.append({"variant": "(all)", "ep": ep, "error": f"{len(per_rank)} of {ep} ranks wrote results "
+                                                               f"(exit status {proc.returncode})"})
+        rows += merge_ranks(per_rank) if per_rank else []
+    add_comparisons(rows, args.shape.tokens_per_step)
+    result = {
+        "benchmark": "megatron_gpt", "gpu": gpu,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "versions": {"megatron-core": installed_version(), "transformer-engine": transformer_engine.__version__,
+                     "torch": torch.__version__},
+        "config": {**{k: getattr(args.shape, k) for k in ("layers", "hidden", "heads", "ffn", "experts", "topk",
+                                                          "seq", "micro_batch", "microbatches", "vocab")},
+                   "ep": args.ep, "variants": args.variants, "offload_modules": list(args.offload_modules),
+                   "teo_budget_gib": args.teo_budget_gib, "warmup": args.warmup, "iters": args.iters,
+                   "profile": args.profile},
+        "rows": rows,
+    }
+    result["targets"] = targets(rows)
+    result["gpu"] = gpu = gpu or "unknown GPU"
+    suffixes = () if args.ep == [1, 2] else ("ep" + "-".join(map(str, args.ep)),)
+    paths = write_reports(args.out, file_stem("megatron_gpt", gpu, *suffixes), result, markdown, chart)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker_ep is not None:
+        return worker(args)
+    reason = problem(max(args.ep))
+    if reason:
+        print(f"megatron_gpt.py: cannot run: {reason}", file=sys.stderr)
+        return 2
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
