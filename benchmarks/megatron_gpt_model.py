@@ -259,8 +259,8 @@ def random_batches(shape: GPTShape, seed: int, device: Any = "cuda") -> list[dic
 
 
 def _loss(loss_mask, output_tensor):
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
+    losses = output_tensor.float().reshape(-1)  # GPTModel's per-token losses, [batch, seq]
+    mask = loss_mask.reshape(-1).float()
     loss = (losses * mask).sum() / mask.sum()
     return loss, {"lm loss": loss.detach().clone()}
 
