@@ -142,7 +142,7 @@ def init_parallel(ep: int, seed: int, timeout_minutes: int = 5) -> tuple[int, in
     rank = int(os.environ.get("RANK", "0"))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not torch.distributed.is_initialized():
-        if world == 1:
+        if "TORCHELASTIC_RUN_ID" not in os.environ:  # not under torchrun (whose store it must join): its own
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ["MASTER_PORT"] = str(free_port())
         torch.distributed.init_process_group("nccl", rank=rank, world_size=world,
