@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -195,6 +194,7 @@ def measure(args, name: str, ep: int, rank: int, weights: dict, stock_grads: dic
         experts_path,
         make_config,
         random_batches,
+        release,
         train_step,
         wrap_for_training,
     )
@@ -250,8 +250,8 @@ def measure(args, name: str, ep: int, rank: int, weights: dict, stock_grads: dic
         errs = {n: rel_err(first[n], g) for n, g in stock_grads.items() if n in first}
         worst = max(errs, key=errs.get) if errs else None
         row.update(grad_max_rel_err=errs.get(worst), grad_worst=worst, grads_compared=len(errs))
-    del ddp, optimizer, model
-    torch.cuda.empty_cache()
+    del ddp, optimizer, model, teo
+    release(config)
     return row if name != "stock" else {**row, "_grads": first}
 
 
@@ -293,7 +293,14 @@ def profile_steps(args, name, ep, rank, ddp, optimizer, data) -> dict:
 def worker(args) -> int:
     import torch
 
-    from megatron_gpt_model import build_gpt, cpu_state, init_parallel, install_wgrad_accum_standin, make_config
+    from megatron_gpt_model import (
+        build_gpt,
+        cpu_state,
+        init_parallel,
+        install_wgrad_accum_standin,
+        make_config,
+        release,
+    )
 
     install_wgrad_accum_standin()
     ep = args.worker_ep
@@ -302,8 +309,9 @@ def worker(args) -> int:
     log(rank, f"[ep={ep}] {world} rank(s) on {torch.cuda.get_device_name()}: L={shape.layers} H={shape.hidden} "
               f"E={shape.experts} top-{shape.topk} F={shape.ffn}, {shape.microbatches} x {shape.micro_batch} x "
               f"{shape.seq} tokens per rank")
-    weights = cpu_state(build_gpt(shape, make_config(shape, Variant(ours=False), ep), ours=False))
-    torch.cuda.empty_cache()
+    config = make_config(shape, Variant(ours=False), ep)
+    weights = cpu_state(build_gpt(shape, config, ours=False))
+    release(config)
     rows, stock_grads = [], None
     out = args.worker_out / f"rank{rank}.json"
     for i, name in enumerate(args.variants, 1):

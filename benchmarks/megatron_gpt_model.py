@@ -237,6 +237,18 @@ def wrap_for_training(model, config, *, lr: float = 1e-4):
     return ddp, optimizer
 
 
+def release(config) -> None:
+    """Free a trained model's GPU memory once the caller dropped its references: the config's hooks
+    hold the DDP wrapper (a reference cycle, so gc must run before the allocator can give it back)."""
+    import gc
+
+    import torch
+
+    config.no_sync_func = config.grad_sync_func = config.finalize_model_grads_func = None
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 # ------------------------------------------------------------------------------------------------
 # Data and one training step
 

@@ -44,6 +44,7 @@ from megatron_gpt_model import (  # noqa: E402
     install_wgrad_accum_standin,
     make_config,
     random_batches,
+    release,
     train_step,
     wrap_for_training,
 )
@@ -240,8 +241,8 @@ def train(variant: Variant, weights: dict, steps: int, *, grads: bool = True) ->
            "teo_bytes": None if teo is None else teo.counter.total}
     if teo is not None:
         teo.remove()
-    del ddp, optimizer, model
-    torch.cuda.empty_cache()
+    del ddp, optimizer, model, teo
+    release(config)
     return out
 
 
@@ -254,6 +255,7 @@ def reference_weights() -> dict:
     model = build_gpt(GPT, config, ours=False)
     weights = cpu_state(model)
     del model
+    release(config)
     return weights
 
 

@@ -87,7 +87,7 @@ def parallel_state():
 
 
 def train(variant: Variant, weights: dict) -> dict:
-    from megatron_gpt_model import build_gpt, make_config, random_batches, train_step, wrap_for_training
+    from megatron_gpt_model import build_gpt, make_config, random_batches, release, train_step, wrap_for_training
 
     config = make_config(SHAPE, variant, ep=1)
     model = build_gpt(SHAPE, config, variant.ours, weights)
@@ -106,8 +106,8 @@ def train(variant: Variant, weights: dict) -> dict:
     plan = [type(op).__name__ for group in ops._module_groups for op, _ in group._forward_ops]
     result = {"losses": losses, "grads": grads, "plan": plan, "op_modules": [type(op).__module__ for op in ops],
               "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-    del ddp, optimizer, model
-    torch.cuda.empty_cache()
+    del ddp, optimizer, model, experts, ops
+    release(config)
     return result
 
 
@@ -119,13 +119,15 @@ def rel_err(a, b) -> float:
 def test_fp8_training_on_our_experts_matches_stock(fmt, recipe):
     if (reason := recipe_problem(fmt, recipe)) is not None:
         pytest.skip(reason)
-    from megatron_gpt_model import build_gpt, cpu_state, make_config
+    from megatron_gpt_model import build_gpt, cpu_state, make_config, release
 
     stock_variant, ours_variant = Variant(ours=False, fp8=fmt, fp8_recipe=recipe), Variant(ours=True, fp8=fmt,
                                                                                           fp8_recipe=recipe)
-    reference = build_gpt(SHAPE, make_config(SHAPE, stock_variant, ep=1), ours=False)
+    config = make_config(SHAPE, stock_variant, ep=1)
+    reference = build_gpt(SHAPE, config, ours=False)
     weights = cpu_state(reference)
     del reference
+    release(config)
     stock = train(stock_variant, weights)
     ours = train(ours_variant, weights)
 
