@@ -88,7 +88,7 @@ def analyze(events: list[dict], steps: int = 1, small_bytes: int = SMALL_COPY_BY
                 copies[direction].append(_span(e))
             elif direction == "d2h":
                 small.append(e)
-        elif cat == "cuda_runtime" and "correlation" in args:
+        elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in args:  # Triton launches via the driver
             launches[args["correlation"]] = _span(e)[1]  # when the launch call returned
     nccl_u = union(nccl)
     d2h_u, h2d_u = union(copies["d2h"]), union(copies["h2d"])

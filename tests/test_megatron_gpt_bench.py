@@ -163,7 +163,7 @@ def test_overlap_of_offload_copies_with_nccl_and_the_dispatchers_waits():
         _ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 250, 2, bytes=64, correlation=5),  # waited 190
         _ev("cuda_runtime", "cudaMemcpyAsync", 400, 10, correlation=6),
         _ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 420, 2, bytes=64, correlation=6),  # waited 10, CE idle
-        _ev("cuda_runtime", "cudaLaunchKernel", 70, 5, correlation=7),
+        _ev("cuda_driver", "cuLaunchKernelEx", 70, 5, correlation=7),
         _ev("kernel", "_splits_to_host_0d1d2", 80, 3, correlation=7),  # by kernel: waited 5
         {"ph": "i", "cat": "kernel", "name": "ncclX", "ts": 0},  # instant events are not spans
     ]
