@@ -105,6 +105,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (the first builds and compiles)")
     p.add_argument("--iters", type=int, default=8, help="timed steps")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--cap-gib", type=float, default=None,
+                   help="also find, at EP=1, the most sequences per micro-batch each of --cap-variants fits under "
+                        "this much GPU memory (the allocator limited to it; out of memory means does not fit)")
+    p.add_argument("--cap-variants", default="ours,ours+megatron,ours+teo", help="variants for --cap-gib")
+    p.add_argument("--cap-max-micro-batch", type=int, default=None,
+                   help="largest micro-batch tried under --cap-gib (default twice --micro-batch)")
     p.add_argument("--profile", action="store_true",
                    help="also profile two steps of each offloading variant: offload copies against NCCL kernels")
     p.add_argument("--trace-dir", type=Path, default=None, help="keep the profiled chrome traces here (gzipped)")
@@ -141,6 +147,21 @@ def parse_args(argv=None) -> argparse.Namespace:
             variant_for(v, args.layers, args.offload_modules)
         except ValueError as exc:
             p.error(f"--variants: {exc}")
+    args.cap_variants = [v.strip() for v in args.cap_variants.split(",") if v.strip()]
+    if args.cap_gib is not None:
+        if args.cap_gib <= 0:
+            p.error("--cap-gib must be positive")
+        if 1 not in args.ep:
+            p.error("--cap-gib searches at EP=1 (one rank running out of memory would leave the others waiting "
+                    "in an all-to-all): include 1 in --ep")
+        for v in args.cap_variants:
+            try:
+                variant_for(v, args.layers, args.offload_modules)
+            except ValueError as exc:
+                p.error(f"--cap-variants: {exc}")
+    args.cap_max_micro_batch = args.cap_max_micro_batch or 2 * args.micro_batch
+    if args.cap_max_micro_batch < args.micro_batch:
+        p.error("--cap-max-micro-batch must be at least --micro-batch")
     args.shape = shape_of(args)
     for ep in args.ep:
         try:
@@ -290,6 +311,75 @@ def profile_steps(args, name, ep, rank, ddp, optimizer, data) -> dict:
     return summary
 
 
+def fits(args, name: str, micro_batch: int, weights: dict) -> dict | None:
+    """A few steps of ``name`` at ``micro_batch`` under the memory cap set by the caller: its step
+    time, or None where it ran out of memory."""
+    import torch
+
+    from megatron_gpt_model import apply_teo, build_gpt, make_config, random_batches, release, train_step
+    from megatron_gpt_model import wrap_for_training
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+        FineGrainedActivationOffloadingInterface as off,
+    )
+
+    shape = replace(args.shape, micro_batch=micro_batch)
+    v = variant_for(name, shape.layers, args.offload_modules, args.teo_budget_gib)
+    config = make_config(shape, v, 1)
+    model = ddp = optimizer = teo = None
+    try:
+        model = build_gpt(shape, config, v.ours, weights)
+        teo = apply_teo(model, v)
+        ddp, optimizer = wrap_for_training(model, config)
+        data = random_batches(shape, seed=args.seed)
+        times = []
+        for _ in range(3):  # the first builds the experts' ops
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            train_step(ddp, optimizer, shape, data)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return {"step_ms": min(times[1:]), "peak_GiB": torch.cuda.max_memory_allocated() / 2**30}
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+        if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower() \
+                or "ALLOC_FAILED" in str(exc):
+            return None
+        raise
+    finally:
+        if teo is not None:
+            teo.remove()
+        off.reset_instance()  # Megatron's offload manager may hold a step cut short
+        del model, ddp, optimizer, teo
+        release(config)
+        torch.cuda.reset_peak_memory_stats()
+
+
+def cap_search(args, weights: dict) -> list[dict]:
+    """Per --cap-variants: the most sequences per micro-batch that fit under --cap-gib, trying
+    --micro-batch upward until one does not fit."""
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+    rows = []
+    try:
+        for name in args.cap_variants:
+            best = None
+            for mb in range(args.micro_batch, args.cap_max_micro_batch + 1):
+                got = fits(args, name, mb, weights)
+                print(f"  [cap {args.cap_gib:g} GiB] {name}: micro-batch {mb} "
+                      + ("does not fit" if got is None else f"fits, step {got['step_ms']:.1f} ms"), flush=True)
+                if got is None:
+                    break
+                best = {"micro_batch": mb, **got}
+            tokens = None if best is None else args.shape.microbatches * best["micro_batch"] * args.shape.seq
+            rows.append({"variant": name, "cap_GiB": args.cap_gib, "best": best, "tokens_per_step": tokens,
+                         "tokens_per_s": None if best is None else tokens / (best["step_ms"] * 1e-3),
+                         "hit_max": best is not None and best["micro_batch"] == args.cap_max_micro_batch})
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    return rows
+
+
 def worker(args) -> int:
     import torch
 
@@ -332,6 +422,10 @@ def worker(args) -> int:
         if "error" not in row:
             log(rank, f"[ep={ep}] [{i}/{len(args.variants)}] {name:22s} step {row['step_ms']:7.1f} ms  peak "
                       f"{row['peak_GiB']:5.2f} GiB  offloaded {row['offloaded_MiB_per_step']:6.0f} MiB/step")
+    if args.cap_gib is not None and ep == 1:
+        cap = cap_search(args, weights)
+        out.write_text(json.dumps({"rank": rank, "world": world, "gpu": torch.cuda.get_device_name(), "rows": rows,
+                                   "cap": cap}, indent=1))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0
@@ -438,6 +532,21 @@ def targets(rows: list[dict]) -> list[dict]:
     return out
 
 
+def cap_targets(cap: list[dict] | None) -> list[dict]:
+    """Tokens per step under the cap: each teo variant against Megatron's offloading and ours."""
+    if not cap:
+        return []
+    found = {r["variant"]: r for r in cap}
+    megatron = found.get("ours+megatron")
+    out = []
+    for name, row in found.items():
+        if name.startswith("ours+teo") and megatron is not None:
+            a, b = row["tokens_per_step"] or 0, megatron["tokens_per_step"] or 0
+            out.append({"target": f"{name} fits more tokens than ours+megatron under {row['cap_GiB']:g} GiB (EP=1)",
+                        "value": f"{a} vs {b} tokens per step", "met": a > b})
+    return out
+
+
 COLUMNS = [  # header, key, format
     ("EP", "ep", "{}"), ("variant", "variant", "{}"), ("experts ran as", "experts_path", "{}"),
     ("step ms", "step_ms", "{:.1f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
@@ -476,6 +585,20 @@ def markdown(result: dict) -> str:
             value = t["value"]
             value = "-" if value is None else (f"{value:.3g}" if isinstance(value, float) else value)
             lines.append(f"| {t['target']} | {value} | {'-' if t['met'] is None else 'yes' if t['met'] else 'no'} |")
+    if result.get("cap"):
+        c = result["config"]
+        lines += ["", f"Under a {c['cap_gib']:g} GiB cap (EP=1; the allocator limited to it; micro-batches "
+                      f"{c['micro_batch']}..{c['cap_max_micro_batch']} tried upward):", "",
+                  "| variant | most sequences per micro-batch | tokens per step | step ms | tokens/s | peak GiB |",
+                  "|---|---|---|---|---|---|"]
+        for r in result["cap"]:
+            b = r["best"]
+            if b is None:
+                lines.append(f"| {r['variant']} | none fits | - | - | - | - |")
+            else:
+                lines.append(f"| {r['variant']} | {b['micro_batch']}{' (the most tried)' if r['hit_max'] else ''} | "
+                             f"{r['tokens_per_step']} | {b['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+                             f"{b['peak_GiB']:.2f} |")
     profiled = [r for r in result["rows"] if r.get("profile_per_rank")]
     if profiled:
         lines += ["", "Offload copies against NCCL (per step, rank 0 .. n; `--profile`):", "",
@@ -526,7 +649,7 @@ def launch(args) -> int:
 
     from te_offload_ops.megatron import installed_version
 
-    rows, gpu = [], None  # the GPU's name comes from the workers: this process makes no CUDA context
+    rows, gpu, cap = [], None, None  # the GPU's name comes from the workers: this process makes no CUDA context
     for ep in args.ep:
         with tempfile.TemporaryDirectory() as tmp:
             print(f"== EP={ep}: torchrun --nproc-per-node {ep} ({len(args.variants)} variants)", flush=True)
@@ -534,6 +657,7 @@ def launch(args) -> int:
             files = sorted(Path(tmp).glob("rank*.json"))
             per_rank = [json.loads(f.read_text()) for f in files]
         gpu = gpu or next((r["gpu"] for r in per_rank), None)
+        cap = cap or next((r["cap"] for r in per_rank if r.get("cap")), None)
         if proc.returncode != 0:
             print(f"== EP={ep}: the workers ended with exit status {proc.returncode}", flush=True)
         if len(per_rank) < ep:
@@ -550,10 +674,10 @@ def launch(args) -> int:
                                                           "seq", "micro_batch", "microbatches", "vocab")},
                    "ep": args.ep, "variants": args.variants, "offload_modules": list(args.offload_modules),
                    "teo_budget_gib": args.teo_budget_gib, "warmup": args.warmup, "iters": args.iters,
-                   "profile": args.profile},
-        "rows": rows,
+                   "profile": args.profile, "cap_gib": args.cap_gib, "cap_max_micro_batch": args.cap_max_micro_batch},
+        "rows": rows, "cap": cap,
     }
-    result["targets"] = targets(rows)
+    result["targets"] = targets(rows) + cap_targets(cap)
     result["gpu"] = gpu = gpu or "unknown GPU"
     suffixes = () if args.ep == [1, 2] else ("ep" + "-".join(map(str, args.ep)),)
     paths = write_reports(args.out, file_stem("megatron_gpt", gpu, *suffixes), result, markdown, chart)

@@ -48,6 +48,10 @@ def test_variant_names_map_to_what_each_runs():
     (["--experts", "6", "--ep", "4"], "at --ep 4: experts (6) must be a multiple"),
     (["--heads", "3"], "hidden (2048) must be a multiple of heads (3)"),
     (["--teo-budget-gib", "-1"], "--teo-budget-gib must be positive"),
+    (["--cap-gib", "60", "--ep", "2"], "--cap-gib searches at EP=1"),
+    (["--cap-gib", "0"], "--cap-gib must be positive"),
+    (["--cap-gib", "60", "--cap-variants", "ours,odd"], "--cap-variants: unknown variant 'odd'"),
+    (["--cap-max-micro-batch", "2"], "--cap-max-micro-batch must be at least --micro-batch"),
 ])
 def test_bad_arguments_are_refused_with_the_reason(argv, said, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -129,6 +133,31 @@ def test_comparisons_and_targets_are_computed_per_ep():
     assert found["ours+teo at EP=2 costs <= 3% over ours"]["met"] is True  # 1.018
     assert found["ours+teo frees >= ours+megatron at no more cost (EP=2)"]["met"] is True
     assert found["ours+teo fits more tokens than ours+megatron under ours' peak (EP=2, predicted)"]["met"] is True
+
+
+def test_tokens_under_the_cap_compare_each_teo_variant_with_megatrons_offloading():
+    def cap_row(name, mb, step=100.0):
+        best = None if mb is None else {"micro_batch": mb, "step_ms": step, "peak_GiB": 50.0}
+        tokens = None if mb is None else 2 * mb * 2048
+        return {"variant": name, "cap_GiB": 60.0, "best": best, "tokens_per_step": tokens,
+                "tokens_per_s": None if mb is None else tokens / (step * 1e-3), "hit_max": mb == 8}
+
+    cap = [cap_row("ours", 4), cap_row("ours+megatron", 5), cap_row("ours+teo", 6), cap_row("ours+teo-layer", None)]
+    found = {t["target"]: t for t in mg.cap_targets(cap)}
+    assert found["ours+teo fits more tokens than ours+megatron under 60 GiB (EP=1)"]["met"] is True
+    assert found["ours+teo-layer fits more tokens than ours+megatron under 60 GiB (EP=1)"]["met"] is False
+    assert mg.cap_targets(None) == []
+    rows = _rows()
+    mg.add_comparisons(rows, 16384)
+    result = {"gpu": "g", "date": "d", "versions": {"megatron-core": "0.19.2", "transformer-engine": "2.20.2",
+                                                      "torch": "2.11"},
+              "config": {"layers": 4, "hidden": 2048, "heads": 16, "experts": 16, "topk": 4, "ffn": 1408,
+                         "vocab": 32768, "microbatches": 2, "micro_batch": 4, "seq": 2048, "iters": 8, "warmup": 3,
+                         "cap_gib": 60.0, "cap_max_micro_batch": 8},
+              "rows": rows, "cap": cap, "targets": []}
+    text = mg.markdown(result)
+    assert "Under a 60 GiB cap (EP=1" in text and "| ours+teo | 6 | 24576 | 100.0 | 245,760 | 50.00 |" in text
+    assert "| ours+teo-layer | none fits |" in text
 
 
 def test_the_report_has_a_full_line_per_row_and_marks_failures():
