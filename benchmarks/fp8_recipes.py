@@ -6,7 +6,8 @@ tokens per expert, forward + backward back to back, for: no recipe, ``DelayedSca
 ``Float8CurrentScaling``, ``Float8BlockScaling`` (where cuBLAS has an algorithm for it). Per recipe and
 implementation:
 
-- fwd+bwd time: median of CUDA-event samples, each over back-to-back calls (the host runs ahead);
+- fwd+bwd time: median of CUDA-event samples, each over back-to-back calls, TE's and ours sampled
+  in turn;
 - bytes saved for backward per layer, split into activations and weight copies (FP8 transposes of
   the weights that the forward made): every tensor autograd saved, each storage counted once;
 - bytes TE's V2 engine moves per layer, measured: a two-layer stack under
@@ -102,20 +103,24 @@ def step(mlp, inputs, recipe_name: str):
     y.backward(dy)
 
 
-def time_ms(fn, iters: int, inner: int = 5) -> float:
+def time_ms(fns: dict, iters: int, inner: int = 5) -> dict:
+    """Median CUDA-event ms per call of each function, sampled round-robin so that drift (clocks,
+    the allocator) falls on every one alike; each sample times ``inner`` back-to-back calls."""
     import torch
 
-    fn()
-    samples = []
+    for fn in fns.values():
+        fn()
+    samples = {name: [] for name in fns}
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / inner)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples[name].append(start.elapsed_time(end) / inner)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def weight_shaped(t, args) -> bool:
@@ -165,20 +170,29 @@ def v2_moved(impl: str, args, recipe_name: str) -> float:
     return counter.total / MiB
 
 
-def measure(impl: str, recipe_name: str, args) -> dict:
+def measure(recipe_name: str, args) -> list[dict]:
+    """Rows for TE's ops and ours under one recipe; times from one round-robin sampling."""
     import torch
 
-    row = {"impl": impl, "recipe": recipe_name}
-    mlp, inputs = make_mlp(impl, args), make_inputs(args)
+    rows = {impl: {"impl": impl, "recipe": recipe_name} for impl in IMPLS}
+    mlps, inputs = {impl: make_mlp(impl, args) for impl in IMPLS}, make_inputs(args)
     try:
-        row["ms"] = time_ms(lambda: step(mlp, inputs, recipe_name), args.iters)
-        row["saved_MiB"] = saved_bytes(mlp, inputs, recipe_name, args)
-        row["v2_moved_MiB"] = v2_moved(impl, args, recipe_name)
-        row["plan"] = [type(op).__name__ for group in mlp._module_groups for op, _ in group._forward_ops]
+        times = time_ms({impl: (lambda m=mlp: step(m, inputs, recipe_name)) for impl, mlp in mlps.items()},
+                        args.iters)
+        for impl, row in rows.items():
+            row["ms"] = times[impl]
+            row["saved_MiB"] = saved_bytes(mlps[impl], inputs, recipe_name, args)
+            row["v2_moved_MiB"] = v2_moved(impl, args, recipe_name)
+            row["plan"] = [type(op).__name__ for group in mlps[impl]._module_groups for op, _ in group._forward_ops]
     except Exception as exc:  # noqa: BLE001 (TE's own error is the result for this recipe)
-        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        for impl, row in rows.items():  # each implementation alone, to record its own error
+            try:
+                step(mlps[impl], inputs, recipe_name)
+                row["error"] = f"ran alone, failed beside the other: {type(exc).__name__}: {exc}"
+            except Exception as own:  # noqa: BLE001
+                row["error"] = f"{type(own).__name__}: {str(own).splitlines()[0][:300]}"
     torch.cuda.synchronize()
-    return row
+    return [rows[impl] for impl in IMPLS]
 
 
 def tflops(args, ms: float) -> float:
@@ -244,10 +258,9 @@ def main(argv=None) -> int:
 
     gpu = torch.cuda.get_device_name()
     rows = []
-    for recipe_name in args.recipes:
-        for impl in IMPLS:
-            print(f"[fp8_recipes] {recipe_name} / {impl} ...", flush=True)
-            row = measure(impl, recipe_name, args)
+    for k, recipe_name in enumerate(args.recipes, 1):
+        print(f"[fp8_recipes] {k}/{len(args.recipes)} {recipe_name}: TE ops and te_offload_ops ...", flush=True)
+        for row in measure(recipe_name, args):
             rows.append(row)
             print(f"[fp8_recipes]   {json.dumps(row)}", flush=True)
     result = {"gpu": gpu, "date": datetime.date.today().isoformat(), "args": {k: v for k, v in vars(args).items()

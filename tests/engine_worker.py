@@ -18,7 +18,10 @@ def main(out_path: str, engine: str, *flags: str) -> None:
     megatron = tuple(filter(None, os.environ.get("TEO_TEST_MEGATRON", "").split(",")))
     # TEO_TEST_RECIPE: a key of engines.RECIPES (the forward runs under that recipe)
     recipe = os.environ.get("TEO_TEST_RECIPE") or None
-    cfg = Config(offload=tuple(f == "1" for f in flags), megatron=megatron, recipe=recipe)
+    # TEO_TEST_SPLITS: comma-separated tokens per expert (FP8 GEMMs need multiples of 16)
+    splits = os.environ.get("TEO_TEST_SPLITS")
+    extra = {"splits": tuple(int(n) for n in splits.split(","))} if splits else {}
+    cfg = Config(offload=tuple(f == "1" for f in flags), megatron=megatron, recipe=recipe, **extra)
     stack = make_stack(cfg)
     if "main_grad" in megatron:
         attach_main_grads(stack)
