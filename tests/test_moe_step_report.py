@@ -20,7 +20,7 @@ from moe_step import Policy  # noqa: E402
 # Options and policies
 
 
-def test_full_run_defaults_cover_both_shapes_and_the_issue_policies():
+def test_full_run_defaults_cover_both_shapes_and_the_target_policies():
     args = moe_step.parse_args([])
     assert list(args.shapes) == ["base", "moe-heavy"]
     assert args.shapes["base"] == {"hidden": 2688, "heads": 21, "ffn": 1856, "experts": 8, "topk": 2}
@@ -762,7 +762,7 @@ def test_teo_t_budget_is_the_target_peak_no_offload_less_what_the_policy_moves()
     result["config"].update(engines=["v2", "v1", "teo-t"], target_slack_GiB=0.5)
     assert "- teo-t: teo with memory_budget = the static floor plus no offload's peak less the bytes the policy " \
            "moves, plus 0.5 GiB" in rep.markdown(rep.finish(result) or result)
-    # --target-freed: the budget frees that share of the bytes moved (the issue's target is 0.95)
+    # --target-freed: the budget frees that share of the bytes moved (the report's target is 0.95)
     bench.args = moe_step.parse_args(["--engines", "teo-t", "--target-freed", "0.96"])
     assert bench.target_budget(Policy("mlp", 7), 2) == int(5000 * MiB - 600 * MiB * 0.96)
     assert bench.target_budget(Policy("mlp", 8), 2) == int(5000 * MiB - (600 * MiB * 7 // 8) * 0.96)
@@ -826,9 +826,9 @@ def test_cap_chart_points_are_against_their_own_process_and_only_runs_that_fit(t
     assert cc.main([str(path), "--out", str(tmp_path), "--stem", "c"]) == 0
     assert (tmp_path / "c.md").exists() and (tmp_path / "c.png").stat().st_size > 0
     assert cc.main([str(path), "--shape", "wide", "--out", str(tmp_path)]) == 1  # no cap runs of that shape
-    assert cc.main([str(path), f"{path}=new code", "--out", str(tmp_path), "--stem", "t"]) == 0  # a tag sets runs apart
+    assert cc.main([str(path), f"{path}=rerun", "--out", str(tmp_path), "--stem", "t"]) == 0  # a tag sets runs apart
     text = (tmp_path / "t.md").read_text()
-    assert "| teo-b (cap - 1 GiB) [new code] | layer 2/4 | 67.0 | 12 |" in text and "r.json [new code] (G, d)" in text
+    assert "| teo-b (cap - 1 GiB) [rerun] | layer 2/4 | 67.0 | 12 |" in text and "r.json [rerun] (G, d)" in text
 
 
 def test_under_cap_limits_the_allocator_and_always_restores_it():
