@@ -253,7 +253,8 @@ def main(argv=None) -> int:
               flush=True)
         row = measure(args, layers, engine, k, label, uniform)
         rows.append(row)
-        print(f"[bench_graphs] config {i}/{len(plan)}: {label}: graphed {row['contenders']['graphed back to back']['ms']:.3f} ms, "
+        graphed = row["contenders"]["graphed back to back"]["ms"]
+        print(f"[bench_graphs] config {i}/{len(plan)}: {label}: graphed {graphed:.3f} ms, "
               f"x{row['graphed_vs_eager_b2b']:.3f} of eager back to back"
               + (f", {row['graphed_vs_host_ahead']:.3f} of host-ahead" if "graphed_vs_host_ahead" in row else ""),
               flush=True)

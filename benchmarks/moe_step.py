@@ -750,7 +750,8 @@ class StepBench:
         base = (row["batch"], row["peak_above_MiB"])
 
         def trial(batch: int) -> dict:
-            self.where = f"cap {cap_GiB:.1f} GiB policy={row['policy']} batch {batch} (trial {len(done) + 1}/{a.cap_trials})"
+            self.where = (f"cap {cap_GiB:.1f} GiB policy={row['policy']} batch {batch} "
+                          f"(trial {len(done) + 1}/{a.cap_trials})")
             t = self.cap_trial(policy, batch, cap_GiB, reuse=row["context"] == "reused")
             done.append(t)
             say(f"{self.where}: {batch} x {self.seq} tokens "
@@ -1036,7 +1037,8 @@ def main(argv=None) -> int:
         child_out = args.out / f".moe_step_child_{engine}.json"
         env = child_env(args, engine)
         extra = ["--memory-cap", format_caps(caps)] if caps and caps != args.caps else []
-        say(f"engine {engine} ({i}/{len(args.engines)}): starting its process | elapsed {clock_text(time.time() - started)}")
+        say(f"engine {engine} ({i}/{len(args.engines)}): starting its process | elapsed "
+            f"{clock_text(time.time() - started)}")
         cmd = [sys.executable, __file__, *argv, *extra, "--child", engine, "--child-out", str(child_out),
                "--clock", f"{started},{time.time()}"]
         code = subprocess.run(cmd, env=env).returncode

@@ -13,8 +13,9 @@ Time:
   alike; medians over rounds (:func:`median`);
 * :func:`kernel_times`: GPU time per kernel from torch.profiler.
 
-Memory: :func:`active_bytes` and :class:`PeakMemory` (the most in use over a step, above what was
-in use before it); :func:`pcie_bandwidth` (pinned host memory, each direction and both at once).
+Memory and copies: :func:`active_bytes` (in use now, or the most in use since
+``torch.cuda.reset_peak_memory_stats()``: a step's peak); :func:`pcie_bandwidth` (pinned host memory,
+each direction and both at once).
 
 Importing this module needs neither torch nor a GPU; the functions that measure import torch.
 """
@@ -199,34 +200,6 @@ def active_bytes(peak: bool = False) -> int:
         torch.cuda.synchronize()
         torch.empty(1, device="cuda")  # an allocation makes the allocator retire finished stream uses
     return torch.cuda.memory_stats()["active_bytes.all." + ("peak" if peak else "current")]
-
-
-class PeakMemory:
-    """The most GPU memory in use (:func:`active_bytes`) inside a ``with`` block.
-
-        with PeakMemory() as mem:
-            step()
-        mem.peak_bytes, mem.peak_above_bytes   # the peak, and the peak above what was in use at entry
-    """
-
-    def __enter__(self):
-        import torch
-
-        self.start_bytes = active_bytes()
-        torch.cuda.reset_peak_memory_stats()
-        self.peak_bytes = None
-        return self
-
-    def __exit__(self, *exc):
-        import torch
-
-        torch.cuda.synchronize()
-        self.peak_bytes = active_bytes(peak=True)
-        return False
-
-    @property
-    def peak_above_bytes(self) -> int:
-        return self.peak_bytes - self.start_bytes
 
 
 def pcie_bandwidth(nbytes: int = 1 << 29, reps: int = 5) -> dict:

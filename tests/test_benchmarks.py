@@ -167,7 +167,7 @@ def test_megatron_settings_report_splits_main_grads_extra_time_into_kernels_and_
     variants["main_grad"]["gpu_ms"] = float("nan")  # no host-ahead time: the kernels alone
     md = bms.markdown({"gpu": "H100", "date": "today", "rounds": 3, "rows": [row]})
     assert "kernels +55.0 us (profiler; no host-ahead GPU time to set it against)" in md and "+nan" not in md
-    assert "The same by GEMM" not in md  # a run without the ranges (older JSON)
+    assert "The same by GEMM" not in md  # a result without the ranges
     name = bms.gemm_row_name
     assert name("te_offload_ops.gemm[wgrad tma_f32 n=2688 k=2048]") == "te_offload_ops.gemm[wgrad n=2688 k=2048]"
     assert name("te_offload_ops.gemm[gemm srelu n=1856 k=2688]") == "te_offload_ops.gemm[gemm srelu n=1856 k=2688]"
@@ -198,7 +198,7 @@ def test_megatron_settings_report_splits_main_grads_extra_time_into_kernels_and_
     assert "| g[wgrad n=8 k=0] | 235.0 | 282.2 | 260.0 |" in md
     del row["gemm_us"]["main_grad(tma,coop)"]  # the default way alone: the diff table says it all
     assert "by variant" not in bms.markdown({"gpu": "H100", "date": "today", "rounds": 3, "rows": [row]})
-    del row["main_grad_kernels"]  # a run without the profile (older JSON): no such section
+    del row["main_grad_kernels"]  # a result without the profile: no such section
     assert "Where main_grad's extra GPU time goes" not in bms.markdown({"gpu": "H100", "date": "today", "rounds": 3,
                                                                         "rows": [row]})
 
