@@ -25,7 +25,8 @@ JSON, markdown and a PNG (step time against peak memory; tokens per step under t
 --out. --memory-target names the fastest measured policy whose peak meets it.
 
     python3 benchmarks/moe_step.py            # the default: shape base, engines teo and v2,
-                                              # MLP L/2, L-1, L and layer L/2, a short cap search
+                                              # MLP L/2, L-1, L and layer L/2, a short cap search;
+                                              # made to end within 5 minutes on one H100
     python3 benchmarks/moe_step.py --full     # shapes base and moe-heavy, engines v2, v1, teo,
                                               # eight policies, a longer cap search
     python3 benchmarks/moe_step.py --quick    # a small smoke run of every engine and policy
@@ -1013,6 +1014,7 @@ def merge_profiles(args, children: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
+    started = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     problem = cuda_problem()
@@ -1031,7 +1033,6 @@ def main(argv=None) -> int:
         + (f"; profiling {', '.join(p.label(args.layers) for p in args.profile)}" if args.profile else "")
         + ("" if args.profile or args.no_cap else f"; then the tokens-under-a-cap search, {args.cap_trials} trials "
            f"per policy searched"))
-    started = time.time()
     children, failed, caps, how = [], [], dict(args.caps), {}
     for i, engine in enumerate(args.engines, 1):
         child_out = args.out / f".moe_step_child_{engine}.json"
