@@ -8,7 +8,7 @@ for one more mainloop stage), and the dSReLU one also with its z loads left out 
 numbers, the time without that traffic).  cuBLAS bmm gives the roof.  Outputs of the two chunk
 widths are compared bit for bit.  Timing as in bench_kernels.py (GPU time, host excluded).
 
-    python3 benchmarks/ablate_epilogue.py [--out ablate_epilogue.json]
+    python3 benchmarks/experiments/ablate_epilogue.py [--out epilogue_staging.json]
 """
 
 from __future__ import annotations
@@ -18,13 +18,11 @@ import json
 import sys
 from pathlib import Path
 
-import torch
+BENCH = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-from bench_kernels import _time_interleaved  # noqa: E402
+from bench_common import cuda_problem, refuse  # noqa: E402
 
 
 def _no_z_kernel():
@@ -49,14 +47,13 @@ def main():
     ap.add_argument("--ffn", type=int, default=1856)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--inner", type=int, default=10)
-    ap.add_argument("--out", default="ablate_epilogue.json")
+    ap.add_argument("--out", default="epilogue_staging.json")
     args = ap.parse_args()
-    from offload_policies import cuda_problem
-
     if problem := cuda_problem():
-        print(f"ablate_epilogue.py: cannot run: {problem}", file=sys.stderr)
-        return 2
+        return refuse("ablate_epilogue.py", problem)
+    import torch
 
+    from bench_kernels import time_interleaved
     from te_offload_ops.kernels import api
 
     e, m, h, f = args.experts, args.tokens_per_expert, args.hidden, args.ffn
@@ -121,7 +118,7 @@ def main():
     fns["fc2 dgrad cuBLAS bmm"] = lambda: torch.bmm(dyb, w2)
     info["fc1 fwd cuBLAS bmm"] = {"gemm": "fc1 fwd"}
     info["fc2 dgrad cuBLAS bmm"] = {"gemm": "fc2 dgrad"}
-    timed = _time_interleaved(fns, args.reps, args.inner)
+    timed = time_interleaved(fns, args.reps, args.inner)
 
     flop = 2.0 * t * h * f
     gpu = torch.cuda.get_device_name()

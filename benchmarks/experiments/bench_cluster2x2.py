@@ -1,29 +1,29 @@
 """2 x 2 clusters against the CTA pair, per grouped GEMM of the fused MLP (``TEO_GEMM_CLUSTER_M``).
 
-The GEMMs are bound by L2 sectors (Nsight Compute, ``benchmarks/results/ncu/README.md``): a 2 x 2
+The GEMMs are bound by L2 sectors (Nsight Compute): a 2 x 2
 cluster multicasts B over m-block pairs as well as A over n-block pairs, a quarter less operand
 traffic per tile, at the cost of phantom tiles where a block count is odd. Each GEMM of one fused
 MLP step (E experts x tokens, H, F; uneven routing with ``--skew``) runs under its default
 schedule with the pair (``TEO_GEMM_CLUSTER_M=1``) and with 2 x 2 clusters, timed interleaved as
 ``bench_kernels.py`` times (GPU time with the host ahead, medians over ``--reps`` rounds), and
 the two outputs are compared bit for bit (each tile runs the same k-loop: they must be equal).
-Writes ``cluster2x2_<GPU>.{json,md,png}`` to ``--out``.
+Writes ``cluster2x2_<GPU>[_skewed].{json,md,png}`` to ``--out``.
 
-    python3 benchmarks/bench_cluster2x2.py --out "$OUT/results"
+    python3 benchmarks/experiments/bench_cluster2x2.py [--skew] --out "$OUT/results"
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+BENCH = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent))
 
-from bench_common import cuda_problem, file_stem, pyplot, save_png, write_reports  # noqa: E402
+from bench_common import cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
 
 ENV = "TEO_GEMM_CLUSTER_M"
 
@@ -31,11 +31,11 @@ ENV = "TEO_GEMM_CLUSTER_M"
 def _gemms(e, tokens, h, f, skew, torch):
     """{name: (flops, fn, buffer)} for the six GEMMs of one fused MLP step and fc1's weight
     gradient added into an fp32 main_grad: fn returns the output(s), or adds into ``buffer``."""
-    from bench_kernels import _uneven_splits
+    from bench_kernels import uneven_splits
 
     from te_offload_ops import kernels as K
 
-    s = _uneven_splits(e, tokens) if skew else torch.full((e,), tokens, dtype=torch.int64)
+    s = uneven_splits(e, tokens) if skew else torch.full((e,), tokens, dtype=torch.int64)
     s = s.to(device="cuda", dtype=torch.int32)  # int32: no conversion kernel inside the timed calls
     t = e * tokens
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -93,7 +93,7 @@ def _same_bits(a, b, torch) -> bool:
 def measure(args) -> dict:
     import torch
 
-    from bench_kernels import _time_interleaved
+    from bench_kernels import time_interleaved
 
     from te_offload_ops.kernels import api
 
@@ -113,7 +113,7 @@ def measure(args) -> dict:
         same = _same_bits(outs["1"], outs["2"], torch)
         # did a 2 x 2 kernel run at all? (one n-block, or TEO_GEMM_CLUSTER_N=1, leaves the pair)
         ran_2x2 = any(("cluster_m", 2) in key for key in set(api.compile_times()) - compiled_before)
-        times = _time_interleaved({"pair": _with("1", fn), "2x2": _with("2", fn)}, args.reps, args.inner)
+        times = time_interleaved({"pair": _with("1", fn), "2x2": _with("2", fn)}, args.reps, args.inner)
         pair_ms, two_ms = times["pair"][0], times["2x2"][0]
         rows.append({"gemm": name, "pair_ms": pair_ms, "two_by_two_ms": two_ms, "speedup": pair_ms / two_ms,
                      "pair_TFLOPs": flops / pair_ms / 1e9, "two_by_two_TFLOPs": flops / two_ms / 1e9,
@@ -123,8 +123,7 @@ def measure(args) -> dict:
               f"(x{pair_ms / two_ms:.3f}), same bits: {same}{'' if ran_2x2 else ' (no 2 x 2 kernel ran)'}",
               flush=True)
     os.environ.pop(ENV, None)
-    return {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc)
-            .strftime("%Y-%m-%d %H:%M UTC"), "shape": {"experts": args.experts, "tokens_per_expert": args.tokens,
+    return {"gpu": torch.cuda.get_device_name(), "date": utc_now(), "shape": {"experts": args.experts, "tokens_per_expert": args.tokens,
             "hidden": args.hidden, "ffn": args.ffn, "skew": args.skew}, "reps": args.reps, "inner": args.inner,
             "rows": rows}
 
@@ -172,14 +171,13 @@ def main(argv=None) -> int:
     ap.add_argument("--skew", action="store_true", help="uneven tokens per expert")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--inner", type=int, default=10)
-    ap.add_argument("--out", default="results")
+    ap.add_argument("--out", default=str(BENCH / "results"), help="folder for JSON, markdown, PNG")
     args = ap.parse_args(argv)
     for name in ("experts", "tokens", "hidden", "ffn", "reps", "inner"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if (problem := _problem()):
-        print(f"bench_cluster2x2.py cannot run here: {problem}", file=sys.stderr)
-        return 2
+        return refuse("bench_cluster2x2.py", problem)
     result = measure(args)
     write_reports(Path(args.out), file_stem("cluster2x2", result["gpu"], "skewed" if args.skew else ""), result,
                   markdown, chart)

@@ -2,12 +2,12 @@
 """How long a small copy on the compute stream waits behind an offload engine's large copy.
 
 An offload engine copies hundreds of MiB per layer to the host on a side stream. A small copy in
-the same direction on the compute stream (our split-size check did this; Megatron's token
-dispatchers read tokens per expert with ``.cpu()``) measured 14 ms of compute-stream stall per step
-in the MoE step (benchmarks/results/moe_step_profile_*): it waited for the large copy in flight.
-This measures that wait directly, for each direction, with the large copy issued whole or in
-chunks (does the copy engine take the small copy between two chunks? the teo engine copies in
-chunks of ``TEO_OFFLOAD_COPY_CHUNK_MIB``), and what chunking costs the large copy's bandwidth.
+the same direction on the compute stream (a ``.cpu()`` of tokens per expert, as Megatron's token
+dispatchers do) waits for the large copy in flight: in the MoE step of moe_step.py such waits
+stalled the compute stream for milliseconds per step (``moe_step.py --profile`` shows them). This
+measures that wait directly, for each direction, with the large copy issued whole or in chunks
+(does the copy engine take the small copy between two chunks? the teo engine copies in chunks of
+``TEO_OFFLOAD_COPY_CHUNK_MIB``), and what chunking costs the large copy's bandwidth.
 
 Per direction (d2h, h2d) and chunk size: the side stream copies ``--mib`` MiB in chunks; the
 compute stream sleeps ``--lead-ms`` (so that the large copy is under way), then copies 512 bytes
@@ -16,21 +16,22 @@ in the same direction (pinned host memory). Reported, median of ``--reps``: the 
 direction without the large copy gives the small copy's own time; a row where the large copy had
 ended before the small copy was issued in any repetition is marked (raise ``--mib``). Writes
 ``copy_interference_<GPU>.{json,md,png}`` into ``--out``.
+
+    python3 benchmarks/experiments/bench_copy_interference.py [--mib 512 --chunks-mib 0,256,64,16,4]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import statistics
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+BENCH = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
 
-from bench_common import cuda_problem, file_stem, pyplot, save_png, write_reports  # noqa: E402
+from bench_common import cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
+from timing import median  # noqa: E402
 
 MiB = 1 << 20
 SMALL_BYTES = 512
@@ -43,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="chunk sizes of the large copy, MiB; 0 = one copy (comma-separated)")
     p.add_argument("--lead-ms", type=float, default=2.0, help="compute-stream sleep before the small copy")
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--out", type=Path, default=BENCH / "results", help="folder for JSON, markdown, PNG")
     args = p.parse_args(argv)
     items = [c.strip() for c in args.chunks_mib.split(",") if c.strip()]
     if not items or not all(c.isdigit() for c in items):
@@ -98,9 +99,9 @@ def measure(direction: str, chunk_mib, args, buffers, cycles_per_ms: float) -> d
         if pieces:
             rates.append(src.numel() / (ev["big0"].elapsed_time(ev["big1"]) * 1e-3) / 1e9)
             overlapped &= ev["lead"].elapsed_time(ev["big1"]) > 0  # still copying when the small copy came
-    big = statistics.median(rates) if rates else None
+    big = median(rates) if rates else None
     return {"direction": direction, "chunk_MiB": chunk_mib, "chunks": len(pieces),
-            "small_wait_ms": statistics.median(waits), "small_wait_max_ms": max(waits),
+            "small_wait_ms": median(waits), "small_wait_max_ms": max(waits),
             "big_GBps": big, "big_ms": src.numel() / (big * 1e9) * 1e3 if big else None,
             "overlapped": overlapped if pieces else None}
 
@@ -146,8 +147,7 @@ def chart(result: dict, path: Path) -> bool:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if problem := cuda_problem():
-        print(f"bench_copy_interference.py: cannot run: {problem}", file=sys.stderr)
-        return 2
+        return refuse("bench_copy_interference.py", problem)
     import torch
 
     nbytes = args.mib * MiB
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name()
     result = {"benchmark": "copy_interference", "gpu": gpu, "mib": args.mib, "lead_ms": args.lead_ms,
               "reps": args.reps, "rows": rows,
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+              "date": utc_now()}
     write_reports(args.out, file_stem("copy_interference", gpu), result, markdown, chart)
     return 0
 
