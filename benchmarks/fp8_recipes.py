@@ -20,9 +20,7 @@ PNG into ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,7 +28,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_common import cuda_problem, file_stem  # noqa: E402
+from bench_common import cuda_problem, file_stem, pyplot, refuse, save_png, utc_now  # noqa: E402
+from timing import event_ms, interleaved, median  # noqa: E402
 
 RECIPES = ("none", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
 IMPLS = ("te", "ours")
@@ -104,23 +103,11 @@ def step(mlp, inputs, recipe_name: str):
 
 
 def time_ms(fns: dict, iters: int, inner: int = 5) -> dict:
-    """Median CUDA-event ms per call of each function, sampled round-robin so that drift (clocks,
-    the allocator) falls on every one alike; each sample times ``inner`` back-to-back calls."""
-    import torch
-
-    for fn in fns.values():
-        fn()
-    samples = {name: [] for name in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(inner):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples[name].append(start.elapsed_time(end) / inner)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    """Median CUDA-event ms per call of each function, sampled in turn (``timing.interleaved``) so
+    that drift falls on every one alike; each sample times ``inner`` back-to-back calls."""
+    samples = interleaved({name: (lambda fn=fn: event_ms(fn, 1, inner=inner, warmup=0)) for name, fn in fns.items()},
+                          iters)
+    return {name: median(v) for name, v in samples.items()}
 
 
 def weight_shaped(t, args) -> bool:
@@ -225,11 +212,9 @@ def tflops_of(result, row) -> float:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     rows = [r for r in result["rows"] if "error" not in r]
     recipes = [r for r in RECIPES if any(x["recipe"] == r for x in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -246,14 +231,13 @@ def plot(result: dict, path: Path) -> None:
         ax.legend()
     fig.suptitle(f"Grouped MLP per recipe, {result['gpu']}, {result['date']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if problem := cuda_problem():
-        print(f"fp8_recipes.py needs a CUDA GPU with Transformer Engine: {problem}", file=sys.stderr)
-        return 2
+        return refuse("fp8_recipes.py", problem)
     import torch
 
     gpu = torch.cuda.get_device_name()
@@ -263,7 +247,7 @@ def main(argv=None) -> int:
         for row in measure(recipe_name, args):
             rows.append(row)
             print(f"[fp8_recipes]   {json.dumps(row)}", flush=True)
-    result = {"gpu": gpu, "date": datetime.date.today().isoformat(), "args": {k: v for k, v in vars(args).items()
+    result = {"gpu": gpu, "date": utc_now(), "args": {k: v for k, v in vars(args).items()
               if k in ("experts", "tokens", "hidden", "ffn", "iters")},
               "command": "python benchmarks/fp8_recipes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "torch": torch.__version__, "rows": rows}

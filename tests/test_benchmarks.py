@@ -1,5 +1,6 @@
 """CPU checks of the benchmark scripts: their bookkeeping, and a clear exit without a GPU."""
 
+import argparse
 import math
 import os
 import subprocess
@@ -17,7 +18,7 @@ sys.path.insert(0, str(BENCH / "experiments"))
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 @pytest.mark.parametrize("script", ["moe_step.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
-                                    "bench_megatron_settings.py", "megatron_moe_layer.py",
+                                    "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py",
                                     "experiments/ablate_epilogue.py", "experiments/bench_copy_interference.py",
                                     "experiments/bench_cluster2x2.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
@@ -31,7 +32,7 @@ def test_every_benchmark_script_is_kept_run_or_an_experiment_with_a_line():
     line in experiments/README.md."""
     kept = {"moe_step.py", "moe_model.py", "moe_step_report.py", "moe_step_combine.py", "step_profile.py",
             "bench_common.py", "timing.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
-            "bench_megatron_settings.py", "megatron_moe_layer.py"}
+            "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py"}
     assert {p.name for p in BENCH.glob("*.py")} == kept
     readme = (BENCH / "experiments" / "README.md").read_text()
     for script in (BENCH / "experiments").glob("*.py"):
@@ -211,3 +212,23 @@ def test_megatron_settings_times_the_main_grad_ways_asked_for():
     assert bms.parse_args([]).ways is None  # all of them
     with pytest.raises(SystemExit):
         bms.parse_args(["--ways", "main_grad(tma,ping256)"])
+
+
+def test_fp8_recipes_report_names_each_recipe_and_error():
+    import fp8_recipes
+
+    args = fp8_recipes.parse_args(["--recipes", "none,DelayedScaling,Float8BlockScaling"])
+    assert args.recipes == ["none", "DelayedScaling", "Float8BlockScaling"]
+    with pytest.raises(SystemExit):
+        fp8_recipes.parse_args(["--recipes", "Float8Tensorwise"])
+    row = {"ms": 2.0, "saved_MiB": {"activations": 129.0, "weight_copies": 76.0, "parameters": 0.0},
+           "v2_moved_MiB": 129.0, "plan": ["GroupedLinear", "ScaledSReLU", "GroupedLinear"]}
+    result = {"gpu": "GPU", "date": "2026-11-25 00:00 UTC", "command": "python benchmarks/fp8_recipes.py",
+              "args": {"experts": 8, "tokens": 2048, "hidden": 2688, "ffn": 1856, "iters": 20},
+              "rows": [dict(row, impl="te", recipe="DelayedScaling"), dict(row, impl="ours", recipe="DelayedScaling"),
+                       {"impl": "te", "recipe": "Float8BlockScaling", "error": "RuntimeError: no algorithm"}]}
+    md = fp8_recipes.markdown(result)
+    assert "| DelayedScaling | te_offload_ops | 2.00 | " in md and "| 129 | 76 | 129 |" in md
+    assert "| Float8BlockScaling | TE ops | RuntimeError: no algorithm |" in md
+    assert math.isclose(fp8_recipes.tflops(argparse.Namespace(experts=8, tokens=2048, hidden=2688, ffn=1856), 1.0),
+                        6 * 2 * 8 * 2048 * 2688 * 1856 / 1e9)
