@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import statistics
 import subprocess
@@ -49,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
-from bench_common import file_stem, pyplot, save_png, write_reports  # noqa: E402
+from bench_common import file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
 from megatron_gpt_model import EXPERT_OFFLOAD_CHOICES, GPTShape, Variant, worker_env  # noqa: E402
 
 BASE_VARIANTS = ("stock", "ours", "ours+megatron", "ours+teo", "ours+teo-layer", "stock+megatron")
@@ -200,9 +199,13 @@ def problem(max_ep: int) -> str | None:
 # One rank of one EP setting (the worker)
 
 
+START = time.monotonic()
+
+
 def log(rank: int, text: str) -> None:
+    """A progress line from rank 0, with the seconds since this process started."""
     if rank == 0:
-        print(text, flush=True)
+        print(f"[{time.monotonic() - START:6.0f} s] {text}", flush=True)
 
 
 def measure(args, name: str, ep: int, rank: int, weights: dict, stock_grads: dict | None) -> dict:
@@ -652,14 +655,16 @@ def launch(args) -> int:
     rows, gpu, cap = [], None, None  # the GPU's name comes from the workers: this process makes no CUDA context
     for ep in args.ep:
         with tempfile.TemporaryDirectory() as tmp:
-            print(f"== EP={ep}: torchrun --nproc-per-node {ep} ({len(args.variants)} variants)", flush=True)
+            log(0, f"== EP={ep}: torchrun --nproc-per-node {ep} ({len(args.variants)} variants"
+                   + (f", then the cap search over {len(args.cap_variants)}" if args.cap_gib and ep == 1 else "")
+                   + ")")
             proc = subprocess.run(worker_command(args, ep, Path(tmp)), env=worker_env(), cwd=HERE.parent)
             files = sorted(Path(tmp).glob("rank*.json"))
             per_rank = [json.loads(f.read_text()) for f in files]
         gpu = gpu or next((r["gpu"] for r in per_rank), None)
         cap = cap or next((r["cap"] for r in per_rank if r.get("cap")), None)
         if proc.returncode != 0:
-            print(f"== EP={ep}: the workers ended with exit status {proc.returncode}", flush=True)
+            log(0, f"== EP={ep}: the workers ended with exit status {proc.returncode}")
         if len(per_rank) < ep:
             rows.append({"variant": "(all)", "ep": ep, "error": f"{len(per_rank)} of {ep} ranks wrote results "
                                                                f"(exit status {proc.returncode})"})
@@ -667,7 +672,7 @@ def launch(args) -> int:
     add_comparisons(rows, args.shape.tokens_per_step)
     result = {
         "benchmark": "megatron_gpt", "gpu": gpu,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_now(),
         "versions": {"megatron-core": installed_version(), "transformer-engine": transformer_engine.__version__,
                      "torch": torch.__version__},
         "config": {**{k: getattr(args.shape, k) for k in ("layers", "hidden", "heads", "ffn", "experts", "topk",
@@ -691,8 +696,7 @@ def main(argv=None) -> int:
         return worker(args)
     reason = problem(max(args.ep))
     if reason:
-        print(f"megatron_gpt.py: cannot run: {reason}", file=sys.stderr)
-        return 2
+        return refuse("megatron_gpt.py", reason)
     return launch(args)
 
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(BENCH / "experiments"))
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 @pytest.mark.parametrize("script", ["moe_step.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
                                     "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py",
-                                    "experiments/ablate_epilogue.py", "experiments/bench_copy_interference.py",
+                                    "megatron_gpt.py", "experiments/ablate_epilogue.py", "experiments/bench_copy_interference.py",
                                     "experiments/bench_cluster2x2.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
     proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=300)
@@ -32,7 +32,8 @@ def test_every_benchmark_script_is_kept_run_or_an_experiment_with_a_line():
     line in experiments/README.md."""
     kept = {"moe_step.py", "moe_model.py", "moe_step_report.py", "moe_step_combine.py", "step_profile.py",
             "bench_common.py", "timing.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
-            "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py"}
+            "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py", "megatron_gpt.py",
+            "megatron_gpt_model.py", "comm_copy_overlap.py"}
     assert {p.name for p in BENCH.glob("*.py")} == kept
     readme = (BENCH / "experiments" / "README.md").read_text()
     for script in (BENCH / "experiments").glob("*.py"):

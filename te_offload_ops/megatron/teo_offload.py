@@ -17,7 +17,9 @@ breaks that is refused with the reason: pipeline parallelism, the EP-overlap sch
 (``overlap_moe_expert_parallel_comm`` runs layers in pieces, one micro-batch's forward inside
 another's backward), full recomputation (and "moe" recomputation for ``scope="experts"``),
 CUDA graphs, and Megatron's or TE's own offloading on the same model. Forwards without grad
-(evaluation) run outside teo.
+(evaluation) run outside teo. With expert parallelism, the dispatcher's split sizes reach the
+host through the copy engine that carries teo's copies: :func:`use_kernel_dtoh` keeps them out of
+that queue.
 
 Megatron-Core is not imported here: the modules to wrap are found by class name, so this module
 is tested with stand-ins (tests/test_megatron_teo.py).
