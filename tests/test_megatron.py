@@ -294,6 +294,38 @@ def test_use_te_offload_ops_on_megatron_specs():
         teo_megatron.use_te_offload_ops(spec, offload_fc1=1)
 
 
+@requires_megatron
+def test_the_classes_each_teo_scope_wraps_are_megatrons():
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    for scope, cls in (("layer", TransformerLayer), ("moe", MoELayer), ("experts", TEGroupedMLP),
+                       ("experts", teo_megatron.TEOGroupedMLP)):
+        assert any(c.__name__ in teo_megatron.SCOPE_CLASSES[scope] for c in cls.__mro__), (scope, cls)
+    assert not any(c.__name__ in teo_megatron.SCOPE_CLASSES["layer"] for c in MoELayer.__mro__)
+
+
+@requires_megatron
+def test_the_dispatcher_function_use_kernel_dtoh_replaces_is_megatrons_and_comes_back():
+    import inspect
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+    assert original is moe_utils.maybe_move_tensor_to_cpu
+    assert list(inspect.signature(original).parameters) == ["tensor", "as_numpy", "record_stream"]
+    handle = teo_megatron.use_kernel_dtoh()
+    try:
+        assert token_dispatcher.maybe_move_tensor_to_cpu is not original
+        # the alltoall dispatcher reads the module's name at each call, so the patch reaches it
+        source = inspect.getsource(token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)
+        assert "maybe_move_tensor_to_cpu(" in source
+    finally:
+        handle.remove()
+    assert token_dispatcher.maybe_move_tensor_to_cpu is original
+
+
 # -- the benchmark -----------------------------------------------------------------------------
 
 
