@@ -28,7 +28,8 @@ allocated (and above the floor held between steps: weights, grads, optimizer sta
 offloaded per step per rank, the first step's loss and grads against stock's (same weights and
 tokens), and the issue's targets. ``--profile`` adds, per offloading variant, two steps under
 torch.profiler and where the offload copies meet NCCL's kernels and the dispatcher's copies
-(``benchmarks/comm_copy_overlap.py``). Writes megatron_gpt_<GPU>.{json,md,png} into ``--out``.
+(``benchmarks/comm_copy_overlap.py``). Writes megatron_gpt_<GPU>.{json,md,png} into ``--out``
+(the report: ``benchmarks/megatron_gpt_report.py``).
 """
 
 from __future__ import annotations
@@ -48,14 +49,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
-from bench_common import file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
+from bench_common import file_stem, refuse, utc_now, write_reports  # noqa: E402
 from megatron_gpt_model import EXPERT_OFFLOAD_CHOICES, GPTShape, Variant, worker_env  # noqa: E402
+from megatron_gpt_report import add_comparisons, cap_targets, chart, markdown, merge_ranks, targets  # noqa: E402
 
 BASE_VARIANTS = ("stock", "ours", "ours+megatron", "ours+teo", "ours+teo-layer", "stock+megatron")
 KERNEL_DTOH_SUFFIX = "+kdtoh"
 DEFAULT_VARIANTS = "stock,ours,ours+megatron,ours+teo,ours+teo+kdtoh"
-GRAD_REL_TOL = 3e-2  # as tests/test_megatron_ep_gpu.py: every grad of the model against stock's
-TARGETS = {"speedup_ep2": 1.7, "offload_cost_ep2": 1.03}
 
 
 def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=None) -> Variant:
@@ -443,207 +443,6 @@ def worker_command(args, ep: int, out: Path) -> list[str]:
     argv = list(args.argv)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ep}",
             str(Path(__file__).resolve()), *argv, "--worker-ep", str(ep), "--worker-out", str(out)]
-
-
-def merge_ranks(per_rank: list[dict]) -> list[dict]:
-    """One row per variant from every rank's rows: the slowest rank's step, the largest peak and
-    offload, the worst grad error; an error on any rank makes the row an error."""
-    merged = []
-    names = [r["variant"] for r in per_rank[0]["rows"]] if per_rank else []
-    for name in names:
-        rows = [next((r for r in rank["rows"] if r["variant"] == name), None) for rank in per_rank]
-        if any(r is None for r in rows):
-            merged.append({"variant": name, "ep": rows[0]["ep"] if rows[0] else None,
-                           "error": "missing on a rank (the worker stopped)"})
-            continue
-        errors = [r["error"] for r in rows if "error" in r]
-        if errors:
-            merged.append({"variant": name, "ep": rows[0]["ep"], "error": errors[0]})
-            continue
-        row = dict(rows[0])
-        row.pop("rank", None)
-        row["ranks"] = len(rows)
-        for key in ("step_ms", "step_ms_min", "step_ms_max", "peak_GiB", "peak_above_floor_GiB", "floor_GiB",
-                    "offloaded_MiB_per_step"):
-            row[key] = max(r[key] for r in rows)
-        if rows[0].get("grad_max_rel_err") is not None:
-            worst = max(rows, key=lambda r: r["grad_max_rel_err"])
-            row["grad_max_rel_err"], row["grad_worst"] = worst["grad_max_rel_err"], worst["grad_worst"]
-        row["first_loss"] = sum(r["first_loss"] for r in rows) / len(rows)
-        row["profile_per_rank"] = [r.get("profile") for r in rows] if any(r.get("profile") for r in rows) else None
-        merged.append(row)
-    return merged
-
-
-def add_comparisons(rows: list[dict], tokens_per_rank: int) -> None:
-    """Per row: tokens/s over all ranks, speed against stock and ours at the same EP, memory freed
-    against ours, first-step loss against stock's, and tokens that fit under ours' peak (predicted)."""
-    for row in rows:
-        if "error" in row:
-            continue
-        same = {r["variant"]: r for r in rows if r.get("ep") == row["ep"] and "error" not in r}
-        row["tokens_per_s"] = tokens_per_rank * row["ranks"] / (row["step_ms"] * 1e-3)
-        stock, ours = same.get("stock"), same.get("ours")
-        row["speedup_vs_stock"] = stock["step_ms"] / row["step_ms"] if stock else None
-        row["step_vs_ours"] = row["step_ms"] / ours["step_ms"] if ours else None
-        row["freed_vs_ours_GiB"] = ours["peak_GiB"] - row["peak_GiB"] if ours else None
-        row["loss_rel_err_vs_stock"] = abs(row["first_loss"] - stock["first_loss"]) / abs(stock["first_loss"]) \
-            if stock else None
-        # activations grow with the tokens of a micro-batch: under ours' peak as a cap, the tokens
-        # this variant fits, predicted from its peak above the floor
-        if ours and row["peak_above_floor_GiB"] > 0:
-            room = ours["peak_GiB"] - row["floor_GiB"]
-            row["tokens_under_ours_peak_x"] = room / row["peak_above_floor_GiB"]
-        else:
-            row["tokens_under_ours_peak_x"] = None
-
-
-def targets(rows: list[dict]) -> list[dict]:
-    """The issue's targets, each with the figure reached (None where its rows were not run)."""
-    def get(ep, name):
-        return next((r for r in rows if r.get("ep") == ep and r["variant"] == name and "error" not in r), None)
-
-    out = []
-    ours2, stock2 = get(2, "ours"), get(2, "stock")
-    out.append({"target": "ours at EP=2 >= 1.7x stock's step", "value": ours2 and ours2["speedup_vs_stock"],
-                "met": None if not (ours2 and stock2) else ours2["speedup_vs_stock"] >= TARGETS["speedup_ep2"]})
-    for ep in (1, 2):
-        row = get(ep, "ours")
-        if row and row.get("grad_max_rel_err") is not None:
-            out.append({"target": f"ours' grads within {GRAD_REL_TOL} of stock's (EP={ep})",
-                        "value": row["grad_max_rel_err"], "met": row["grad_max_rel_err"] <= GRAD_REL_TOL})
-    for name in [r["variant"] for r in rows if r.get("ep") == 2 and r["variant"].startswith("ours+")]:
-        row = get(2, name)
-        out.append({"target": f"{name} at EP=2 costs <= 3% over ours", "value": row and row["step_vs_ours"],
-                    "met": None if not row else row["step_vs_ours"] <= TARGETS["offload_cost_ep2"]})
-    for ep in (1, 2):
-        megatron = get(ep, "ours+megatron")
-        for name in [r["variant"] for r in rows if r.get("ep") == ep and r["variant"].startswith("ours+teo")]:
-            teo = get(ep, name)
-            if megatron and teo and None not in (teo["freed_vs_ours_GiB"], megatron["freed_vs_ours_GiB"]):
-                frees = teo["freed_vs_ours_GiB"] >= megatron["freed_vs_ours_GiB"] - 1 / 64
-                cheaper = teo["step_ms"] <= megatron["step_ms"]
-                out.append({"target": f"{name} frees >= ours+megatron at no more cost (EP={ep})",
-                            "value": f"freed {teo['freed_vs_ours_GiB']:.2f} vs {megatron['freed_vs_ours_GiB']:.2f} GiB, "
-                                     f"step {teo['step_ms']:.1f} vs {megatron['step_ms']:.1f} ms",
-                            "met": frees and cheaper})
-                more = (teo["tokens_under_ours_peak_x"] or 0) > (megatron["tokens_under_ours_peak_x"] or 0)
-                out.append({"target": f"{name} fits more tokens than ours+megatron under ours' peak (EP={ep}, "
-                                      "predicted)",
-                            "value": f"x{teo['tokens_under_ours_peak_x']:.2f} vs x{megatron['tokens_under_ours_peak_x']:.2f}",
-                            "met": more})
-    return out
-
-
-def cap_targets(cap: list[dict] | None) -> list[dict]:
-    """Tokens per step under the cap: each teo variant against Megatron's offloading and ours."""
-    if not cap:
-        return []
-    found = {r["variant"]: r for r in cap}
-    megatron = found.get("ours+megatron")
-    out = []
-    for name, row in found.items():
-        if name.startswith("ours+teo") and megatron is not None:
-            a, b = row["tokens_per_step"] or 0, megatron["tokens_per_step"] or 0
-            out.append({"target": f"{name} fits more tokens than ours+megatron under {row['cap_GiB']:g} GiB (EP=1)",
-                        "value": f"{a} vs {b} tokens per step", "met": a > b})
-    return out
-
-
-COLUMNS = [  # header, key, format
-    ("EP", "ep", "{}"), ("variant", "variant", "{}"), ("experts ran as", "experts_path", "{}"),
-    ("step ms", "step_ms", "{:.1f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
-    ("vs stock", "speedup_vs_stock", "{:.2f}x"), ("vs ours", "step_vs_ours", "{:.3f}"),
-    ("peak GiB", "peak_GiB", "{:.2f}"), ("above floor GiB", "peak_above_floor_GiB", "{:.2f}"),
-    ("freed vs ours GiB", "freed_vs_ours_GiB", "{:.2f}"), ("offloaded MiB/step", "offloaded_MiB_per_step", "{:.0f}"),
-    ("tokens under ours' peak", "tokens_under_ours_peak_x", "x{:.2f}"),
-    ("loss vs stock", "loss_rel_err_vs_stock", "{:.1e}"), ("grads vs stock", "grad_max_rel_err", "{:.1e}"),
-]
-
-
-def markdown(result: dict) -> str:
-    c = result["config"]
-    lines = [
-        f"# Megatron-Core GPT-MoE training step on {result['gpu']} ({result['date']})", "",
-        f"megatron-core {result['versions']['megatron-core']}, TE {result['versions']['transformer-engine']}, "
-        f"torch {result['versions']['torch']}. GPTModel (TE layer spec), {c['layers']} MoE layers, H={c['hidden']}, "
-        f"{c['heads']} heads, E={c['experts']} top-{c['topk']}, F={c['ffn']}, vocab {c['vocab']}, "
-        f"{c['microbatches']} x {c['micro_batch']} x {c['seq']} tokens per rank per step, bf16, alltoall dispatcher, "
-        "Megatron DDP + distributed Adam; median of "
-        f"{c['iters']} steps after {c['warmup']} (the slowest rank's). Peak: memory allocated; floor: allocated "
-        "between steps. Offloaded: per rank per step. Tokens under ours' peak: predicted from the peak above the "
-        "floor (activations scale with tokens). Loss and grads: the first step against stock's, same weights and "
-        "tokens.", "",
-        "| " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
-    ]
-    for row in result["rows"]:
-        if "error" in row:
-            lines.append(f"| {row.get('ep')} | {row['variant']} | failed: {row['error'][:120]} |"
-                         + " |" * (len(COLUMNS) - 3))
-            continue
-        lines.append("| " + " | ".join("-" if row.get(k) is None else f.format(row[k]) for _, k, f in COLUMNS) + " |")
-    if result.get("targets"):
-        lines += ["", "| target | reached | met |", "|---|---|---|"]
-        for t in result["targets"]:
-            value = t["value"]
-            value = "-" if value is None else (f"{value:.3g}" if isinstance(value, float) else value)
-            lines.append(f"| {t['target']} | {value} | {'-' if t['met'] is None else 'yes' if t['met'] else 'no'} |")
-    if result.get("cap"):
-        c = result["config"]
-        lines += ["", f"Under a {c['cap_gib']:g} GiB cap (EP=1; the allocator limited to it; micro-batches "
-                      f"{c['micro_batch']}..{c['cap_max_micro_batch']} tried upward):", "",
-                  "| variant | most sequences per micro-batch | tokens per step | step ms | tokens/s | peak GiB |",
-                  "|---|---|---|---|---|---|"]
-        for r in result["cap"]:
-            b = r["best"]
-            if b is None:
-                lines.append(f"| {r['variant']} | none fits | - | - | - | - |")
-            else:
-                lines.append(f"| {r['variant']} | {b['micro_batch']}{' (the most tried)' if r['hit_max'] else ''} | "
-                             f"{r['tokens_per_step']} | {b['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
-                             f"{b['peak_GiB']:.2f} |")
-    profiled = [r for r in result["rows"] if r.get("profile_per_rank")]
-    if profiled:
-        lines += ["", "Offload copies against NCCL (per step, rank 0 .. n; `--profile`):", "",
-                  "| EP | variant | rank | NCCL ms | offload d2h ms | offload h2d ms | beside NCCL ms | dispatcher "
-                  "copies | their wait ms | of it behind offload copies ms | by kernel: count, wait ms |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for row in profiled:
-            for rank, p in enumerate(row["profile_per_rank"]):
-                if p is None:
-                    continue
-                s, k = p["small_d2h"], p["kernel_dtoh"]
-                lines.append(f"| {row['ep']} | {row['variant']} | {rank} | {p['nccl_ms']:.1f} | {p['offload_d2h_ms']:.1f} | "
-                             f"{p['offload_h2d_ms']:.1f} | {p['overlap_ms']:.1f} | {s['count']:.0f} | {s['wait_ms']:.2f} | "
-                             f"{s['wait_behind_offload_ms']:.2f} | {k['count']:.0f}, {k['wait_ms']:.2f} |")
-    return "\n".join(lines) + "\n"
-
-
-def chart(result: dict, path: Path) -> bool:
-    plt = pyplot()
-    rows = [r for r in result["rows"] if "error" not in r]
-    if plt is None or not rows:
-        return False
-    labels = [f"EP{r['ep']} {r['variant']}" for r in rows]
-    colors = ["#888888" if r["variant"].startswith("stock") else "#dd8452" if r["variant"] == "ours"
-              else "#4c72b0" if "megatron" in r["variant"] else "#55a868" for r in rows]
-    fig, (ax_t, ax_m) = plt.subplots(2, 1, figsize=(max(8, len(rows) * 0.9), 7.5), sharex=True)
-    xs = range(len(rows))
-    ax_t.bar(xs, [r["step_ms"] for r in rows], color=colors)
-    ax_t.set_ylabel("step time (ms)")
-    ax_m.bar(xs, [r["peak_GiB"] for r in rows], color=colors)
-    ax_m.bar(xs, [r["floor_GiB"] for r in rows], color="none", edgecolor="black", hatch="//", label="floor")
-    ax_m.set_ylabel("peak memory allocated (GiB)")
-    ax_m.legend(loc="upper left")
-    ax_m.set_xticks(list(xs), labels, rotation=35, ha="right", fontsize=8)
-    c = result["config"]
-    fig.suptitle(f"Megatron GPT-MoE on {result['gpu']}: {c['layers']} layers, H={c['hidden']}, E={c['experts']} "
-                 f"top-{c['topk']}, F={c['ffn']} (grey stock, orange ours, blue Megatron offload, green teo)",
-                 fontsize=9)
-    fig.tight_layout()
-    save_png(fig, path, dpi=110)
-    plt.close(fig)
-    return True
 
 
 def launch(args) -> int:

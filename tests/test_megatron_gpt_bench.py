@@ -19,6 +19,7 @@ sys.path.insert(0, str(BENCH))
 import comm_copy_overlap as cco  # noqa: E402
 import megatron_gpt as mg  # noqa: E402
 import megatron_gpt_model as mgm  # noqa: E402
+import megatron_gpt_report as mgr  # noqa: E402
 
 from te_offload_ops.megatron import dispatch_sync  # noqa: E402
 
@@ -98,11 +99,11 @@ def test_ranks_merge_to_the_slowest_step_the_largest_peak_and_any_error():
                    _row("ours+teo", 2, 112.0, 6.0, moved=300)]}
     r1 = {"rows": [_row("stock", 2, 210.0, 7.5, rank=1), _row("ours", 2, 105.0, 7.2, grad=0.02, rank=1),
                    {"variant": "ours+teo", "ep": 2, "rank": 1, "error": "RuntimeError: boom"}]}
-    stock, ours, teo = mg.merge_ranks([r0, r1])
+    stock, ours, teo = mgr.merge_ranks([r0, r1])
     assert stock["step_ms"] == 210.0 and stock["peak_GiB"] == 8.0 and stock["ranks"] == 2 and "rank" not in stock
     assert ours["grad_max_rel_err"] == 0.02 and ours["step_ms"] == 110.0
     assert teo == {"variant": "ours+teo", "ep": 2, "error": "RuntimeError: boom"}
-    (missing,) = mg.merge_ranks([{"rows": [_row("ours", 1, 1.0, 5.0)]}, {"rows": []}])
+    (missing,) = mgr.merge_ranks([{"rows": [_row("ours", 1, 1.0, 5.0)]}, {"rows": []}])
     assert "missing on a rank" in missing["error"]
 
 
@@ -118,14 +119,14 @@ def _rows():
 
 def test_comparisons_and_targets_are_computed_per_ep():
     rows = _rows()
-    mg.add_comparisons(rows, tokens_per_rank=16384)
+    mgr.add_comparisons(rows, tokens_per_rank=16384)
     stock, ours, megatron, teo, ours1 = rows
     assert ours["speedup_vs_stock"] == pytest.approx(200 / 110) and ours["tokens_per_s"] == pytest.approx(2 * 16384 / 0.11)
     assert teo["step_vs_ours"] == pytest.approx(112 / 110) and teo["freed_vs_ours_GiB"] == pytest.approx(1.0)
     assert ours["loss_rel_err_vs_stock"] == pytest.approx(0.001)
     assert teo["tokens_under_ours_peak_x"] == pytest.approx(3.0 / 2.0)  # room 7-4 over 6-4 per step
     assert ours["tokens_under_ours_peak_x"] == pytest.approx(1.0) and ours1["speedup_vs_stock"] is None
-    found = {t["target"]: t for t in mg.targets(rows)}
+    found = {t["target"]: t for t in mgr.targets(rows)}
     assert found["ours at EP=2 >= 1.7x stock's step"]["met"] is True
     assert found["ours' grads within 0.03 of stock's (EP=2)"]["met"] is True
     assert found["ours' grads within 0.03 of stock's (EP=1)"]["met"] is False
@@ -143,34 +144,34 @@ def test_tokens_under_the_cap_compare_each_teo_variant_with_megatrons_offloading
                 "tokens_per_s": None if mb is None else tokens / (step * 1e-3), "hit_max": mb == 8}
 
     cap = [cap_row("ours", 4), cap_row("ours+megatron", 5), cap_row("ours+teo", 6), cap_row("ours+teo-layer", None)]
-    found = {t["target"]: t for t in mg.cap_targets(cap)}
+    found = {t["target"]: t for t in mgr.cap_targets(cap)}
     assert found["ours+teo fits more tokens than ours+megatron under 60 GiB (EP=1)"]["met"] is True
     assert found["ours+teo-layer fits more tokens than ours+megatron under 60 GiB (EP=1)"]["met"] is False
-    assert mg.cap_targets(None) == []
+    assert mgr.cap_targets(None) == []
     rows = _rows()
-    mg.add_comparisons(rows, 16384)
+    mgr.add_comparisons(rows, 16384)
     result = {"gpu": "g", "date": "d", "versions": {"megatron-core": "0.19.2", "transformer-engine": "2.20.2",
                                                       "torch": "2.11"},
               "config": {"layers": 4, "hidden": 2048, "heads": 16, "experts": 16, "topk": 4, "ffn": 1408,
                          "vocab": 32768, "microbatches": 2, "micro_batch": 4, "seq": 2048, "iters": 8, "warmup": 3,
                          "cap_gib": 60.0, "cap_max_micro_batch": 8},
               "rows": rows, "cap": cap, "targets": []}
-    text = mg.markdown(result)
+    text = mgr.markdown(result)
     assert "Under a 60 GiB cap (EP=1" in text and "| ours+teo | 6 | 24576 | 100.0 | 245,760 | 50.00 |" in text
     assert "| ours+teo-layer | none fits |" in text
 
 
 def test_the_report_has_a_full_line_per_row_and_marks_failures():
     rows = _rows() + [{"variant": "stock+megatron", "ep": 1, "error": "CUDA error: an illegal memory access"}]
-    mg.add_comparisons(rows, 16384)
+    mgr.add_comparisons(rows, 16384)
     result = {"gpu": "NVIDIA H100", "date": "today", "versions": {"megatron-core": "0.19.2",
                                                                    "transformer-engine": "2.20.2", "torch": "2.11"},
               "config": {"layers": 4, "hidden": 2048, "heads": 16, "experts": 16, "topk": 4, "ffn": 1408,
                          "vocab": 32768, "microbatches": 2, "micro_batch": 4, "seq": 2048, "iters": 8, "warmup": 3},
-              "rows": rows, "targets": mg.targets(rows)}
-    lines = mg.markdown(result).splitlines()
+              "rows": rows, "targets": mgr.targets(rows)}
+    lines = mgr.markdown(result).splitlines()
     body = [line for line in lines if line.startswith("| 2 |") or line.startswith("| 1 |")]
-    assert len(body) == 6 and all(line.count("|") == len(mg.COLUMNS) + 1 for line in body)
+    assert len(body) == 6 and all(line.count("|") == len(mgr.COLUMNS) + 1 for line in body)
     assert any("failed: CUDA error: an illegal memory access" in line for line in body)
     assert "| ours at EP=2 >= 1.7x stock's step | 1.82 | yes |" in lines
 
