@@ -23,10 +23,15 @@ another from the same weights. Variants (``--variants``):
 * a ``+kdtoh`` suffix on an offloading variant adds ``use_kernel_dtoh`` (the dispatcher's split
   sizes to the host by kernel, past the copy engine's queue of offload copies).
 
+Targets checked: ours at EP=2 at least 1.7x stock's step with grads within 3e-2 of stock's;
+each offloading variant at EP=2 within 3% of ours' step; teo freeing at least what Megatron's
+offloading frees at no more step time, and fitting more tokens under a cap (predicted from the
+peaks, and measured with ``--cap-gib``).
+
 Per variant and EP: median step time (the slowest rank's), tokens/s over all ranks, peak memory
 allocated (and above the floor held between steps: weights, grads, optimizer state), bytes
 offloaded per step per rank, the first step's loss and grads against stock's (same weights and
-tokens), and the issue's targets. ``--profile`` adds, per offloading variant, two steps under
+tokens), and the targets below (megatron_gpt_report.targets). ``--profile`` adds, per offloading variant, two steps under
 torch.profiler and where the offload copies meet NCCL's kernels and the dispatcher's copies
 (``benchmarks/comm_copy_overlap.py``). Writes megatron_gpt_<GPU>.{json,md,png} into ``--out``
 (the report: ``benchmarks/megatron_gpt_report.py``).

@@ -1,5 +1,5 @@
 """The report of ``benchmarks/megatron_gpt.py``: each rank's rows merged, rows compared with stock
-and ours at the same EP, the issue's targets, and the markdown table and chart.
+and ours at the same EP, the targets (see megatron_gpt.py), and the markdown table and chart.
 
 Pure functions over the result dicts (no torch, no GPU): tested on synthetic rows
 (tests/test_megatron_gpt_bench.py).
@@ -69,7 +69,7 @@ def add_comparisons(rows: list[dict], tokens_per_rank: int) -> None:
 
 
 def targets(rows: list[dict]) -> list[dict]:
-    """The issue's targets, each with the figure reached (None where its rows were not run)."""
+    """The targets, each with the figure reached (None where its rows were not run)."""
     def get(ep, name):
         return next((r for r in rows if r.get("ep") == ep and r["variant"] == name and "error" not in r), None)
 
