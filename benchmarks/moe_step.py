@@ -80,24 +80,16 @@ SHAPE_KEYS = ("hidden", "heads", "ffn", "experts", "topk")
 ENGINE_ENV = {
     "v2": {"NVTE_CPU_OFFLOAD_V1": "0"},
     "v1": {"NVTE_CPU_OFFLOAD_V1": "1"},
-    # teo's copies whole unless named otherwise (a value exported in the shell would change them)
-    "teo": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},
-    "teo-p1": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},  # a fixed one-layer prefetch
-    "teo-c16": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "16"},  # teo copying in 16 MiB pieces
-    "teo-m": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},  # teo releasing by memory
-    # teo holding up to 2 / 4 GiB of uncopied bytes past their layer's release (max_held_bytes)
-    "teo-h2": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},
-    "teo-h4": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},
+    "teo": {"NVTE_CPU_OFFLOAD_V1": "0"},
     # teo with a memory budget (memory_budget): the cap (or the GPU's memory) less --budget-margin
-    "teo-b": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},
+    "teo-b": {"NVTE_CPU_OFFLOAD_V1": "0"},
     # teo with the budget of a target peak: no offload's peak less --target-freed (all, by default)
     # of the bytes the policy moves, plus --target-slack; bytes go back (waited for) only where
     # memory would pass it, reloads start as it allows: the waits fall where they must
-    "teo-t": {"NVTE_CPU_OFFLOAD_V1": "0", "TEO_OFFLOAD_COPY_CHUNK_MIB": "0"},
+    "teo-t": {"NVTE_CPU_OFFLOAD_V1": "0"},
 }
 # benchmark names -> offload_context's engine, options
-ENGINE_OPTIONS = {"teo-p1": ("teo", {"prefetch": 1}), "teo-c16": ("teo", {}), "teo-m": ("teo", {"release": "memory"}),
-                  "teo-h2": ("teo", {"max_held_bytes": 2 << 30}), "teo-h4": ("teo", {"max_held_bytes": 4 << 30})}
+ENGINE_OPTIONS: dict = {}
 TE_ENGINES = ("v2", "v1")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 FUSION_ENV = "TEO_FUSED_SRELU_MLP"
@@ -354,8 +346,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _empty_host_cache() -> None:
     import torch
 
-    if "te_offload_ops.engines_teo" in sys.modules:  # teo's pool holds its pinned buffers for reuse
-        sys.modules["te_offload_ops.engines_teo"].free_pinned_buffers()
+    if "te_offload_ops.engines" in sys.modules:  # teo's pool holds its pinned buffers for reuse
+        sys.modules["te_offload_ops.engines"].free_pinned_buffers()
 
     empty = getattr(torch._C, "_host_emptyCache", None)  # torch's pinned-memory cache
     if empty is not None:
@@ -363,21 +355,16 @@ def _empty_host_cache() -> None:
 
 
 def release_te_offload_state() -> int:
-    """After a failed step: TE V2's offload synchronizers let go of the tensors they hold. A step
-    that fails mid-forward leaves its synchronizer holding the saved GPU tensors, and its autograd
-    graph holds the synchronizer (the unpack hooks, the layer-output prehook): a cycle through C++
-    graph nodes, which gc cannot break. In the tenth and thirteenth sessions no batch of TE V2's
-    layer policy fit after such a failure (read from TE 2.20's cpu_offload.py; to be confirmed on a
-    GPU: scripts/diag_v2_oom.py). Returns how many synchronizers were found."""
-    te_offload = sys.modules.get("transformer_engine.pytorch.cpu_offload")
-    kind = getattr(te_offload, "OffloadSynchronizer", None)
-    if kind is None:
+    """After a failed step: TE V2's offload synchronizers let go of the tensors they hold
+    (``te_offload_ops.te_internals.release_offload_synchronizers``). A step that fails mid-forward
+    leaves its synchronizer holding the saved GPU tensors, and its autograd graph holds the
+    synchronizer: a cycle through C++ graph nodes, which gc cannot break. Returns how many
+    synchronizers were found (none where TE's offload module was never imported)."""
+    if "transformer_engine.pytorch.cpu_offload" not in sys.modules:
         return 0
-    found = [o for o in gc.get_objects() if issubclass(type(o), kind)]  # (isinstance would wake lazy modules)
-    for sync in found:
-        for state in getattr(sync, "layer_states", {}).values():
-            state.release_all_memory()
-    return len(found)
+    from te_offload_ops import te_internals
+
+    return te_internals.release_offload_synchronizers()
 
 
 class StepBench:
@@ -447,13 +434,11 @@ class StepBench:
         key = (policy.scope, policy.layers, batch)
         if key not in self.moved_bytes:
             self.moved_bytes[key] = self._moved(policy, batch)
-        moved = self.moved_bytes[key]
-        if policy.layers == self.L:
-            # n = L: the layer whose backward comes first is back on the GPU at the peak under any
-            # schedule (its bytes serve its backward in place), so the target frees the other L - 1
-            # (layers move equal bytes: the same shapes, and routing sends every layer T x top-k rows)
-            moved = moved * (self.L - 1) // self.L
-        return int((self.floor_MiB + none_peak) * MiB - moved * self.args.target_freed + self.args.target_slack * GiB)
+        from te_offload_ops.engines import target_budget
+
+        return target_budget(floor_bytes=int(self.floor_MiB * MiB), no_offload_peak_bytes=int(none_peak * MiB),
+                             moved_bytes=self.moved_bytes[key], num_layers=policy.layers, model_layers=self.L,
+                             freed=self.args.target_freed, slack_bytes=int(self.args.target_slack * GiB))
 
     def _moved(self, policy: Policy, batch: int) -> int:
         """Bytes plain teo moves to the host in one step of ``policy`` at ``batch``: a step outside

@@ -38,20 +38,22 @@ def run_variant(torch, bench, a, policy, options, x, dy):
     engine = context[0].engine
     a.last_engine = engine  # for the report of an out-of-memory error
     engine.room_asked = [0, 0.0]  # calls, host seconds: what the fit's snapshot reads cost
-    ask = engine._room
+    schedule = engine.schedule
+    if engine.memory_budget is not None:
+        ask = schedule.short_of
 
-    def timed_room(sizes, device):
-        t = time.perf_counter()
-        try:
-            return ask(sizes, device)
-        finally:
-            engine.room_asked[0] += 1
-            engine.room_asked[1] += time.perf_counter() - t
+        def timed_room(sizes, stream=None):
+            t = time.perf_counter()
+            try:
+                return ask(sizes, stream)
+            finally:
+                engine.room_asked[0] += 1
+                engine.room_asked[1] += time.perf_counter() - t
 
-    engine._room = timed_room
+        schedule.short_of = timed_room
     if a.history_all:  # from the first step: an out-of-memory error in warm-up is shown with its frames
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-        engine.budget_trace = []
+        schedule.trace = []
     for _ in range(a.warmup):
         bench._step(x, dy, a.batch, policy, context)
     torch.cuda.synchronize()
@@ -60,7 +62,7 @@ def run_variant(torch, bench, a, policy, options, x, dy):
     for i in range(a.iters):
         last = i == a.iters - 1
         if last and options:
-            engine.budget_trace = []
+            schedule.trace = []
         if last and a.history and not a.history_all:  # its step runs a little slower: the allocator records Python stacks
             torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
         before = torch.cuda.memory_stats()
@@ -135,7 +137,7 @@ def main() -> int:
         moe_step._empty_host_cache()
         try:
             with bench.under_cap(cap):  # the allocator limited as moe_step.py's cap search limits it
-                from te_offload_ops import allocator_room
+                from te_offload_ops.engines.teo import allocator_room
 
                 dev = torch.device("cuda", torch.cuda.current_device())
                 print(f"   under the cap: reserved {torch.cuda.memory_reserved() / GiB:.2f} GiB, the room sees "
@@ -151,7 +153,7 @@ def main() -> int:
                 torch.cuda.memory._record_memory_history(enabled=None)
                 for line in summarize(snap, torch.cuda.current_device())[-12:]:
                     print("   " + line, flush=True)
-                for r in (getattr(a.last_engine, "budget_trace", None) or [])[-6:]:
+                for r in (getattr(a.last_engine.schedule, "trace", None) or [])[-6:]:
                     print(f"   budget look {r['where']} fwd layer {r['layer']} step {r['step']}: memory "
                           f"{r['memory'] / GiB:.2f} GiB + {r['incoming'] / GiB:.2f}, waits {len(r['waits'])}", flush=True)
             bench._recover()
@@ -161,7 +163,7 @@ def main() -> int:
         print(f"{name}: step {med['step_ms']:.1f} ms (fwd {med['fwd_ms']:.1f}, bwd {med['bwd_ms']:.1f}; steps "
               f"{steps}), peak {peak:.2f} GiB; allocator retries/syncs/maps/unmaps per step: {', '.join(allocator)}",
               flush=True)
-        for r in engine.budget_trace or []:
+        for r in getattr(engine.schedule, "trace", None) or []:
             stalls = [w["events"][0].elapsed_time(w["events"][1]) for w in r["waits"]]
             print(f"   {r['where']:9s} fwd layer {r['layer']}, bwd layer {r.get('bwd_layer')}: memory {r['memory'] / GiB:.2f} GiB + {r['incoming'] / GiB:.2f}"
                   f" announced, room kept {r['margin'] / GiB:.2f}, {r['over'] / GiB:.2f} over; waited for "
@@ -178,7 +180,7 @@ def main() -> int:
             print("   allocator, last step (recording):", flush=True)
             for line in summarize(history, torch.cuda.current_device()):
                 print("   " + line, flush=True)
-        engine.budget_trace = None
+        engine.schedule.trace = None
         del engine, history
     return 0
 

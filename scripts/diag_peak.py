@@ -2,7 +2,7 @@
 
     python3 scripts/diag_peak.py --shape base --policy mlp:7 [--engine teo-t] [--slack 0] [--batch 8]
 
-Runs no offload, then the policy under the engine (moe_step.py's names: teo, teo-m, teo-t, ...), in
+Runs no offload, then the policy under the engine (moe_step.py's names: teo, teo-b, teo-t), in
 one process (one model). For each: warm-up steps, then one step with the allocator's history
 recorded (Python frames only with --frames: recording them slows the host, and copies that
 would still run end in time). From the history it rebuilds the memory allocated event by event and
@@ -51,15 +51,16 @@ def instrument(torch, bench, engine, looks: list) -> None:
     bench.mark = marked
     if engine is None or getattr(engine, "memory_budget", None) is None:
         return
-    fit, boundary = engine.fit_budget, engine.backward_boundary
+    budget = engine.schedule
+    fit, boundary = budget.look, engine.backward_boundary
     state = {"bwd": None}
 
     def looked(*args, **kwargs):
         fit(*args, **kwargs)
-        held = sum(c.nbytes for c in engine._in_flight if c.source is not None)
-        back = sum(c.nbytes for lc in engine._layers.values() for c in lc.copies
+        held = sum(c.nbytes for c in engine.copies.in_flight if c.source is not None)
+        back = sum(c.nbytes for lc in engine.copies.layers.values() for c in lc.copies
                    if c.gpu is not None and c.source is None)
-        looks.append({"where": kwargs.get("where", "?"), "layer": engine._fwd_layer, "bwd": state["bwd"],
+        looks.append({"where": kwargs.get("where", "?"), "layer": engine.fwd_layer, "bwd": state["bwd"],
                       "memory": torch.cuda.memory_allocated(), "held": held, "reloaded": back,
                       "incoming": kwargs.get("incoming", args[0] if args else 0)})
         _mark(torch, _LOOK_MARK)
@@ -68,7 +69,7 @@ def instrument(torch, bench, engine, looks: list) -> None:
         state["bwd"] = layer
         boundary(layer)
 
-    engine.fit_budget, engine.backward_boundary = looked, entered_backward
+    budget.look, engine.backward_boundary = looked, entered_backward
 
 
 def analyse(trace: list, start: int, floor: int, looks: list) -> list[str]:

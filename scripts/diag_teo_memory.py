@@ -24,7 +24,7 @@ os.environ.setdefault("NVTE_CPU_OFFLOAD_V1", "0")
 import torch  # noqa: E402
 
 import moe_step  # noqa: E402
-from te_offload_ops import engines_teo  # noqa: E402
+from te_offload_ops.engines.teo import TeoEngine  # noqa: E402
 
 unfused, policies = opts.unfused, opts.policies
 # moe_step's parser checks the layers and policies and names what is wrong
@@ -45,15 +45,15 @@ def mark(what):
 
 
 def wrap(name, label):
-    original = getattr(engines_teo.TeoEngine, name)
+    original = getattr(TeoEngine, name)
 
     def hooked(self, *a):
         mark(f"before {label}{a}")
         out = original(self, *a)
-        reloaded = sorted(j for j, c in self._layers.items() if c.reloaded)
+        reloaded = sorted(j for j, c in self.copies.layers.items() if c.reloaded)
         mark(f"after  {label}{a} reloaded={reloaded}")
         return out
-    setattr(engines_teo.TeoEngine, name, hooked)
+    setattr(TeoEngine, name, hooked)
 
 
 for name, label in (("enter_layer", "enter"), ("layer_done", "sync"), ("backward_boundary", "bwd start"),

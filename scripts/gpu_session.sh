@@ -35,14 +35,14 @@ pytest_() { run "$1" python3 -m pytest -q -ra -p no:cacheprovider "${@:2}"; }
 
 case "$phase" in
 te)
-    pytest_ 200 tests/test_te_fused_mlp.py tests/test_te_fused_mlp_gpu.py tests/test_engine_teo.py \
+    pytest_ 200 tests/test_te_fused_mlp.py tests/test_te_fused_mlp_gpu.py tests/test_teo_*.py \
         tests/test_step_profile.py
     ;;
 new)
     # limits sum to 590 s: the phase ends inside one call even if every step runs to its limit
     pytest_ 120 tests/test_gpu_megatron_settings.py -k "main_grad_adds or tma"
     pytest_ 60 tests/test_gpu_fused.py -k padded_buffer
-    pytest_ 120 -s tests/test_gpu_engine_teo.py
+    pytest_ 120 -s tests/test_gpu_teo_*.py
     pytest_ 120 -s tests/test_step_profile_gpu.py
     run 170 python3 benchmarks/bench_megatron_settings.py --rounds 9 --out "$OUT/results"
     ;;
@@ -59,9 +59,9 @@ next1)
     # next session, call 1 (carry .dev/te): the TE-only files, teo's CPU tests where a GPU is
     # visible (the V1 refusal, the cut-forward detection), the engine tests (V1 in a subprocess),
     # teo's unfused GPU tests
-    pytest_ 250 tests/test_te_fused_mlp.py tests/test_te_fused_mlp_gpu.py tests/test_engine_teo.py \
+    pytest_ 250 tests/test_te_fused_mlp.py tests/test_te_fused_mlp_gpu.py tests/test_teo_*.py \
         tests/test_gpu_engines.py
-    pytest_ 120 -s tests/test_gpu_engine_teo.py -k "not fused or unfused"
+    pytest_ 120 -s tests/test_gpu_teo_*.py -k "not fused or unfused"
     ;;
 next2)
     # call 2 (carry .dev/cute; the tree that travels must stay under 64 MiB with it: about 3.4 MiB
@@ -73,7 +73,7 @@ next2)
 next3)
     # call 3: base with teo and teo-m, then teo's fused GPU tests and the bad-input tests
     run 300 python3 benchmarks/moe_step.py --shapes base --engines teo,teo-m --no-cap --out "$OUT/results/base_teo"
-    pytest_ 200 -s tests/test_gpu_engine_teo.py tests/test_gpu_bad_inputs.py -k "fused and not unfused or bad"
+    pytest_ 200 -s tests/test_gpu_teo_*.py tests/test_gpu_bad_inputs.py -k "fused and not unfused or bad"
     ;;
 next4)
     # call 4: wide with V1 and teo-m (V2 and teo ran in the sixth session), then big-ffn (4 layers
@@ -128,8 +128,8 @@ tests2)
 holdtests)
     # ninth session, call 1 (carry .dev/te): teo's CPU tests, its unfused GPU tests (max_held_bytes,
     # copies freed as they end), the engines' GPU tests
-    pytest_ 250 tests/test_engine_teo.py tests/test_moe_step_report.py tests/test_gpu_engines.py
-    pytest_ 200 -s tests/test_gpu_engine_teo.py -k "not fused or unfused"
+    pytest_ 250 tests/test_teo_*.py tests/test_moe_step_report.py tests/test_gpu_engines.py
+    pytest_ 200 -s tests/test_gpu_teo_*.py -k "not fused or unfused"
     ;;
 hold)
     # ninth session, call 2 (carry .dev/cute): big-ffn's cap target with teo holding up to 4 and 2 GiB
@@ -143,7 +143,7 @@ hold2)
     # ninth session, call 3 (after both setups): teo's held-bytes GPU tests on both paths, then
     # max_held_bytes = 2 GiB where copies lag the forward (base MLP 6/8 to 8/8, layer 4/8; wide MLP
     # 7/8, 8/8): with n = L the last layer's held bytes serve its backward in place
-    pytest_ 120 -s tests/test_gpu_engine_teo.py -k "held or seen_ended or memory_release"
+    pytest_ 120 -s tests/test_gpu_teo_*.py -k "held or seen_ended or memory_release"
     run 220 python3 benchmarks/moe_step.py --shapes base --engines teo-h2 --policies mlp:6,mlp:7,mlp:8,layer:4 \
         --no-cap --out "$OUT/results/base_h2"
     run 200 python3 benchmarks/moe_step.py --shapes wide --engines teo-h2 --policies mlp:7,mlp:8 --no-cap \
@@ -184,13 +184,13 @@ ncu)
 budget1)
     # eleventh session, call 1 (carry .dev/te): teo's CPU tests and its unfused GPU tests (memory_budget
     # among them); the second call must follow within 30 s (the machine goes back bare)
-    pytest_ 150 tests/test_engine_teo.py tests/test_moe_step_report.py
-    pytest_ 200 -s tests/test_gpu_engine_teo.py -k "not fused or unfused"
+    pytest_ 150 tests/test_teo_*.py tests/test_moe_step_report.py
+    pytest_ 200 -s tests/test_gpu_teo_*.py -k "not fused or unfused"
     ;;
 budget2)
     # eleventh session, call 2 (carry .dev/cute): the budget's fused GPU tests, then big-ffn's cap
     # target under teo-b (teo with memory_budget = the cap less 2 GiB), layer 2/4 and no offload
-    pytest_ 150 -s tests/test_gpu_engine_teo.py -k "budget"
+    pytest_ 150 -s tests/test_gpu_teo_*.py -k "budget"
     run 400 python3 benchmarks/moe_step.py --shapes big-ffn --layers 4 --engines teo-b --policies layer:2 \
         --alloc-conf expandable_segments:True --out "$OUT/results/big_ffn_b"
     ;;
@@ -220,7 +220,7 @@ fit1)
     # twelfth session, call 2 (carry .dev/cute after .dev/te's setup): the budget with the allocator's
     # fit (announced allocations must fit a free block or the memory the cap leaves) against the
     # layer schedule at 12 sequences under the cap, the allocator's retries and unmaps per step
-    pytest_ 150 tests/test_gpu_allocator_room.py tests/test_kernels_gpu.py tests/test_gpu_fused.py -k \
+    pytest_ 150 tests/test_gpu_teo_allocator_room.py tests/test_kernels_gpu.py tests/test_gpu_fused.py -k \
         "allocator or act_over_z or second_backward or row_blocks or fused_matches"
     run 330 python3 scripts/diag_budget.py --batch 12 --cap 67 --margins 2,1,0.5 --warmup 3 --iters 5 --history
     ;;
@@ -279,7 +279,7 @@ verify13)
     # thirteenth session, last call (carry .dev/cute after .dev/te's setup): the GPU tests of the
     # session's changes (the backward's announced allocations, the allocator model with expandable
     # segments, the budget on both paths)
-    pytest_ 150 -s tests/test_gpu_allocator_room.py tests/test_gpu_fused.py tests/test_gpu_engine_teo.py \
+    pytest_ 150 -s tests/test_gpu_teo_allocator_room.py tests/test_gpu_fused.py tests/test_gpu_teo_*.py \
         -k "allocator or expandable or announces or budget"
     ;;
 target1)
@@ -317,7 +317,7 @@ t15a)
     # fifteenth session, call 2 (carry .dev/cute after .dev/te's setup): the budget's GPU tests on the
     # fused path (the last layer's copies put off at n = L), then teo-t at base freeing 0.96 of the
     # bytes moved (issue 12's target: 0.95), and MLP 8/8 freeing all (the put-off copies alone)
-    pytest_ 150 -s tests/test_gpu_engine_teo.py -k "(budget or uncopied) and not unfused"
+    pytest_ 150 -s tests/test_gpu_teo_*.py -k "(budget or uncopied) and not unfused"
     run 250 python3 benchmarks/moe_step.py --shapes base --engines teo-t --policies mlp:6,mlp:7,mlp:8,layer:4 \
         --target-freed 0.96 --no-cap --out "$OUT/results/base_t096"
     run 150 python3 benchmarks/moe_step.py --shapes base --engines teo-t --policies mlp:8 --no-cap \
@@ -334,7 +334,7 @@ t15c)
     # fifteenth session (carry .dev/cute after .dev/te's setup): the fused MLP announcing each
     # allocation just before it (tests), where the budget's waits now fall at base MLP 7/8, then
     # teo-t at base freeing 0.96 of the bytes moved and freeing all (MLP 7/8, 8/8)
-    pytest_ 120 -s tests/test_gpu_fused.py tests/test_gpu_engine_teo.py -k "announces or ((budget or uncopied) and not unfused)"
+    pytest_ 120 -s tests/test_gpu_fused.py tests/test_gpu_teo_*.py -k "announces or ((budget or uncopied) and not unfused)"
     run 100 python3 scripts/diag_budget.py --shape base --layers 8 --batch 8 --scope mlp --offload 7 --cap 0 \
         --margins "" --no-layer-schedule --target-freed 1,0.96 --warmup 3 --iters 5
     run 200 python3 benchmarks/moe_step.py --shapes base --engines teo-t --policies mlp:6,mlp:7,mlp:8,layer:4 \
@@ -345,15 +345,15 @@ t15c)
 t15te)
     # fifteenth session, call 1 (carry .dev/te, after its setup): the TE-only GPU tests of what changed
     # (the engines, teo's unfused path, TE's fused grouped MLP under the policy)
-    pytest_ 300 -s tests/test_gpu_engine_teo.py tests/test_gpu_engines.py tests/test_te_fused_mlp.py \
+    pytest_ 300 -s tests/test_gpu_teo_*.py tests/test_gpu_engines.py tests/test_te_fused_mlp.py \
         tests/test_te_fused_mlp_gpu.py -k "unfused or not fused"
     ;;
 t15d)
     # fifteenth session, call 2 (carry .dev/cute after .dev/te's setup): the fused path's GPU tests of
     # what changed (each allocation announced before it, under every Megatron setting; the budget on
     # the fused path; the allocator's room)
-    pytest_ 280 tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py tests/test_gpu_allocator_room.py
-    pytest_ 60 -s tests/test_gpu_engine_teo.py -k "not unfused"
+    pytest_ 280 tests/test_gpu_fused.py tests/test_gpu_megatron_settings.py tests/test_gpu_teo_allocator_room.py
+    pytest_ 60 -s tests/test_gpu_teo_*.py -k "not unfused"
     ;;
 t15e)
     # fifteenth session, call 3: teo-t freeing 0.96 at wide and big-ffn (layer 2/4, MLP 2/4)
@@ -370,7 +370,7 @@ v2oom)
 fit3)
     # twelfth session, call 4: the GPU tests the budget touches (both paths) and those not run on the
     # eleventh session's final code
-    pytest_ 330 -s tests/test_gpu_engine_teo.py
+    pytest_ 330 -s tests/test_gpu_teo_*.py
     pytest_ 120 tests/test_te_fused_mlp.py tests/test_te_fused_mlp_gpu.py
     pytest_ 140 -s tests/test_step_profile_gpu.py
     ;;
@@ -385,7 +385,7 @@ tebig)
 final)
     # tenth session, call 2 (carry .dev/cute, after holdtests in call 1): teo's GPU tests on both
     # paths and the step profile's GPU test, the files the ninth session ran only in part
-    pytest_ 330 -s tests/test_gpu_engine_teo.py
+    pytest_ 330 -s tests/test_gpu_teo_*.py
     pytest_ 230 -s tests/test_step_profile_gpu.py
     ;;
 suite1)
@@ -394,7 +394,7 @@ suite1)
 suite2)
     pytest_ 560 tests --ignore=tests/test_kernels_gpu.py --ignore=tests/test_gpu_fused.py \
         --ignore=tests/test_gpu_megatron_settings.py --ignore=tests/test_te_fused_mlp.py \
-        --ignore=tests/test_te_fused_mlp_gpu.py --ignore=tests/test_gpu_engine_teo.py \
+        --ignore=tests/test_te_fused_mlp_gpu.py --ignore=tests/test_gpu_teo_*.py \
         --ignore=tests/test_step_profile_gpu.py
     ;;
 *)
