@@ -30,7 +30,7 @@ def test_teo_is_selected_through_offload_context():
      "teo has no such option"),
     ({"num_layers": 1, "model_layers": 4, "memory_budget": 0}, ValueError, "memory_budget must be a positive .*got 0"),
     ({"num_layers": 1, "model_layers": 4, "memory_budget": 2.0**30}, TypeError, "memory_budget must be an int, got float"),
-    # the schedules teo once offered beside the budget take no option: passing one is refused
+    # options of no schedule teo has are refused by name
     ({"num_layers": 1, "model_layers": 4, "release": "memory"}, TypeError, "unexpected keyword argument 'release'"),
     ({"num_layers": 1, "model_layers": 4, "prefetch": 1}, TypeError, "unexpected keyword argument 'prefetch'"),
     ({"num_layers": 1, "model_layers": 4, "max_held_bytes": 8}, TypeError, "unexpected keyword argument 'max_held"),

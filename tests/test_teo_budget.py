@@ -578,3 +578,11 @@ def test_target_budget_refuses_what_no_step_could_measure(change, error, match):
     kw = dict(floor_bytes=1000, no_offload_peak_bytes=4000, moved_bytes=600, num_layers=7, model_layers=8)
     with pytest.raises(error, match=match):
         target_budget(**{**kw, **change})
+
+
+def test_an_engine_no_one_holds_stops_hearing_announcements_at_once(monkeypatch):
+    monkeypatch.setattr(hints, "_LISTENERS", type(hints._LISTENERS)())
+    engine = offload_context("teo", num_layers=1, model_layers=2, memory_budget=1)[0].engine
+    assert hints.listeners() == [engine.schedule]
+    del engine
+    assert hints.listeners() == []  # no cycle keeps it for the garbage collector

@@ -218,3 +218,23 @@ def test_a_forward_whose_graph_is_still_referenced_is_not_taken_for_cut(monkeypa
     with ctx:
         assert ctx._layer == 1
     del keep
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only case: no CUDA to read memory from")
+def test_a_budget_engine_runs_steps_where_cuda_is_absent():
+    """Every look of a budget engine through real hooks (saves, uses, layer entries, backward
+    boundaries, region ends) over three steps, with nothing moved: the same grads, and no memory read
+    (it held nothing it could give back)."""
+    ctx, sync, _ = offload_context("teo", num_layers=1, model_layers=2, memory_budget=1 << 30)
+    x = torch.randn(4, requires_grad=True)
+    for _ in range(3):
+        x.grad = None
+        h = x * 1.0
+        for _ in range(2):
+            with ctx:
+                h = h * 2
+            h = sync(h)
+        h.sum().backward()
+        assert torch.equal(x.grad, torch.full((4,), 4.0))
+    schedule = ctx.engine.schedule
+    assert schedule.looks > 0 and schedule.allocator.reads == 0 and not ctx.engine.in_step

@@ -18,6 +18,7 @@ its bytes to fit under the no-offload peak less what was offloaded (peak-neutral
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 from .copies import wait_and_give_back
@@ -63,8 +64,9 @@ class Schedule:
     memory_budget: Optional[int] = None
 
     def attach(self, engine: Any) -> None:
-        """``engine``: the TeoEngine this schedule decides for (its copies, layers and reloads)."""
-        self.engine = engine
+        """``engine``: the TeoEngine this schedule decides for (its copies, layers and reloads), held
+        weakly: an engine no context holds any more goes at once, and stops hearing ops' hints."""
+        self.engine = weakref.proxy(engine)
 
     def puts_off_copies(self, layer: int) -> bool:
         """Whether ``layer``'s copies to the host wait until their bytes are needed."""
