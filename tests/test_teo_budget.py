@@ -586,3 +586,16 @@ def test_an_engine_no_one_holds_stops_hearing_announcements_at_once(monkeypatch)
     assert hints.listeners() == [engine.schedule]
     del engine
     assert hints.listeners() == []  # no cycle keeps it for the garbage collector
+
+
+def test_the_budgets_figures_read_through_the_engine(monkeypatch):
+    engine, stream, extra = budget_engine(monkeypatch, 1, 2, budget=20, base=10)
+    engine.budget_trace = []
+    engine.enter_layer()
+    queued_copies(engine, 0, done=[False, False])
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: FakeEvent())
+    engine.schedule.look(4)
+    assert (engine.budget_waits, engine.budget_wait_bytes, engine.budget_margin) == (2, 16, 0)
+    assert engine.budget_trace is engine.schedule.trace and len(engine.budget_trace) == 1
+    plain = TeoEngine(1, 2)
+    assert (plain.memory_budget, plain.budget_waits, plain.budget_trace) == (None, 0, None)

@@ -131,6 +131,17 @@ class TeoEngine:
                                      doc="copies of put-off prefetches started in the room there was")
     fits_given_up = property(lambda self: self._budget_count("fits_given_up"),
                              doc="looks where giving held bytes back could not make an allocation fit")
+    budget_margin = property(lambda self: self._budget_count("margin"),
+                             doc="the room the last look kept for what ops allocate before the next")
+
+    @property
+    def budget_trace(self) -> Optional[list]:
+        """A list to record each look that waited in (a diagnostic; None: off)."""
+        return getattr(self.schedule, "trace", None)
+
+    @budget_trace.setter
+    def budget_trace(self, records: Optional[list]) -> None:
+        self.schedule.trace = records
 
     # -- forward ---------------------------------------------------------------------------
 
