@@ -610,7 +610,7 @@ def chart(result: dict, path: Path) -> bool:
     return True
 
 
-_MARKERS = {"v2": "o", "v1": "s", "teo": "D", "teo-m": "P", "teo-h2": "X", "teo-h4": "^", "teo-b": "v", "teo-t": "<"}
+_MARKERS = {"v2": "o", "v1": "s", "teo": "D", "teo-b": "v", "teo-t": "<"}
 _COLORS = {"none": "black", "mlp": "#4c72b0", "layer": "#dd8452"}
 
 

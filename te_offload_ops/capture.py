@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from . import te_internals
+
 __all__ = ["GraphCaptureError", "capturing", "check_offload_engine", "check_offload_layer_ready",
            "refuse_split_path"]
 
@@ -41,12 +43,12 @@ def warm_up_hint() -> str:
 
 def _te_takes_split_path(op: Any) -> bool:
     """Whether TE's GroupedLinear would take its split path (host split sizes) for this call."""
-    from transformer_engine.pytorch.ops.basic.grouped_linear import is_op_fuser_grouped_tensor_path_supported
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     recipe = FP8GlobalStateManager.get_fp8_recipe() if FP8GlobalStateManager.is_fp8_enabled() else None
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled() else op._get_weight_tensors()[0].dtype
-    return not is_op_fuser_grouped_tensor_path_supported(recipe, dtype)
+    autocast = torch.is_autocast_enabled()
+    dtype = torch.get_autocast_dtype("cuda") if autocast else te_internals.weight_tensors(op)[0].dtype
+    return not te_internals.grouped_tensor_path_supported(recipe, dtype)
 
 
 def refuse_split_path(op: Any) -> None:
@@ -66,19 +68,15 @@ def refuse_split_path(op: Any) -> None:
 
 def check_offload_engine() -> None:
     """Refuse TE offload engines that cannot be captured (called when saving under capture)."""
-    from transformer_engine.pytorch import cpu_offload
-
-    if not cpu_offload.is_cpu_offload_enabled():
+    if not te_internals.is_cpu_offload_enabled():
         return
-    if cpu_offload.NVTE_CPU_OFFLOAD_V1:
+    if te_internals.uses_te_v1_offload():
         raise GraphCaptureError(
             "TE's V1 CPU-offload engine (NVTE_CPU_OFFLOAD_V1=1) allocates pinned host buffers on every "
             "step, which a CUDA graph cannot replay; capture with TE's default (V2) engine, created with "
             "te.get_cpu_offload_context(..., retain_pinned_cpu_buffers=True)"
         )
-    sync = cpu_offload.OFFLOAD_SYNCHRONIZER
-    states = getattr(sync, "layer_states", {})
-    if any(not getattr(s, "retain_pinned_cpu_buffers", True) for s in states.values()):
+    if te_internals.v2_layers_without_retained_buffers():
         raise GraphCaptureError(
             "TE's CPU-offload context was created without retain_pinned_cpu_buffers=True: it allocates "
             "pinned host buffers each step and frees them after it, while a captured graph keeps copying "
@@ -90,18 +88,10 @@ def check_offload_engine() -> None:
 
 def check_offload_layer_ready() -> None:
     """Refuse to offload, under capture, in a V2 layer whose pinned buffers no warm-up step made."""
-    from transformer_engine.pytorch import cpu_offload
-
-    if cpu_offload.NVTE_CPU_OFFLOAD_V1:
+    if te_internals.uses_te_v1_offload():
         return
-    sync = cpu_offload.OFFLOAD_SYNCHRONIZER
-    layer = getattr(sync, "num_of_fwds", None)
-    if sync is None or layer is None:
-        return
-    if not getattr(sync, "offload_layer_map", {}).get(layer, True):
-        return  # this layer is not offloaded by the schedule: nothing is copied
-    state = sync.layer_states.get(layer)
-    if state is not None and not state.cpu_tensor_group.tensor_list:
+    layer = te_internals.v2_current_layer_without_buffers()
+    if layer is not None:
         raise GraphCaptureError(
             f"TE's CPU-offload layer {layer} has no pinned host buffers yet, so they would be allocated "
             "during CUDA graph capture; " + _HOW_TO_WARM_UP + " under the same offload context"

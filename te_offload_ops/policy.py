@@ -7,10 +7,10 @@ marks it leaves on each tensor at the moment the op fuser hands the tensors to a
   ``nn.Parameter`` and has no ``_TE_do_not_offload`` attribute.
 * TE V1 (``NVTE_CPU_OFFLOAD_V1=1``) offloads only tensors carrying ``activation_offloading``.
 * Megatron-style saved-tensor-hook engines offload what has no ``_TE_do_not_offload``.
-* This package's "teo" engine (``engines_teo``) moves what :func:`keep_reason` allows: V2's rule.
+* This package's "teo" engine (``engines.teo``) moves what :func:`keep_reason` allows: V2's rule.
   The policy says what *may* leave; an engine still keeps what it cannot carry as raw bytes, as
   TE V2 does: teo keeps tensors on another GPU than the first it moved from, non-contiguous or
-  sparse ones, and subclasses other than TE's quantized tensors (``engines_teo.plan_saved``).
+  sparse ones, and subclasses other than TE's quantized tensors (``engines.teo.plan.plan_saved``).
 
 So weights get ``mark_not_offload`` (never moved: they stay resident anyway and would only waste
 PCIe), activations of an op with ``offload=False`` get ``mark_not_offload`` too, and the other
@@ -27,7 +27,7 @@ from transformer_engine.pytorch import cpu_offload
 from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage
 from transformer_engine.pytorch.tensor import GroupedTensorStorage
 
-from . import capture
+from . import capture, te_internals
 
 __all__ = [
     "KEEP_ATTR",
@@ -154,10 +154,10 @@ def _offload(obj: Any) -> None:
         return
     if capture.capturing():  # pinned buffers must exist before a graph copies into them
         capture.check_offload_layer_ready()
-    cpu_offload.mark_activation_offload(obj)
+    te_internals.mark_activation_offload(obj)
     for t in kept:
         _clear_v1_marks(t)
-    if cpu_offload.is_cpu_offload_enabled():
+    if te_internals.is_cpu_offload_enabled():
         cpu_offload.start_offload(obj)
 
 

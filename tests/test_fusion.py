@@ -123,7 +123,7 @@ def test_single_grouped_weight_is_seen_as_one_stacked_tensor(single_param):
 def test_expert_weights_are_read_in_place_in_either_order():
     """TE's packed buffer, and Megatron's DDP buffer (a module's parameters last first, padded),
     are read in place; separately allocated or unevenly spaced weights are stacked."""
-    from engines import relay_expert_weights
+    from mlp_steps import relay_expert_weights
     from te_offload_ops.fused.expert_weights import expert_weights, stacked_weight
 
     op = mlp_ops()[0]
@@ -230,7 +230,7 @@ def test_expert_weights_layout_is_reused_while_the_weights_stay_put(monkeypatch)
     at again. Nothing is kept that would hold weights alive once moved or replaced."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from engines import relay_expert_weights
+    from mlp_steps import relay_expert_weights
     from te_offload_ops.fused import expert_weights as ew
 
     found = []

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import requires_gpu
-from engines import Config, forward_plan, fused_path_problem, make_stack
+from mlp_steps import Config, forward_plan, fused_path_problem, make_stack
 from te_offload_ops.fused.split_check import CHECK_ENV
 
 E, H, F, T = 4, 256, 128, 512

@@ -9,50 +9,10 @@ import pytest
 import torch
 
 from conftest import requires_gpu
-from engines import Config, forward_plan, make_inputs, make_stack, offloadable_activation_bytes, run_step
+from mlp_steps import (POLICIES, Config, assert_moves_follow_policy, assert_same, check_path, make_inputs, make_stack,
+                       offloadable_activation_bytes, run_step)
 from offload_spy import Saved
 from te_offload_ops.fused.selection import DISABLE_ENV
-from te_offload_ops.policy import MIN_OFFLOAD_NUMEL
-
-
-
-def _check_path(stack, path):
-    expected = ["FusedScaledSReLUMLP"] if path == "fused" else ["GroupedLinear", "ScaledSReLU", "GroupedLinear"]
-    assert all(forward_plan(mlp) == expected for mlp in stack)
-
-POLICIES = {
-    "all": (True, True, True),
-    "keep-fc1": (False, True, True),
-    "keep-act": (True, False, True),
-    "keep-fc2": (True, True, False),
-}
-
-
-def _kept_ops(offload):
-    return [name for name, flag in zip(("fc1", "act", "fc2"), offload) if not flag]
-
-
-def _assert_moves_follow_policy(moved: dict, offload, entries, layers: list[int]):
-    """No weight bytes, nothing from ops with offload=False, and each offloading op of an offloaded
-    layer moved at least the bytes of the large (>= 256 Ki elements) activations it saved."""
-    by_key = {tuple(k.split("|")) if isinstance(k, str) else k: n for k, n in moved.items()}
-    assert ("unknown", "unknown") not in by_key, by_key  # every moved tensor was attributed
-    assert sum(n for (_, kind), n in by_key.items() if kind == "weight") == 0, by_key
-    for name in _kept_ops(offload):
-        assert sum(n for (op, _), n in by_key.items() if op.endswith("." + name)) == 0, (name, by_key)
-    for layer in layers:
-        for name, flag in zip(("fc1", "act", "fc2"), offload):
-            op = f"L{layer}.{name}"
-            large = {(e.data_ptr, e.nbytes) for e in entries
-                     if e.op == op and e.kind == "activation" and e.numel >= MIN_OFFLOAD_NUMEL}
-            if flag:
-                assert by_key.get((op, "activation"), 0) >= sum(n for _, n in large), (op, by_key)
-
-
-def _assert_same(a: dict, b: dict):
-    assert torch.equal(a["out"], b["out"])
-    for name, g in a["grads"].items():
-        assert torch.equal(g, b["grads"][name]), name
 
 
 @requires_gpu
@@ -65,10 +25,10 @@ def test_in_process_engines(engine, policy, path):
     stack, inputs = make_stack(cfg), make_inputs(cfg)
     base = run_step(stack, inputs, "none")
     run = run_step(stack, inputs, engine)
-    _check_path(stack, path)
-    _assert_same(base, run)
+    check_path(stack, path)
+    assert_same(base, run)
     offloaded_layers = list(range(cfg.layers)) if engine == "spy" else [0]
-    _assert_moves_follow_policy(run["moved"], cfg.offload, run["recorder"].entries, offloaded_layers)
+    assert_moves_follow_policy(run["moved"], cfg.offload, run["recorder"].entries, offloaded_layers)
 
 
 @requires_gpu
@@ -76,7 +36,7 @@ def test_in_process_engines(engine, policy, path):
 def test_v1_engine(policy, path, tmp_path):
     flags = ["1" if f else "0" for f in POLICIES[policy]]
     out = tmp_path / "v1.pt"
-    worker = Path(__file__).with_name("engine_worker.py")
+    worker = Path(__file__).with_name("v1_step_worker.py")
     root = str(worker.parent.parent)  # the checkout, so the child imports te_offload_ops as we do
     env = dict(os.environ, NVTE_CPU_OFFLOAD_V1="1", **{DISABLE_ENV: "1" if path == "fused" else "0"},
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
@@ -86,8 +46,8 @@ def test_v1_engine(policy, path, tmp_path):
     res = torch.load(out)
     assert all(plan == (["FusedScaledSReLUMLP"] if path == "fused" else ["GroupedLinear", "ScaledSReLU", "GroupedLinear"])
                for plan in res["plans"])
-    _assert_same(res["none"], res["v1"])
-    _assert_moves_follow_policy(res["v1"]["moved"], POLICIES[policy], [Saved(*e) for e in res["v1"]["entries"]], [0])
+    assert_same(res["none"], res["v1"])
+    assert_moves_follow_policy(res["v1"]["moved"], POLICIES[policy], [Saved(*e) for e in res["v1"]["entries"]], [0])
 
 
 @requires_gpu
@@ -100,7 +60,7 @@ def test_v2_memory_saved_matches_offloaded_bytes(policy, path):
     stack, inputs = make_stack(cfg), make_inputs(cfg)
     base = run_step(stack, inputs, "none")
     run = run_step(stack, inputs, "v2")
-    _check_path(stack, path)
+    check_path(stack, path)
     theoretical = offloadable_activation_bytes(run["recorder"], layer=0)
     moved = sum(run["moved"].values())
     assert theoretical > 0 and moved == theoretical, (moved, theoretical)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engines import Config, forward_plan, fused_path_problem, make_inputs, make_stack, relay_expert_weights, run_step
+from mlp_steps import Config, forward_plan, fused_path_problem, make_inputs, make_stack, relay_expert_weights, run_step
 from te_offload_ops.fused.selection import DISABLE_ENV
 
 pytestmark = pytest.mark.skipif(fused_path_problem() is not None, reason=fused_path_problem() or "")
@@ -152,13 +152,13 @@ def test_the_forward_in_row_blocks_gives_the_same_results_bit_for_bit(monkeypatc
 
 def test_the_backward_announces_what_it_allocates_in_the_order_it_allocates_it(monkeypatch):
     """An offload engine's memory budget fits each announced size into the allocator's free blocks
-    in turn (te_offload_ops.allocator_room), so the fused backward must name its allocations as the
+    in turn (te_offload_ops.engines.teo.allocator_room), so the fused backward must name its allocations as the
     allocator sees them: dz and dprobs' fp32 partials, then fc2's wgrad, dx, fc1's wgrad, each
     announced just before it is allocated (a copy the budget gives back has until then to end).
     Checked in the allocator's history: a marker allocation at each announcement, and each
     announced size allocated after its marker and before the next (other, smaller allocations may
     come between)."""
-    from te_offload_ops import engines
+    from te_offload_ops import hints
 
     cfg = Config(layers=1, experts=4, hidden=256, ffn=512, splits=(900, 0, 77, 1051), dtype=torch.bfloat16)
     mlp = make_stack(cfg)[0]
@@ -167,14 +167,14 @@ def test_the_backward_announces_what_it_allocates_in_the_order_it_allocates_it(m
     out = mlp(x, splits, probs[0], splits)
     assert forward_plan(mlp) == ["FusedScaledSReLUMLP"]
     announced, marks = [], [(1003 + k) * 512 for k in range(8)]  # sizes no op of this step allocates
-    real = engines.make_room
+    real = hints.make_room
 
     def announce(sizes, *a, **k):
         torch.empty(marks[len(announced)], dtype=torch.uint8, device="cuda")  # allocated and freed: in the history
         announced.append(list(sizes))
         return real(sizes, *a, **k)
 
-    monkeypatch.setattr(engines, "make_room", announce)
+    monkeypatch.setattr(hints, "make_room", announce)
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=100000)
     try:

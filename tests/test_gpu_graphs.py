@@ -22,7 +22,7 @@ import pytest
 import torch
 import transformer_engine.pytorch as te
 
-from engines import Config, _expert_grads, forward_plan, fused_path_problem, make_stack, run_step
+from mlp_steps import Config, _expert_grads, forward_plan, fused_path_problem, make_stack, run_step
 from te_offload_ops import capture
 from te_offload_ops.capture import GraphCaptureError
 from te_offload_ops.engines import active_engine, offload_context

@@ -6,7 +6,7 @@ About 40 GB of GPU memory; skipped on smaller GPUs."""
 import pytest
 import torch
 
-from engines import Config, fused_path_problem, make_stack
+from mlp_steps import Config, fused_path_problem, make_stack
 from te_offload_ops.fused.selection import DISABLE_ENV
 
 E, PER_EXPERT, H, F = 8, 102_400, 2688, 1856
@@ -14,16 +14,8 @@ T = E * PER_EXPERT
 NEEDED_BYTES = 48 << 30
 
 
-def _skip_reason():
-    if (problem := fused_path_problem()):
-        return problem
-    free, _ = torch.cuda.mem_get_info()
-    if free < NEEDED_BYTES:
-        return f"needs {NEEDED_BYTES >> 30} GiB of free GPU memory, {free >> 30} GiB free"
-    return None
-
-
-@pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+@pytest.mark.gpu("sm_90", free_gib=NEEDED_BYTES >> 30)
+@pytest.mark.skipif(fused_path_problem() is not None, reason=fused_path_problem() or "")
 def test_fused_mlp_past_2_31_elements(monkeypatch):
     assert T * H > 2**31 and T * F < 2**31  # y, dy, dx past 2^31; z, act below
     monkeypatch.setenv(DISABLE_ENV, "1")

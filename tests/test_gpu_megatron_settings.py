@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import requires_gpu
-from engines import (Config, attach_main_grads, copy_weights, forward_plan, linears, make_inputs,
+from mlp_steps import (Config, attach_main_grads, copy_weights, forward_plan, linears, make_inputs,
                      make_stack, run_step)
 from te_offload_ops.fused.selection import DISABLE_ENV
 
@@ -139,7 +139,7 @@ def test_megatron_settings_under_in_process_engines(engine, path):
 @requires_gpu
 def test_megatron_settings_under_v1(path, tmp_path):
     out = tmp_path / "v1.pt"
-    worker = Path(__file__).with_name("engine_worker.py")
+    worker = Path(__file__).with_name("v1_step_worker.py")
     root = str(worker.parent.parent)
     env = dict(os.environ, NVTE_CPU_OFFLOAD_V1="1", TEO_TEST_MEGATRON="main_grad,delay",
                **{DISABLE_ENV: "1" if path == "fused" else "0"},
@@ -161,7 +161,7 @@ def test_main_grad_adds_by_loads_and_by_reductions_give_the_same_bits():
     """Each main_grad element gets exactly one fp32 addition either way (read-modify-write in the
     epilogue, or a reduction done in L2), so the results are equal bit for bit; experts' buffers
     allocated separately, in reverse order, and an empty expert."""
-    from engines import fused_path_problem
+    from mlp_steps import fused_path_problem
 
     if (problem := fused_path_problem()):
         pytest.skip(problem)
@@ -193,7 +193,7 @@ def test_main_grad_by_tma_reduce_adds_gives_the_same_bits(schedule):
     with M and N not multiples of the (128, 32) box, so TMA clips every edge tile (N=936: the last
     n-block holds a partial box and, at BN=128, boxes wholly past N, which are skipped): the same
     bits as the load-add-store epilogue, and nothing outside the slots changes."""
-    from engines import fused_path_problem
+    from mlp_steps import fused_path_problem
 
     if (problem := fused_path_problem()):
         pytest.skip(problem)

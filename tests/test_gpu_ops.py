@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import requires_gpu
-from engines import Config, forward_plan, make_inputs, make_stack, run_step
+from mlp_steps import Config, forward_plan, make_inputs, make_stack, run_step
 from te_offload_ops.fused.selection import DISABLE_ENV
 
 

@@ -5,6 +5,7 @@ import types
 import pytest
 import torch
 
+from conftest import requires_gpu
 from te_offload_ops import kernels
 
 
@@ -28,7 +29,7 @@ def test_bad_types_are_refused():
         kernels.grouped_gemm(object(), b, s)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to build CUDA tensors")
+@requires_gpu  # to build CUDA tensors
 def test_unsupported_dtype_is_refused():
     a, b, s = _args(torch.float32, "cuda")
     with pytest.raises(TypeError, match="bf16 or fp16"):

@@ -5,12 +5,9 @@ import importlib.util
 import pytest
 import torch
 
-_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-pytestmark = [
-    pytest.mark.skipif(
-        not _HOPPER, reason="needs a CUDA device of compute capability 9.0 (Hopper, sm_90a)"
-    )
-]
+from conftest import requires_sm90
+
+pytestmark = [requires_sm90]
 if importlib.util.find_spec("pytest_timeout") is not None:
     # a hung kernel (mbarrier deadlock) blocks inside a CUDA call: only the
     # thread method can report it (it dumps the stacks and ends the run)

@@ -28,7 +28,7 @@ from te_offload_ops.megatron import require_megatron
 
 
 def _problem() -> str | None:
-    if (reason := gpu_skip_reason(need_sm90=True)) is not None:
+    if (reason := gpu_skip_reason("sm_90")) is not None:
         return reason
     try:
         require_megatron()

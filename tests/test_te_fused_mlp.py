@@ -18,7 +18,7 @@ from te_offload_ops.fused import FusedScaledSReLUMLP, PolicyGroupedMLPGLU, Polic
 from te_offload_ops.fused.te_grouped_mlp import TESavedLayout
 from te_offload_ops.policy import KEEP_ATTR, V1_OFFLOAD_ATTR
 from offload_spy import SpyEngine
-from te_fused_engines import StepConfig, moved_by_kind, policy_problems, run_step
+from te_fused_steps import StepConfig, moved_by_kind, policy_problems, run_step
 from te_fused_standins import (
     ACTIVATIONS, TE_FUSIONS, clear_te_caches, frontend_problem, make_ops, te_fused, te_slot_owners,  # noqa: F401
     watch_te_saves,

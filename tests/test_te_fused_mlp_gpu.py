@@ -3,7 +3,7 @@
 On any CUDA GPU (H100 here) TE's real fused-op class, fusion and forward run with only their
 sm_100 pieces stood in (tests/te_fused_standins.py lists them), under TE's V2 engine, TE's V1
 engine (in a subprocess: TE picks V1 at import) and a saved-tensor-hook engine. Checked per step
-(te_fused_engines.policy_problems): no weight bytes move, nothing of an op with offload=False
+(te_fused_steps.policy_problems): no weight bytes move, nothing of an op with offload=False
 moves, each offloading op of an offloaded layer moves at least its large activations, and what
 TE's backward is handed equals byte for byte what TE's forward saved, weights being the very
 same tensors. Not exercised there: TE's fused backward itself (its GEMMs and the gradient
@@ -23,18 +23,14 @@ import pytest
 import torch
 from transformer_engine.pytorch.ops.fused import grouped_mlp as te_mlp
 
-from te_fused_engines import CASES, POLICIES, StepConfig, moved_by_kind, policy_problems, run_step
+from conftest import gpu_skip_reason, requires_gpu
+from te_fused_steps import CASES, POLICIES, StepConfig, moved_by_kind, policy_problems, run_step
 from te_fused_standins import blackwell_standins, clear_te_caches, frontend_problem
 from te_offload_ops.engines import active_engine
 
 
-def _standin_problem():
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU (none visible); TE's fused grouped MLP runs there with its sm_100 kernels stood in"
-    return frontend_problem()
-
-
-pytestmark = pytest.mark.skipif(_standin_problem() is not None, reason=_standin_problem() or "")
+# TE's fused grouped MLP runs on any CUDA GPU with its sm_100 kernels stood in
+pytestmark = [requires_gpu, pytest.mark.skipif(frontend_problem() is not None, reason=frontend_problem() or "")]
 
 
 
@@ -82,7 +78,7 @@ def test_without_our_fusion_te_moves_weights_and_opted_out_activations(engine, s
 
 def test_v1_engine_in_its_own_process(tmp_path):
     """TE's V1 engine (it is chosen when TE is imported): the policies and cases above, in one child process."""
-    worker = Path(__file__).with_name("te_fused_worker.py")
+    worker = Path(__file__).with_name("te_fused_v1_worker.py")
     root = str(worker.parent.parent)
     env = dict(os.environ, NVTE_CPU_OFFLOAD_V1="1",
                PYTHONPATH=os.pathsep.join(filter(None, [root, str(worker.parent), os.environ.get("PYTHONPATH")])))
@@ -103,7 +99,7 @@ def test_v1_engine_in_its_own_process(tmp_path):
 # -- Blackwell, nothing stood in --------------------------------------------------------------
 
 def _blackwell_problem():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 10:
+    if gpu_skip_reason("sm_100") is not None:
         return ("needs an sm_100 GPU (Blackwell) with NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 and the cuDNN frontend's "
                 "sm100 grouped GEMM kernels")
     if not te_mlp.GroupedMLP_CuTeGEMMUnary.is_supported():

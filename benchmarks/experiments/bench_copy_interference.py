@@ -6,8 +6,8 @@ the same direction on the compute stream (a ``.cpu()`` of tokens per expert, as 
 dispatchers do) waits for the large copy in flight: in the MoE step of moe_step.py such waits
 stalled the compute stream for milliseconds per step (``moe_step.py --profile`` shows them). This
 measures that wait directly, for each direction, with the large copy issued whole or in chunks
-(does the copy engine take the small copy between two chunks? the teo engine copies in chunks of
-``TEO_OFFLOAD_COPY_CHUNK_MIB``), and what chunking costs the large copy's bandwidth.
+(does the copy engine take the small copy between two chunks? an engine could copy in
+pieces), and what chunking costs the large copy's bandwidth.
 
 Per direction (d2h, h2d) and chunk size: the side stream copies ``--mib`` MiB in chunks; the
 compute stream sleeps ``--lead-ms`` (so that the large copy is under way), then copies 512 bytes
@@ -69,11 +69,16 @@ def sleep_cycles_per_ms() -> float:
     return cycles / start.elapsed_time(end)
 
 
+def copy_pieces(nbytes: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, end) byte ranges that cover ``nbytes`` in pieces of ``chunk`` bytes (0: one piece)."""
+    if chunk <= 0 or chunk >= nbytes:
+        return [(0, nbytes)]
+    return [(a, min(a + chunk, nbytes)) for a in range(0, nbytes, chunk)]
+
+
 def measure(direction: str, chunk_mib, args, buffers, cycles_per_ms: float) -> dict:
     """One row: ``chunk_mib`` None runs the small copy alone, 0 the large copy whole."""
     import torch
-
-    from te_offload_ops.engines_teo import copy_pieces  # the pieces the teo engine copies in
 
     dev, host, dev_small, host_small = buffers
     side, compute = torch.cuda.Stream(), torch.cuda.current_stream()

@@ -13,6 +13,8 @@ import weakref
 
 import torch
 
+from ..te_internals import registered_parameters
+
 _log = logging.getLogger(__name__)
 _STACKED_NOTED: set = set()  # ops whose weights were said to be stacked (once each)
 # op -> (weak references to its weights, their addresses, the layout _find_layout found for them):
@@ -31,7 +33,7 @@ def weight_params(op) -> list[torch.Tensor]:
     if op.single_grouped_weight:
         return [op.weight]
     names = _weight_names(op.num_groups)
-    registered = op._parameters  # where register_parameter puts them: no Module.__getattr__ per expert
+    registered = registered_parameters(op)  # no Module.__getattr__ per expert
     if all(n in registered for n in names):
         return [registered[n] for n in names]
     return [getattr(op, n) for n in names]

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from .. import te_internals
 from .expert_weights import weight_dtype
 
 DISABLE_ENV = "TEO_FUSED_SRELU_MLP"  # "0" turns the fusion off (read when TE's fuser fuses)
@@ -63,9 +64,9 @@ def _linear_blockers(name: str, op: Any) -> list[str]:
     reasons = []
     if op.use_bias:
         reasons.append(f"{name} has a bias")
-    if op._with_quantized_weight:
+    if te_internals.with_quantized_weight(op):
         reasons.append(f"{name} has quantized weights")
-    if op._is_distributed_weight():
+    if te_internals.is_distributed_weight(op):
         reasons.append(f"{name} has distributed (sharded) weights, which TE gathers per call")
     for dim_name in ("in_features", "out_features"):
         if getattr(op, dim_name) % ROW_ALIGNMENT:

@@ -22,7 +22,7 @@ from typing import Any
 
 from transformer_engine.pytorch.ops.op import FusedOperation
 
-from .. import engines, policy
+from .. import hints, policy
 from ..capture import GraphCaptureError, capturing
 from ..ops.input_checks import check_input, check_scales, check_split_sizes
 from .expert_weights import expert_weights, weight_dtype, weight_params
@@ -37,9 +37,9 @@ _MAX_PENDING_CHECKS = 64  # split-size checks of earlier calls kept before the o
 
 
 def _make_room(sizes: list[int], device) -> None:
-    """``engines.make_room`` for allocations that may be none (a wgrad into main_grad or delayed)."""
+    """``hints.make_room`` for allocations that may be none (a wgrad into main_grad or delayed)."""
     if sizes:
-        engines.make_room(sizes, device)
+        hints.make_room(sizes, device)
 
 
 class FusedScaledSReLUMLP(FusedOperation):
@@ -145,16 +145,16 @@ class FusedScaledSReLUMLP(FusedOperation):
         z_act_bytes = [tokens * ffn * itemsize, min(rows, tokens) * ffn * itemsize]
         y_bytes = tokens * fc2.out_features * itemsize
         if rows >= tokens:
-            engines.make_room(z_act_bytes, x2d.device)
+            hints.make_room(z_act_bytes, x2d.device)
             w1, rev1 = expert_weights(fc1)  # one at a time: where they must be stacked, a copy each
             act, z = kernels.grouped_gemm_srelu_fwd(x2d, w1, split_sizes, probs_flat, reversed_experts=rev1)
             del w1
-            engines.make_room([y_bytes], x2d.device)
+            hints.make_room([y_bytes], x2d.device)
             w2, rev2 = expert_weights(fc2)
             y = kernels.grouped_gemm(act, w2, split_sizes, reversed_experts=rev2)
             del w2
         else:  # z, act's block and y are allocated up front
-            engines.make_room([*z_act_bytes, y_bytes], x2d.device)
+            hints.make_room([*z_act_bytes, y_bytes], x2d.device)
             z, y = self._forward_in_blocks(x2d, split_sizes, probs_flat, rows)
         if check is not None:  # a later forward resolves it if no backward has (one that never runs)
             self._pending_checks.append(check)
@@ -227,7 +227,7 @@ class FusedScaledSReLUMLP(FusedOperation):
         # engine with a memory budget makes room for each just before it (what it gives back may
         # be a copy still running, which then has until that allocation to end)
         device = z.device
-        engines.make_room(list(kernels.dsrelu_bwd_bytes(z.shape[0], z.shape[1], dy.element_size())), device)
+        hints.make_room(list(kernels.dsrelu_bwd_bytes(z.shape[0], z.shape[1], dy.element_size())), device)
         w2, rev2 = expert_weights(fc2)
         dz, dprobs, act = kernels.grouped_gemm_dsrelu_bwd(dy, w2, split_sizes, z, probs, reversed_experts=rev2,
                                                           act_in_z=True)

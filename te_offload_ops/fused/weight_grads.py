@@ -17,7 +17,8 @@ import functools
 from typing import Optional
 
 import torch
-from transformer_engine.pytorch.ops._common import (
+from ..te_internals import (
+    accumulates_into_main_grad,
     get_accumulate_flag_in_param,
     get_main_grad_from_param,
     view_main_grad_as_grouped_buffer,
@@ -28,7 +29,7 @@ from .expert_weights import weight_params
 
 def check_main_grad(op, name: str) -> None:
     """Forward-time check, as TE makes: accumulate_into_main_grad needs main_grad buffers."""
-    if not op._accumulate_into_main_grad:
+    if not accumulates_into_main_grad(op):
         return
     for i, p in enumerate(weight_params(op)):
         if getattr(p, "main_grad", None) is None and not hasattr(p, "__fsdp_param__"):
@@ -102,7 +103,7 @@ def weight_grad_bytes(op) -> list[int]:
     params = weight_params(op)
     if not params[0].requires_grad:
         return []
-    if op._accumulate_into_main_grad:
+    if accumulates_into_main_grad(op):
         placeholders = sum(p.numel() * p.element_size() for p in params if hasattr(p, "grad_added_to_main_grad"))
         return [placeholders] if placeholders else []
     if op.wgrad_store is not None and op.wgrad_store.delay_wgrad_compute():
@@ -121,7 +122,7 @@ def weight_grads(op, dy: torch.Tensor, x: torch.Tensor, split_sizes: torch.Tenso
     params = weight_params(op)
     if not params[0].requires_grad:
         return [None] * len(params)
-    into_main_grad = op._accumulate_into_main_grad
+    into_main_grad = accumulates_into_main_grad(op)
     main_grads = _main_grads(op) if into_main_grad else None
     accumulate = into_main_grad and get_accumulate_flag_in_param(params[0])
     if op.wgrad_store is not None and op.wgrad_store.delay_wgrad_compute():

@@ -9,6 +9,7 @@ import transformer_engine.pytorch as te
 
 from ..capture import refuse_split_path
 from ..policy import is_storage
+from ..te_internals import weight_tensors
 from ._offloadable import OffloadableOp
 from .input_checks import check_input, check_split_sizes
 
@@ -90,7 +91,7 @@ class GroupedLinear(OffloadableOp, te.ops.GroupedLinear):
 
     def check_inputs(self, input_, extra_inputs) -> None:
         refuse_split_path(self)  # before TE's split path syncs on split_sizes.tolist() in a capture
-        device = self._get_weight_tensors()[0].device
+        device = weight_tensors(self)[0].device
         name = type(self).__name__
         if type(input_) is torch.Tensor:  # quantized inputs are TE's to check
             check_input(name, input_, self.in_features, device)

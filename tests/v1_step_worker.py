@@ -1,7 +1,7 @@
 """Runs one step without offload and one under an engine, in a fresh process, and saves both.
 
 TE reads NVTE_CPU_OFFLOAD_V1 when it is imported, so the V1 engine needs its own process:
-    NVTE_CPU_OFFLOAD_V1=1 python tests/engine_worker.py OUT.pt v1 FC1 ACT FC2   (flags 0/1)
+    NVTE_CPU_OFFLOAD_V1=1 python tests/v1_step_worker.py OUT.pt v1 FC1 ACT FC2   (flags 0/1)
 """
 
 import dataclasses
@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from engines import Config, attach_main_grads, forward_plan, make_inputs, make_stack, run_step
+from mlp_steps import Config, attach_main_grads, forward_plan, make_inputs, make_stack, run_step
 
 
 def main(out_path: str, engine: str, *flags: str) -> None:

@@ -1,10 +1,10 @@
-"""GPU: allocator_room's model against PyTorch's caching allocator under a cap: what it says fits is
+"""GPU: teo's allocator_room model against PyTorch's caching allocator under a cap: what it says fits is
 served without a release of the cache, what it says does not fit makes the allocator retry."""
 
 import torch
 
 from conftest import requires_gpu
-from te_offload_ops.allocator_room import free_blocks, most_room, short_of
+from te_offload_ops.engines.teo.allocator_room import free_blocks, most_room, short_of
 
 MiB = 2**20
 
@@ -47,7 +47,7 @@ def test_the_model_tells_which_allocations_the_allocator_serves_without_a_retry(
 
 _EXPANDABLE_CHILD = r"""
 import json, torch
-from te_offload_ops.allocator_room import short_of
+from te_offload_ops.engines.teo.allocator_room import short_of
 MiB = 2**20
 dev = torch.device("cuda", 0)
 total = torch.cuda.get_device_properties(dev).total_memory

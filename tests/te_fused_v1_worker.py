@@ -1,7 +1,7 @@
 """Runs TE's fused grouped MLP (sm_100 pieces stood in) under TE's V1 engine and writes what broke the policy.
 
 TE chooses V1 when it is imported, so this runs in its own process:
-    NVTE_CPU_OFFLOAD_V1=1 python tests/te_fused_worker.py OUT.txt
+    NVTE_CPU_OFFLOAD_V1=1 python tests/te_fused_v1_worker.py OUT.txt
 One line per (case, policy): "<case> <policy> <plan> moved {...} problems: [...]", then one for TE's
 fused op taking this package's ops without our fusion (keep-fc1).
 """
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from te_fused_engines import CASES, POLICIES, StepConfig, moved_by_kind, policy_problems, run_step
+from te_fused_steps import CASES, POLICIES, StepConfig, moved_by_kind, policy_problems, run_step
 from te_fused_standins import blackwell_standins, clear_te_caches
 from te_offload_ops.engines import active_engine
 

@@ -1,8 +1,9 @@
-"""Test helpers: build grouped SReLU MLP stacks and run one training step under an offload engine.
+"""Test helpers: build grouped SReLU MLP stacks, run one training step under an offload engine, and
+check what a step moved and computed.
 
 Engines: "none", "v2" (TE's default), "v1" (needs NVTE_CPU_OFFLOAD_V1=1 before TE is imported,
-so tests run it in a subprocess through engine_worker.py), "teo" (this package's schedule,
-te_offload_ops.engines_teo) and "spy" (offload_spy.SpyEngine).
+so tests run it in a subprocess through v1_step_worker.py), "teo" (this package's engine,
+te_offload_ops.engines.teo) and "spy" (offload_spy.SpyEngine).
 Each step reports the bytes the engine moved per (op name, tensor kind).
 """
 
@@ -18,6 +19,7 @@ import te_offload_ops as teo
 from te_offload_ops.engines import offload_context
 from te_offload_ops.policy import MIN_OFFLOAD_NUMEL
 from te_offload_ops.fused.selection import kernel_problem
+from conftest import gpu_skip_reason
 from offload_spy import SaveRecorder, SpyEngine
 
 OP_NAMES = ("fc1", "act", "fc2")
@@ -92,8 +94,8 @@ class Config:
 
 def fused_path_problem() -> str | None:
     """Why the CuTe DSL fused path cannot run here, or None."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        return "the fused SReLU grouped MLP needs an sm_90 GPU"
+    if (reason := gpu_skip_reason("sm_90")) is not None:
+        return f"the fused SReLU grouped MLP {reason}"
     return kernel_problem()
 
 
@@ -278,3 +280,46 @@ def offloadable_activation_bytes(recorder, layer: int, min_numel: int = MIN_OFFL
     ranges = {(e.data_ptr, e.nbytes) for e in recorder.entries
               if e.op.startswith(f"L{layer}.") and e.kind == "activation" and e.numel >= min_numel and not e.kept}
     return sum(n for _, n in ranges)
+
+
+# per-op offload flags (fc1, activation, fc2) the GPU tests run
+POLICIES = {
+    "all": (True, True, True),
+    "keep-fc1": (False, True, True),
+    "keep-act": (True, False, True),
+    "keep-fc2": (True, True, False),
+}
+
+
+def check_path(stack, path: str) -> None:
+    """Each MLP of ``stack`` ran forward fused ("fused") or as the three ops ("unfused")."""
+    expected = ["FusedScaledSReLUMLP"] if path == "fused" else ["GroupedLinear", "ScaledSReLU", "GroupedLinear"]
+    assert all(forward_plan(mlp) == expected for mlp in stack)
+
+
+def _kept_ops(offload):
+    return [name for name, flag in zip(OP_NAMES, offload) if not flag]
+
+
+def assert_moves_follow_policy(moved: dict, offload, entries, layers: list[int]) -> None:
+    """No weight bytes, nothing from ops with offload=False, and each offloading op of an offloaded
+    layer moved at least the bytes of the large (>= 256 Ki elements) activations it saved."""
+    by_key = {tuple(k.split("|")) if isinstance(k, str) else k: n for k, n in moved.items()}
+    assert ("unknown", "unknown") not in by_key, by_key  # every moved tensor was attributed
+    assert sum(n for (_, kind), n in by_key.items() if kind == "weight") == 0, by_key
+    for name in _kept_ops(offload):
+        assert sum(n for (op, _), n in by_key.items() if op.endswith("." + name)) == 0, (name, by_key)
+    for layer in layers:
+        for name, flag in zip(OP_NAMES, offload):
+            op = f"L{layer}.{name}"
+            large = {(e.data_ptr, e.nbytes) for e in entries
+                     if e.op == op and e.kind == "activation" and e.numel >= MIN_OFFLOAD_NUMEL}
+            if flag:
+                assert by_key.get((op, "activation"), 0) >= sum(n for _, n in large), (op, by_key)
+
+
+def assert_same(a: dict, b: dict) -> None:
+    """Two steps' outputs and grads are bitwise equal."""
+    assert torch.equal(a["out"], b["out"])
+    for name, g in a["grads"].items():
+        assert torch.equal(g, b["grads"][name]), name
