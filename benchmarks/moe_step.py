@@ -408,6 +408,349 @@ def release_te_offload_state() -> int:
     return te_internals.release_offload_synchronizers()
 
 
+FIRST_STEP = "first step (kernels compile, the optimizer state is allocated)"
+
+
+class StepBench:
+    """One model of one shape, its optimizer and preallocated grads, and the runs of its policies."""
+
+    progress: Optional["Progress"] = None
+    ticks = 0
+    where = ""
+
+    def __init__(self, name: str, shape: dict, args, engine: str, progress: Optional["Progress"] = None):
+        import torch
+
+        from moe_model import LayerShape, build_stack, compute_path
+
+        self.torch, self.args, self.engine, self.name = torch, args, engine, name
+        self.cap_bytes = None  # bytes: the allocator's limit while a run under the cap is on
+        self.budget_waits = None  # teo-b / teo-t: the budget's counts per timed step in the last run (_steps)
+        self.none_peak_MiB: dict[int, float] = {}  # batch -> no offload's peak above the floor (teo-t's target)
+        self.moved_bytes: dict[tuple, int] = {}  # (scope, layers, batch) -> bytes plain teo moves in a step
+        self.mark = lambda phase: contextlib.nullcontext()  # step_profile.phase_mark while profiling
+        self.progress: Optional[Progress] = progress
+        self.where, self.ticks = FIRST_STEP, 0  # what the progress lines say is running; steps done
+        self.L, self.seq = args.layers, args.seq
+        self.hidden = shape["hidden"]
+        self.dtype = getattr(torch, DTYPES[args.dtype])
+        self.stack = build_stack(LayerShape(**shape), args.layers, self.dtype, args.attention)
+        self.params = [p for p in self.stack.parameters() if p.requires_grad]
+        for p in self.params:  # grads live in buffers of their own for the whole run, as main_grad would
+            p.grad = torch.zeros_like(p)
+        self.opt = torch.optim.AdamW(self.params, lr=1e-6, fused=True)
+        # one step allocates the optimizer state and the workspaces that stay between steps
+        self._steps(NO_OFFLOAD, args.batch, count=1)
+        self.path = compute_path(self.stack)
+        torch.cuda.synchronize()
+        gc.collect()
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts) / MiB  # noqa: E731
+        state = [t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.is_cuda]
+        self.floor_MiB = active_bytes() / MiB
+        parts = {"params_MiB": nbytes(self.params), "grads_MiB": nbytes([p.grad for p in self.params]),
+                 "optimizer_MiB": nbytes(state)}
+        self.floor = {"floor_MiB": self.floor_MiB, **parts, "other_MiB": self.floor_MiB - sum(parts.values())}
+
+    def _inputs(self, batch: int):
+        torch = self.torch
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        shape = (batch * self.seq, self.hidden)
+        x = torch.randn(shape, device="cuda", dtype=self.dtype, generator=g)  # the embedding's output
+        dy = torch.randn(shape, device="cuda", dtype=self.dtype, generator=g)  # what the head sends back
+        return x, dy
+
+    def _context(self, policy: Policy, batch: Optional[int] = None):
+        from te_offload_ops.engines import offload_context
+
+        if policy.scope == "none":
+            return offload_context("none", num_layers=0, model_layers=self.L)
+        engine, options = ENGINE_OPTIONS.get(self.engine, (self.engine, {}))
+        if self.engine == "teo-b":
+            engine, options = "teo", {"memory_budget": self.memory_budget()}
+        if self.engine == "teo-t":
+            engine, options = "teo", {"memory_budget": self.target_budget(policy, batch or self.args.batch)}
+        return offload_context(engine, num_layers=policy.layers, model_layers=self.L, **options)
+
+    def target_budget(self, policy: Policy, batch: int) -> int:
+        """teo-t's budget (``te_offload_ops.engines.target_budget``): the floor, no offload's peak at ``batch``
+        (measured in this process, else scaled by sequences from the batch measured; one step of it
+        first where none ran), the bytes plain teo moves in a step of this policy, --target-freed
+        and --target-slack."""
+        if not self.none_peak_MiB:  # (the measurements run no offload first; a profile may not)
+            _, peak, _ = self._steps(NO_OFFLOAD, batch, count=1, warmup=1)
+            self.none_peak_MiB[batch] = peak - self.floor_MiB
+        measured = min(self.none_peak_MiB, key=lambda b: abs(b - batch))
+        none_peak = self.none_peak_MiB[measured] * batch / measured
+        key = (policy.scope, policy.layers, batch)
+        if key not in self.moved_bytes:
+            self.moved_bytes[key] = self._moved(policy, batch)
+        from te_offload_ops.engines import target_budget
+
+        return target_budget(floor_bytes=int(self.floor_MiB * MiB), no_offload_peak_bytes=int(none_peak * MiB),
+                             moved_bytes=self.moved_bytes[key], num_layers=policy.layers, model_layers=self.L,
+                             freed=self.args.target_freed, slack_bytes=int(self.args.target_slack * GiB))
+
+    def _moved(self, policy: Policy, batch: int) -> int:
+        """Bytes plain teo moves to the host in one step of ``policy`` at ``batch``: a step outside
+        any cap in force (plain teo's peak is above teo-t's target), before the peak is measured."""
+        from te_offload_ops.engines import offload_context
+
+        torch = self.torch
+        x, dy = self._inputs(batch)
+        context = offload_context("teo", num_layers=policy.layers, model_layers=self.L)
+        if self.cap_bytes is not None:
+            self._limit_allocator(None)
+        try:
+            return self._step(x, dy, batch, policy, context)["offloaded"]
+        finally:
+            if self.cap_bytes is not None:
+                self._limit_allocator(self.cap_bytes)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    @contextlib.contextmanager
+    def under_cap(self, cap_GiB: Optional[float]):
+        """Inside: the allocator refuses what would pass ``cap_GiB`` (None: no cap), and teo-b's
+        budget comes from it; restored on the way out, whatever happened inside."""
+        if cap_GiB is None:
+            yield
+            return
+        torch = self.torch
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        self._limit_allocator(cap_GiB * GiB)
+        self.cap_bytes = min(total, int(cap_GiB * GiB))
+        try:
+            yield
+        finally:
+            self._limit_allocator(None)
+            self.cap_bytes = None
+
+    def _limit_allocator(self, cap_bytes: Optional[float]) -> None:
+        """The allocator refuses what would pass ``cap_bytes`` (None: the GPU's memory)."""
+        torch = self.torch
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(1.0 if cap_bytes is None else min(1.0, cap_bytes / total))
+
+    def memory_budget(self) -> int:
+        """teo-b's budget: the cap in force (else the GPU's memory) less --budget-margin."""
+        torch = self.torch
+        limit = self.cap_bytes or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return max(1, limit - int(self.args.budget_margin * GiB))
+
+    def _step(self, x, dy, batch: int, policy: Policy, context) -> dict:
+        from moe_model import forward_stack
+
+        ctx, sync, counter = context
+        counter.bytes.clear()
+        timer = PhaseTimer()
+        with self.mark("forward"):
+            # a copy, so that the engine can free what it offloads: the model does not keep the embedding's output
+            out = forward_stack(self.stack, x.clone(), batch, "layer" if policy.scope == "none" else policy.scope,
+                                ctx, sync)
+        timer.mark("fwd")
+        with self.mark("backward"):
+            out.backward(dy)
+            del out
+        timer.mark("bwd")
+        with self.mark("optimizer"):
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=False)
+        timer.mark("opt")
+        t = timer.finish()
+        return {"fwd_ms": t["fwd_ms"], "bwd_ms": t["bwd_ms"], "opt_ms": t["opt_ms"], "step_ms": t["gpu_ms"],
+                "offloaded": counter.total}
+
+    def _steps(self, policy: Policy, batch: int, count: int, warmup: int = 0, reuse: bool = True):
+        """``warmup`` untimed then ``count`` timed steps; returns (samples, peak above floor MiB, held MiB)."""
+        torch = self.torch
+        x, dy = self._inputs(batch)
+        held = self._context(policy, batch) if reuse else None
+        steps = warmup + count
+        for i in range(1, warmup + 1):
+            sample = self._step(x, dy, batch, policy, held or self._context(policy, batch))
+            self._tick(f"step {i}/{steps} (warm-up)", sample)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        engine = getattr(held[0], "engine", None) if held else None
+        waits = (engine.budget_waits, engine.budget_wait_bytes, engine.reloads_deferred, engine.fits_given_up,
+                 engine.reloads_started_early) if getattr(engine, "memory_budget", None) else None
+        samples = []
+        for i in range(warmup + 1, steps + 1):
+            samples.append(self._step(x, dy, batch, policy, held or self._context(policy, batch)))
+            self._tick(f"step {i}/{steps}", samples[-1])
+        # teo-b / teo-t, per timed step: copies waited for to stay under the budget (count, MiB),
+        # prefetches put off, the budget itself, fits given up, copies of put-off prefetches started
+        self.budget_waits = None if waits is None else (
+            (engine.budget_waits - waits[0]) / count, (engine.budget_wait_bytes - waits[1]) / count / MiB,
+            (engine.reloads_deferred - waits[2]) / count, engine.memory_budget,
+            (engine.fits_given_up - waits[3]) / count, (engine.reloads_started_early - waits[4]) / count)
+        # active, not allocated: memory an engine handed back while its copy still reads it counts
+        peak = active_bytes(peak=True) / MiB
+        inputs_MiB = 2 * x.numel() * x.element_size() / MiB
+        left = active_bytes() / MiB - inputs_MiB  # what the engine keeps between steps
+        return samples, peak, left
+
+    def _tick(self, what: str, sample: dict) -> None:
+        """One step done: a progress line (where a Progress is attached)."""
+        self.ticks += 1
+        if self.progress is not None:
+            self.progress.step(f"shape={self.name} {self.where} {what}: {sample['step_ms']:.1f} ms",
+                               counted=self.where != FIRST_STEP)
+
+    def _recover(self) -> None:
+        torch = self.torch
+        self.opt.zero_grad(set_to_none=False)
+        torch.cuda.synchronize()  # the failed step's copies may still run
+        released = release_te_offload_state()
+        if released:
+            print(f"[{self.engine} {self.name}] after the failed step: {released} of TE's offload synchronizers "
+                  "let go of their tensors", flush=True)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        _empty_host_cache()
+
+    def run(self, policy: Policy, batch: int, *, warmup: int, iters: int, reuse: bool = True) -> dict:
+        """One policy at one batch; a row with the error instead of numbers where it failed."""
+        torch = self.torch
+        row = {"engine": self.engine, "scope": policy.scope, "layers": policy.layers,
+               "policy": policy.label(self.L), "batch": batch, "tokens": batch * self.seq,
+               "context": "reused" if reuse else "one per step", "floor_MiB": self.floor_MiB,
+               "notes": schedule_notes(self.engine, policy.layers, self.L) if policy.scope != "none" else []}
+        ticks = self.ticks
+        try:
+            samples, peak, left = self._steps(policy, batch, iters, warmup, reuse)
+        except torch.cuda.OutOfMemoryError as exc:  # "out of memory (tried to allocate ...; ...)"
+            row["error"], row["oom"] = oom_error(str(exc)), True
+        except Exception as exc:  # noqa: BLE001 (an engine that cannot run a policy is a result)
+            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        if self.progress is not None:  # the steps a failed run did not take
+            self.progress.drop(warmup + iters - (self.ticks - ticks))
+        if "error" in row:
+            self._recover()
+            return row
+        med = lambda k: median(s[k] for s in samples)  # noqa: E731
+        row.update({k: med(k) for k in ("step_ms", "fwd_ms", "bwd_ms", "opt_ms")})
+        row.update({"step_ms_min": min(s["step_ms"] for s in samples), "step_ms_max": max(s["step_ms"] for s in samples),
+                    "tokens_per_s": row["tokens"] / (row["step_ms"] / 1e3),
+                    "peak_above_MiB": peak - self.floor_MiB, "offloaded_MiB": samples[-1]["offloaded"] / MiB,
+                    "held_between_steps_MiB": left - self.floor_MiB})
+        if self.budget_waits is not None:
+            (row["budget_waits_per_step"], row["budget_wait_MiB_per_step"],
+             row["budget_reloads_deferred_per_step"], budget, row["budget_fits_given_up_per_step"],
+             row["budget_copies_reloaded_early_per_step"]) = self.budget_waits
+            row["budget_GiB"] = budget / GiB
+            row["notes"].append(f"budget {budget / GiB:.1f} GiB: waited for {self.budget_waits[0]:.0f} "
+                                f"copies ({self.budget_waits[1]:.0f} MiB) per step to stay under it, put off "
+                                f"{self.budget_waits[2]:.1f} prefetches, started {self.budget_waits[5]:.1f} copies "
+                                f"of put-off prefetches in the room there was, gave up {self.budget_waits[4]:.1f} fits")
+        if policy.scope == "none":
+            self.none_peak_MiB[batch] = row["peak_above_MiB"]  # teo-t's target is against it
+        if row["held_between_steps_MiB"] > 1:
+            row["notes"].append(f"the engine holds {row['held_between_steps_MiB']:.0f} MiB between steps")
+        return row
+
+    def run_policy(self, policy: Policy) -> dict:
+        """A reused context first (as in training); if that fails other than by OOM, one context per step."""
+        a = self.args
+        row = self.run(policy, a.batch, warmup=a.warmup, iters=a.iters)
+        if row.get("error") and not row.get("oom") and policy.scope != "none":
+            if self.progress is not None:
+                self.progress.plan(a.warmup + a.iters)
+            retry = self.run(policy, a.batch, warmup=a.warmup, iters=a.iters, reuse=False)
+            if not retry.get("error"):
+                retry["notes"].append(f"a reused context failed ({row['error']})")
+                return retry
+        return row
+
+    def profile(self, policy: Policy, trace_path: Path) -> dict:
+        """Warm-up steps, then --profile-steps steps under torch.profiler; their breakdown (or the error)."""
+        a, torch = self.args, self.torch
+        entry = {"engine": self.engine, "policy": policy.label(self.L), "scope": policy.scope, "layers": policy.layers}
+        cap_GiB = a.caps.get(self.name)  # --memory-cap with --profile: profiled under it (the allocator limited)
+        if cap_GiB is not None:
+            entry["policy"] += f", under a {cap_GiB:g} GiB cap"
+        with self.under_cap(cap_GiB):
+            self._profile_into(entry, policy, trace_path)
+        if "error" not in entry:
+            entry["trace"] = trace_path.name if a.trace else None
+        torch.cuda.synchronize()
+        return entry
+
+    def _profile_into(self, entry: dict, policy: Policy, trace_path: Path) -> None:
+        a = self.args
+        try:
+            x, dy = self._inputs(a.batch)
+            context = self._context(policy)
+            step = lambda: self._step(x, dy, a.batch, policy, context)  # noqa: E731
+            for _ in range(a.warmup):
+                step()
+            self.mark = step_profile.phase_mark
+            try:
+                names = step_profile.profile_steps(step, list(self.stack), a.profile_steps, trace_path)
+            finally:
+                self.mark = lambda phase: contextlib.nullcontext()
+            entry.update(step_profile.analyze_trace(trace_path, names))
+        except Exception as exc:  # noqa: BLE001 (an engine that cannot run a policy is a result)
+            entry["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            self._recover()
+        finally:
+            if not a.trace:
+                trace_path.unlink(missing_ok=True)
+
+    def cap_trial(self, policy: Policy, batch: int, cap_GiB: float, reuse: bool) -> dict:
+        torch = self.torch
+        torch.cuda.empty_cache()
+        _empty_host_cache()  # pinned buffers of other batch sizes would pile up on the host
+        with self.under_cap(cap_GiB):  # the allocator refuses what would pass the cap: an OOM means it does not fit
+            row = self.run(policy, batch, warmup=CAP_TRIAL_STEPS[0], iters=CAP_TRIAL_STEPS[1], reuse=reuse)
+            # what the allocator held at most since the timed steps began (blocks the warm-up left
+            # cached included): above the active peak by what fragmentation cost; None where the
+            # run failed before it was read
+            reserved = None if row.get("error") else torch.cuda.max_memory_reserved() / MiB
+        fits = not row.get("error") and self.floor_MiB + row["peak_above_MiB"] <= cap_GiB * 1024
+        return {"batch": batch, "fits": fits, "peak_above_MiB": row.get("peak_above_MiB") if fits else None,
+                "reserved_peak_MiB": reserved, "step_ms": row.get("step_ms"), "tokens_per_s": row.get("tokens_per_s"),
+                "fwd_ms": row.get("fwd_ms"), "bwd_ms": row.get("bwd_ms"), "error": row.get("error"),
+                **{k: row[k] for k in ("budget_waits_per_step", "budget_wait_MiB_per_step",
+                                       "budget_reloads_deferred_per_step", "budget_GiB",
+                                       "budget_fits_given_up_per_step", "budget_copies_reloaded_early_per_step")
+                   if k in row}}
+
+    def cap_search(self, row: dict, cap_GiB: float) -> dict:
+        a = self.args
+        policy = Policy(row["scope"], row["layers"])
+        cap_above = cap_GiB * 1024 - self.floor_MiB
+        base = (row["batch"], row["peak_above_MiB"])
+
+        def trial(batch: int) -> dict:
+            self.where = (f"cap {cap_GiB:.1f} GiB policy={row['policy']} batch {batch} "
+                          f"(trial {len(done) + 1}/{a.cap_trials})")
+            t = self.cap_trial(policy, batch, cap_GiB, reuse=row["context"] == "reused")
+            done.append(t)
+            say(f"{self.where}: {batch} x {self.seq} tokens "
+                + (f"fit, peak {(self.floor_MiB + t['peak_above_MiB']) / 1024:.1f} GiB "
+                   f"(reserved {t['reserved_peak_MiB'] / 1024:.1f} GiB), {t['step_ms']:.0f} ms "
+                   f"(fwd {t['fwd_ms']:.0f}, bwd {t['bwd_ms']:.0f})"
+                   + (f", budget waits {t['budget_waits_per_step']:.0f} ({t['budget_wait_MiB_per_step']:.0f} MiB), "
+                      f"prefetches put off {t.get('budget_reloads_deferred_per_step', 0):.1f}"
+                      if "budget_waits_per_step" in t else "")
+                   if t["fits"] else f"do not fit ({t['error'] or 'over the cap'})"), self)
+            return t
+
+        done: list[dict] = []
+        trials, best, bracketed = search_cap(trial, base, cap_above, a.cap_max_batch, a.cap_trials)
+        if self.progress is not None:  # the trials the search did not need
+            self.progress.drop((a.cap_trials - len(trials)) * sum(CAP_TRIAL_STEPS))
+        at = next((t for t in trials if t["fits"] and t["batch"] == best), {})
+        return {"engine": self.engine, "scope": row["scope"], "layers": row["layers"], "policy": row["policy"],
+                "predicted_batch": predicted_batch(row["peak_above_MiB"], row["batch"], cap_above),
+                "batch": best, "bracketed": bracketed, "tokens": best * self.seq,
+                "tokens_per_s": at.get("tokens_per_s"), "step_ms": at.get("step_ms"),
+                "peak_above_MiB": at.get("peak_above_MiB"), "reserved_peak_MiB": at.get("reserved_peak_MiB"),
+                "trials": trials}
+
+
 def say(text: str, bench: Optional["StepBench"] = None, engine: Optional[str] = None) -> None:
     """A line of this job's output: ``[moe_step] engine=E shape=S text``."""
     who = f"engine={bench.engine} shape={bench.name} " if bench is not None else f"engine={engine} " if engine else ""

@@ -24,13 +24,13 @@ without a GPU it says so and exits 2.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import cuda_problem, file_stem  # noqa: E402
+from bench_common import cuda_problem, file_stem, refuse, utc_now, write_reports  # noqa: E402
+from timing import active_bytes, median  # noqa: E402
 
 SHAPE = {"hidden": 2688, "heads": 21, "ffn": 1856, "experts": 8, "topk": 2}
 POLICIES = ("mlp:7", "mlp:8", "layer:4")
@@ -103,14 +103,10 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    problem = cuda_problem()
-    if problem:
-        print(f"teo_budget_check.py cannot run here: it needs a CUDA GPU with Transformer Engine ({problem})",
-              file=sys.stderr)
-        return 2
+    if problem := cuda_problem():
+        return refuse("teo_budget_check.py", problem)
     import torch
 
-    from bench_common import active_bytes, write_reports
     from moe_model import LayerShape, build_stack, compute_path, forward_stack
     from te_offload_ops.engines import measure_budget, offload_context
 
@@ -145,6 +141,7 @@ def main(argv=None) -> int:
     rows = []
     for scope, n in args.policies:
         label = f"{'MLP' if scope == 'mlp' else 'layer'} {n}/{args.layers}"
+        print(f"[teo_budget_check] {label}: measure_budget, then {args.steps} alternating steps ...", flush=True)
         run = step(scope)
         advice = measure_budget(run, num_layers=n, model_layers=args.layers, freed=args.freed)
         arms = {"default": offload_context("teo", num_layers=n, model_layers=args.layers),
@@ -172,7 +169,7 @@ def main(argv=None) -> int:
         per = [(b - a) / args.steps for a, b in zip(before, after)]
         row = {"policy": label, "scope": scope, "layers": n, "budget_bytes": advice.target_bytes,
                "recommended_budget": advice.budget is not None, "reason": advice.reason,
-               "default_ms": statistics.median(times["default"]), "budget_ms": statistics.median(times["budget"]),
+               "default_ms": median(times["default"]), "budget_ms": median(times["budget"]),
                "default_peak_MiB": peaks["default"] / MiB, "budget_peak_MiB": peaks["budget"] / MiB,
                "no_offload_peak_MiB": advice.no_offload_peak_bytes / MiB, "moved_MiB": advice.moved_bytes / MiB,
                "waits": per[0], "wait_MiB": per[1] / MiB, "deferred": per[2], "looks": per[3], "reads": per[4],
@@ -183,7 +180,7 @@ def main(argv=None) -> int:
         rows.append(row)
         del arms, budget_engine, schedule
     gpu = torch.cuda.get_device_name()
-    result = {"gpu": gpu, "path": path, "floor_MiB": floor / MiB, "rows": rows,
+    result = {"gpu": gpu, "date": utc_now(), "path": path, "floor_MiB": floor / MiB, "rows": rows,
               "config": {k: getattr(args, k) for k in ("layers", "batch", "seq", "warmup", "steps", "freed",
                                                        "tolerance")} | {"policies": [f"{s}:{n}" for s, n in args.policies]}}
     write_reports(args.out, file_stem("teo_budget_check", gpu), result, markdown, lambda r, p: False)

@@ -17,7 +17,7 @@ import torch
 import transformer_engine.pytorch as te
 
 from conftest import requires_gpu
-from engines import (Config, copy_weights, forward_plan, make_inputs, make_recipe, make_stack, quantized,
+from mlp_steps import (Config, copy_weights, forward_plan, make_inputs, make_recipe, make_stack, quantized,
                      recipe_problem, run_step)
 from offload_spy import Saved
 from te_offload_ops.fused import explain_fusion
@@ -80,7 +80,7 @@ def test_matches_te_ops_bitwise_under_each_engine(recipe, engine):
 def test_v1_engine_matches_and_moves_no_weight(recipe, tmp_path):
     _skip_unless_runs(recipe)
     out = tmp_path / "v1.pt"
-    worker = Path(__file__).with_name("engine_worker.py")
+    worker = Path(__file__).with_name("v1_step_worker.py")
     root = str(worker.parent.parent)
     env = dict(os.environ, NVTE_CPU_OFFLOAD_V1="1", TEO_TEST_RECIPE=recipe,
                TEO_TEST_SPLITS=",".join(map(str, ALIGNED)),

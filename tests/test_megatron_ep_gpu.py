@@ -35,7 +35,7 @@ LOSS_REL_TOL = 5e-3
 def _problem() -> str | None:
     if torch.cuda.device_count() < RANKS:
         return f"needs {RANKS} GPUs of one host, {torch.cuda.device_count()} visible"
-    if (reason := gpu_skip_reason(need_sm90=True)) is not None:
+    if (reason := gpu_skip_reason("sm_90")) is not None:
         return reason
     from te_offload_ops.megatron import require_megatron
 

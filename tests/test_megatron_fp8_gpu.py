@@ -33,7 +33,7 @@ SETTINGS = [(fmt, recipe) for recipe in ("delayed", "tensorwise", "blockwise") f
 
 
 def _problem() -> str | None:
-    if (reason := gpu_skip_reason(need_sm90=True)) is not None:
+    if (reason := gpu_skip_reason("sm_90")) is not None:
         return reason
     from te_offload_ops.megatron import require_megatron
 

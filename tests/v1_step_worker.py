@@ -16,7 +16,7 @@ from mlp_steps import Config, attach_main_grads, forward_plan, make_inputs, make
 def main(out_path: str, engine: str, *flags: str) -> None:
     # TEO_TEST_MEGATRON: comma-separated keys of engines.MEGATRON_KWARGS (e.g. "main_grad,delay")
     megatron = tuple(filter(None, os.environ.get("TEO_TEST_MEGATRON", "").split(",")))
-    # TEO_TEST_RECIPE: a key of engines.RECIPES (the forward runs under that recipe)
+    # TEO_TEST_RECIPE: a key of mlp_steps.RECIPES (the forward runs under that recipe)
     recipe = os.environ.get("TEO_TEST_RECIPE") or None
     # TEO_TEST_SPLITS: comma-separated tokens per expert (FP8 GEMMs need multiples of 16)
     splits = os.environ.get("TEO_TEST_SPLITS")

@@ -172,7 +172,7 @@ class TeoOffload:
 
 
 def use_teo_offload(model: Any, *, scope: str = "layer", num_layers: Optional[int] = None,
-                    memory_budget: Optional[int] = None, prefetch: Optional[int] = None,
+                    memory_budget: Optional[int] = None,
                     classify: Optional[Callable[[torch.Tensor], Hashable]] = None,
                     config: Any = None, modules: Optional[Iterable[torch.nn.Module]] = None) -> TeoOffload:
     """Put ``model``'s Megatron modules of ``scope`` under one teo engine; returns a :class:`TeoOffload`.
@@ -184,8 +184,7 @@ def use_teo_offload(model: Any, *, scope: str = "layer", num_layers: Optional[in
     offload the first n of them (default all; the rest run inside the context without moving
     anything, as teo counts every layer). ``memory_budget``: bytes of
     ``torch.cuda.memory_allocated`` the step may reach (teo then waits for copies only where
-    memory would pass it; e.g. a memory cap less a GiB or two). ``prefetch``: teo's reload
-    distance (default: as early as the step's peak allows). ``classify``: key for the byte counter.
+    memory would pass it; e.g. a memory cap less a GiB or two). ``classify``: key for the byte counter.
     ``config``: Megatron's TransformerConfig (default: ``model.config``), checked for settings
     teo cannot follow. ``modules``: the modules to wrap, in forward order, instead of finding them.
     """
@@ -213,7 +212,7 @@ def use_teo_offload(model: Any, *, scope: str = "layer", num_layers: Optional[in
     if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
                                       or memory_budget <= 0):
         raise ValueError(f"memory_budget must be a positive int (bytes), got {memory_budget!r}")
-    context, sync, counter = offload_context("teo", num_layers=n, model_layers=len(found), prefetch=prefetch,
+    context, sync, counter = offload_context("teo", num_layers=n, model_layers=len(found),
                                              memory_budget=memory_budget, classify=classify)
     handle = TeoOffload(modules=found, scope=scope, num_layers=n, context=context, sync=sync, counter=counter)
     for index, module in enumerate(found):
