@@ -84,11 +84,16 @@ def cache_dir() -> Path:
 
 # -- the key ------------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=1)
-def source_digest() -> str:
-    """SHA-256 over the kernel sources (every ``*.py`` beside this file, by name and content)."""
+KERNEL_SOURCES = Path(__file__).resolve().parent
+
+
+@functools.lru_cache(maxsize=4)
+def source_digest(directory: Path = KERNEL_SOURCES) -> str:
+    """SHA-256 over the kernel sources: every ``*.py`` of ``directory`` (this one), by name and
+    content. Read once per process, at its first kernel: about when the DSL reads the kernel's
+    source to trace it."""
     h = hashlib.sha256()
-    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+    for path in sorted(Path(directory).glob("*.py")):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 

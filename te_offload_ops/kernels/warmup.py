@@ -209,7 +209,11 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     p, args = _parse(argv)
+    local = args.num_experts // args.expert_model_parallel_size
+    settings = dict(tokens=args.tokens, main_grad=args.main_grad, overwrite_main_grad=args.overwrite_main_grad,
+                    weight_layout=args.weight_layout, expert_stride=args.expert_stride)
     try:
+        mlp_variants(local, args.hidden_size, args.ffn_hidden_size, DTYPES[args.dtype], **settings)  # checks them
         if not disk_cache.enabled():
             print(f"{disk_cache.CACHE_ENV}=0: the disk cache is off, so nothing compiled here would be kept; "
                   f"unset it (or set it to 1) to warm up", file=sys.stderr)
@@ -229,20 +233,14 @@ def main(argv=None) -> int:
     if reasons:
         print("cannot compile the kernels: " + "; ".join(reasons), file=sys.stderr)
         return 2
-    local = args.num_experts // args.expert_model_parallel_size
     where = disk_cache.cache_dir()
     print(f"warming up the fused SReLU MLP's kernels: {local} experts per rank, hidden {args.hidden_size}, "
           f"ffn {args.ffn_hidden_size}, {args.dtype}, weights {args.weight_layout}, "
           f"main_grad {'overwrite' if args.overwrite_main_grad else 'add' if args.main_grad else 'off'}; "
           f"cache {where}", flush=True)
     t0 = time.perf_counter()
-    try:
-        records = warm_up(local, args.hidden_size, args.ffn_hidden_size, DTYPES[args.dtype], tokens=args.tokens,
-                          main_grad=args.main_grad, overwrite_main_grad=args.overwrite_main_grad,
-                          weight_layout=args.weight_layout, expert_stride=args.expert_stride,
-                          progress=lambda line: print(line, flush=True))
-    except ValueError as exc:
-        p.error(str(exc))
+    records = warm_up(local, args.hidden_size, args.ffn_hidden_size, DTYPES[args.dtype], **settings,
+                      progress=lambda line: print(line, flush=True))
     counts = {how: sum(r["how"] == how for r in records) for how in ("compiled", "loaded")}
     print(f"{len(records)} kernels in {time.perf_counter() - t0:.1f} s: {counts['compiled']} compiled and written, "
           f"{counts['loaded']} already in {where}")
