@@ -35,7 +35,8 @@ def test_r_is_the_step_peak_freed_against_the_no_offload_run_of_its_own_ops():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 @pytest.mark.parametrize("script", ["moe_step.py", "offload_policies.py", "bench_fused_mlp.py", "bench_kernels.py",
                                     "ablate_epilogue.py", "bench_graphs.py", "bench_copy_interference.py",
-                                    "bench_cluster2x2.py", "bench_megatron_settings.py", "profile_host.py"])
+                                    "bench_cluster2x2.py", "bench_megatron_settings.py", "profile_host.py",
+                                    "first_step.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
     proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
@@ -231,3 +232,28 @@ def test_diag_peak_finds_the_peak_its_phase_and_the_budget_look_before_it():
     assert "alloc     120.0 MiB stream 0: srelu_mlp.py:228 _backward_fused" in lines[-5]
     assert any(">" in line and "use " in line and "backward layer 1" in line for line in lines)
     assert not any(">" in line and "save" in line for line in lines)
+
+
+def test_first_step_report_compares_each_mode_with_stock(tmp_path):
+    import first_step
+
+    def run(w, m, first, compiled=0, loaded=0):
+        return {"workload": w, "mode": m, "first_step_s": first, "second_step_s": 0.02, "process_s": first + 8,
+                "compiled": compiled, "compile_s": 1.5 * compiled, "loaded": loaded, "load_s": 0.003 * loaded,
+                "path": "stock TE ops" if m == "stock" else "fused"}
+
+    runs = [run("mlp", "cold", 10.0, compiled=6), run("mlp", "warm", 1.4, loaded=6), run("mlp", "stock", 1.0),
+            run("mlp", "cold", 12.0, compiled=6), run("mlp", "warm", 1.6, loaded=6), run("mlp", "stock", 1.2),
+            run("model", "cold", 11.0, compiled=6), run("model", "warm", 3.5, loaded=6), run("model", "stock", 1.5)]
+    rows = first_step.summarize(runs, ["mlp", "model"], ["cold", "warm", "stock"])
+    by = {(r["workload"], r["mode"]): r for r in rows}
+    assert by["mlp", "cold"]["first_step_s"] == pytest.approx(11.0) and by["mlp", "cold"]["runs"] == 2
+    assert by["mlp", "warm"]["vs_stock_s"] == pytest.approx(1.5 - 1.1)
+    assert "vs_stock_s" not in by["mlp", "stock"]
+    assert by["model", "warm"]["vs_stock_s"] == pytest.approx(2.0)
+    settings = {"experts": 16, "topk": 4, "hidden": 2048, "ffn": 1024, "heads": 16, "layers": 4, "seq": 2048,
+                "rounds": 2}
+    text = first_step.markdown({"gpu": "GPU", "date": "2026-11-26", "settings": settings, "summary": rows})
+    assert "mlp: warm +0.40 s vs stock: meets the target" in text
+    assert "model: warm +2.00 s vs stock: misses the target" in text
+    assert text.count("\n| ") == 1 + 6  # header and one row per (workload, mode)
