@@ -1,13 +1,13 @@
-"""Helpers the offload benchmarks share: what stops a GPU run, PCIe bandwidth, file names.
+"""What the benchmarks share besides timing (``timing.py``): what stops a GPU run, result file
+names, the date stamp, and writing JSON, markdown and PNG reports.
 
-Importing this module needs neither torch nor a GPU; the functions that measure import torch.
+Importing this module needs neither torch nor a GPU.
 """
 
 from __future__ import annotations
 
+import datetime
 import re
-import statistics
-import sys
 
 
 def cuda_problem() -> str | None:
@@ -25,81 +25,31 @@ def cuda_problem() -> str | None:
     return None
 
 
-def moe_step_bench(script: str, shape: str, layers: int, batch: int, engine: str, extra: tuple = ()):
-    """For a diagnostic script: ``moe_step``'s model and step at ``shape`` for ``engine`` (no cap
-    search; ``extra``: more of moe_step.py's arguments), or None after saying on stderr why this
-    machine cannot run it (the script then exits 2)."""
-    problem = cuda_problem()
-    if problem:
-        print(f"{script} needs a CUDA GPU with Transformer Engine: {problem}", file=sys.stderr)
-        return None
-    import moe_step
+def refuse(script: str, problem: str) -> int:
+    """Says on stderr why ``script`` cannot run here; returns the exit status for it (2)."""
+    import sys
 
-    args = moe_step.parse_args(["--shapes", shape, "--layers", str(layers), "--batch", str(batch),
-                                "--engines", engine, "--no-cap", *extra])
-    return moe_step.StepBench(shape, args.shapes[shape], args, engine)
+    print(f"{script}: cannot run: {problem}", file=sys.stderr)
+    return 2
+
+
+def mlp_path(mlp) -> str:
+    """ "fused" when a ``te.ops.Sequential`` grouped MLP ran this package's Hopper fused op in its
+    last forward, else "unfused"."""
+    ran = [op for group in mlp._module_groups for op, _ in group._forward_ops]
+    fused = [op for op in ran if type(op).__name__ == "FusedScaledSReLUMLP"]
+    return "fused" if fused and not any(op.last_fallback_reasons for op in fused) else "unfused"
+
+
+def utc_now() -> str:
+    """The date and time a result is stamped with."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def file_stem(benchmark: str, gpu: str, *suffixes: str) -> str:
     """``benchmark_<GPU name>[_suffix...]`` with only letters, digits and underscores."""
     parts = [benchmark, re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_"), *(s for s in suffixes if s)]
     return "_".join(parts)
-
-
-def active_bytes(peak: bool = False) -> int:
-    """GPU memory in use as the caching allocator sees it: blocks held by tensors plus blocks freed
-    while a side stream still uses them (``record_stream``: an offload copy in flight), which
-    ``memory_allocated`` already counts as free. For engines whose copies the compute stream
-    waits for (TE V2, V1, teo since its backpressure) the two agree; for one that hands memory back
-    under ``record_stream`` before its copy is done (teo's first version did) only this
-    is honest. ``peak``: the most since ``torch.cuda.reset_peak_memory_stats()``."""
-    import torch
-
-    if not peak:
-        torch.cuda.synchronize()
-        torch.empty(1, device="cuda")  # an allocation makes the allocator retire finished stream uses
-    return torch.cuda.memory_stats()["active_bytes.all." + ("peak" if peak else "current")]
-
-
-def measure_pcie(nbytes: int = 1 << 29, reps: int = 5) -> dict:
-    """GB/s host<->device with pinned memory: each direction alone, then both at once."""
-    import torch
-
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dev2 = torch.empty_like(dev)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host2 = torch.empty_like(host, pin_memory=True)
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def timed(fn) -> float:
-        times = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
-
-    def both():
-        main = torch.cuda.current_stream()
-        for s in (s1, s2):
-            s.wait_stream(main)
-        with torch.cuda.stream(s1):
-            host.copy_(dev, non_blocking=True)
-        with torch.cuda.stream(s2):
-            dev2.copy_(host2, non_blocking=True)
-        for s in (s1, s2):
-            main.wait_stream(s)
-
-    d2h = nbytes / timed(lambda: host.copy_(dev, non_blocking=True)) / 1e9
-    h2d = nbytes / timed(lambda: dev.copy_(host, non_blocking=True)) / 1e9
-    both_gbs = nbytes / timed(both) / 1e9
-    del dev, dev2, host, host2
-    torch.cuda.empty_cache()
-    return {"d2h_GBps": d2h, "h2d_GBps": h2d, "bidirectional_each_GBps": both_gbs}
 
 
 def pyplot():

@@ -3,23 +3,29 @@
 
 One grouped MLP layer (GroupedLinear -> ScaledSReLU -> GroupedLinear, bf16) with uniform splits so
 that the same GEMMs can also run as cuBLAS batched GEMMs (the roof: 2 bmm forward, 6 forward +
-backward). Times are medians of CUDA-event timings; TFLOP/s count 2*T*H*F per GEMM. The first
-call of the fused op (kernel compilation included) is timed separately. Writes JSON and markdown.
+backward). Times are medians of CUDA-event timings (timing.event_ms), and the forward+backward also
+with the host ahead of the GPU (timing.host_ahead_ms: GPU work alone, as in a deep model); TFLOP/s
+count 2*T*H*F per GEMM. The first call of the fused op (kernel compilation included) is timed
+separately. Writes fused_mlp_<GPU>[_sweep].{json,md,png} into --out.
+
+    python3 benchmarks/bench_fused_mlp.py [--sweep] [--profile] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import re
-import statistics
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from bench_common import (  # noqa: E402
+    cuda_problem, file_stem, mlp_path, pyplot, refuse, save_png, utc_now, write_reports,
+)
+from timing import event_ms, host_ahead_ms, kernel_times  # noqa: E402
 
 MODEL_SHAPES = {  # name -> (hidden, ffn) of MoE experts with non-gated activations, or close
     "H2688-F1856": (2688, 1856),
@@ -40,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="also record GPU time per kernel of our fwd+bwd")
     p.add_argument("--max-tokens", type=int, default=64 * 1024, help="sweep: skip configs with more tokens in all")
-    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--out", type=Path, default=HERE / "results", help="folder for JSON, markdown, PNG")
     args = p.parse_args(argv)
     for name in ("experts", "tokens", "hidden", "ffn", "iters"):
         if getattr(args, name) <= 0:
@@ -60,79 +66,11 @@ def configs(args):
     return out
 
 
-def median_ms(fn, iters: int, inner: int = 5) -> float:
-    """Median over `iters` samples of the CUDA-event time per call, each sample timing `inner`
-    back-to-back calls so that the host runs ahead and launch gaps do not count as GPU time."""
-    import torch
-
-    fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return statistics.median(times)
-
-
-def profile_kernels(fn, steps: int = 5, top: int = 12) -> list[dict]:
-    """GPU time per kernel per call of fn (averaged over `steps` calls), longest first."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        dev_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if dev_us > 0:
-            rows.append({"kernel": ev.key[:90], "calls_per_step": ev.count / steps, "us_per_step": dev_us / steps})
-    rows.sort(key=lambda r: -r["us_per_step"])
-    return rows[:top] if top else rows
-
-
-def host_ahead_ms(fn, calls: int = 10, lead: int = 3):
-    """GPU time per call of fn when the host never makes the GPU wait, as in a deep model where
-    the host queues layer after layer: a sleep kernel holds the GPU while the host queues `lead`
-    untimed calls (they bring the clocks from the post-idle boost to sustained load) and then
-    `calls` calls, which CUDA events time back to back. The sleep doubles until the host finishes
-    queuing before it ends. None when it never does: fn waits for the GPU (TE's unfused grouped
-    linear reads the split sizes on the host), so its wall time is already its best."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    cycles = 20_000_000
-    for _ in range(4):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(cycles)
-        for _ in range(lead):
-            fn()
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        host_was_ahead = not start.query()  # the GPU had not reached the timed calls yet
-        torch.cuda.synchronize()
-        if host_was_ahead:
-            return start.elapsed_time(end) / calls
-        cycles *= 2
-    return None
-
-
 def measure(E, tokens, H, F, dtype, iters, profile=False) -> dict:
     import torch
     import transformer_engine.pytorch as te
 
     import te_offload_ops as teo
-    from offload_policies import compute_path
 
     T = E * tokens
     ours = te.ops.Sequential(teo.GroupedLinear(E, H, F, bias=False, device="cuda", dtype=dtype), teo.ScaledSReLU(),
@@ -161,7 +99,7 @@ def measure(E, tokens, H, F, dtype, iters, profile=False) -> dict:
     fwd_bwd(ours)  # first call: compiles the kernels if the fused path runs
     torch.cuda.synchronize()
     first_call_s = time.perf_counter() - t0
-    path = compute_path(ours)
+    path = mlp_path(ours)
     row = {"E": E, "tokens_per_expert": tokens, "H": H, "F": F, "path": path, "first_call_s": first_call_s}
     fused_ops = [op for g in ours._module_groups for op, _ in g._forward_ops if hasattr(op, "last_fallback_reasons")]
     row["fallback_reasons"] = fused_ops[0].last_fallback_reasons if fused_ops else ["fusion not selected"]
@@ -184,8 +122,8 @@ def measure(E, tokens, H, F, dtype, iters, profile=False) -> dict:
 
     flop = 2 * T * H * F
     for label, fn, n_gemm in (("fwd", fwd, 2), ("fwd_bwd", fwd_bwd, 6)):
-        ms_ours, ms_te = median_ms(lambda: fn(ours), iters), median_ms(lambda: fn(stock), iters)
-        ms_bmm = median_ms(bmm_fwd if label == "fwd" else bmm_fwd_bwd, iters)
+        ms_ours, ms_te = event_ms(lambda: fn(ours), iters, inner=5), event_ms(lambda: fn(stock), iters, inner=5)
+        ms_bmm = event_ms(bmm_fwd if label == "fwd" else bmm_fwd_bwd, iters, inner=5)
         row[label] = {
             "ours_ms": ms_ours, "te_ms": ms_te, "bmm_ms": ms_bmm,
             "ours_tflops": n_gemm * flop / ms_ours / 1e9, "te_tflops": n_gemm * flop / ms_te / 1e9,
@@ -202,7 +140,7 @@ def measure(E, tokens, H, F, dtype, iters, profile=False) -> dict:
         b[f"{who}_gpu_tflops"] = 6 * flop / b[f"{who}_gpu_ms"] / 1e9
     b["gpu_speedup_vs_te"] = b["te_gpu_ms"] / b["ours_gpu_ms"]
     if profile:
-        row["fused_fwd_bwd_kernels"] = profile_kernels(lambda: fwd_bwd(ours))
+        row["fused_fwd_bwd_kernels"] = kernel_times(lambda: fwd_bwd(ours))
     del ours, stock, x, probs, dy, w1, w2, a
     torch.cuda.empty_cache()
     return row
@@ -238,38 +176,55 @@ def markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
+def chart(result, path: Path) -> bool:
+    """TFLOP/s of forward+backward per config: ours and TE's with the host ahead, the bmm roof."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(rows) + 3), 4.5))
+    xs = range(len(rows))
+    series = (("ours, host ahead", "ours_gpu_tflops", "#dd8452"), ("TE unfused, host ahead", "te_gpu_tflops", "#4c72b0"),
+              ("cuBLAS bmm roof", "bmm_tflops", "#888888"))
+    for j, (label, key, color) in enumerate(series):
+        ax.bar([x + (j - 1) * 0.27 for x in xs], [r["fwd_bwd"][key] for r in rows], 0.27, label=label, color=color)
+    ax.set_xticks(list(xs), [f"E{r['E']}x{r['tokens_per_expert']}\nH{r['H']} F{r['F']}" for r in rows], fontsize=7)
+    ax.set_ylabel("forward + backward TFLOP/s")
+    ax.set_title(f"Fused SReLU grouped MLP vs TE's ops, {result['gpu']} ({result['date']})", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    save_png(fig, path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from offload_policies import cuda_problem
-
     if problem := cuda_problem():
-        print(f"bench_fused_mlp.py: cannot run: {problem}", file=sys.stderr)
-        return 2
+        return refuse("bench_fused_mlp.py", problem)
     import torch
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     gpu = torch.cuda.get_device_name()
     plan = configs(args)
     rows = []
-    print(f"fused SReLU grouped MLP on {gpu}: {len(plan)} configs", flush=True)
+    print(f"[bench_fused_mlp] {gpu}: {len(plan)} configs, {args.iters} samples each", flush=True)
+    start = time.perf_counter()
     for i, (E, tokens, H, F) in enumerate(plan, 1):
         row = measure(E, tokens, H, F, dtype, args.iters, profile=args.profile)
         rows.append(row)
         b = row["fwd_bwd"]
-        print(f"[{i}/{len(plan)}] E={E} tok={tokens} H={H} F={F} {row['path']}: fwd+bwd {b['ours_ms']:.3f} ms "
-              f"({b['ours_tflops']:.0f} TFLOP/s; host ahead {b['ours_gpu_ms']:.3f} ms, {b['ours_gpu_tflops']:.0f} TFLOP/s) "
-              f"vs TE {b['te_ms']:.3f} ms (host ahead {b['te_gpu_ms']:.3f} ms), bmm roof {b['bmm_tflops']:.0f} TFLOP/s",
-              flush=True)
+        print(f"[bench_fused_mlp] config {i}/{len(plan)} E={E} tok={tokens} H={H} F={F} {row['path']}: fwd+bwd "
+              f"{b['ours_ms']:.3f} ms ({b['ours_tflops']:.0f} TFLOP/s; host ahead {b['ours_gpu_ms']:.3f} ms, "
+              f"{b['ours_gpu_tflops']:.0f} TFLOP/s) vs TE {b['te_ms']:.3f} ms (host ahead {b['te_gpu_ms']:.3f} ms), "
+              f"bmm roof {b['bmm_tflops']:.0f} TFLOP/s | elapsed {time.perf_counter() - start:.0f} s", flush=True)
         for k in row.get("fused_fwd_bwd_kernels", []):
             print(f"    {k['us_per_step']:8.1f} us  x{k['calls_per_step']:<4g} {k['kernel']}", flush=True)
     result = {"benchmark": "fused_srelu_mlp", "gpu": gpu, "dtype": args.dtype, "iters": args.iters,
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "fused_mlp_" + re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_") + ("_sweep" if args.sweep else "")
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown(result)
-    (args.out / f"{stem}.md").write_text(table)
-    print("\n" + table)
+              "date": utc_now(), "rows": rows}
+    paths = write_reports(args.out, file_stem("fused_mlp", gpu, "sweep" if args.sweep else ""), result, markdown, chart)
+    print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 
 

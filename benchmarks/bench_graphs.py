@@ -3,29 +3,30 @@
 
 Each step is forward + backward with new routing (same token count, split sizes copied into the
 split-size buffer before the step, one expert of zero tokens in some), or, in the "uniform routing"
-config, T/E tokens per expert every step (the shape of the 620 TFLOP/s target). The deferred
+config, T/E tokens per expert every step (the shape of the 620 TFLOP/s target below). The deferred
 split-size check is off in every contender (TEO_CHECK_SPLIT_SIZES=off): a graph skips it, and an
 eager step with it waits at the end of backward for its own forward's copy, so it cannot run
 host-ahead. Contenders, per config:
 
 * eager back to back: wall time per step with the host in the loop (TE's fuser, our launches);
-* eager host-ahead: GPU time per step while the host stays ahead (bench_fused_mlp.host_ahead_ms);
-* graphed back to back: the step captured once in a torch.cuda.graph and replayed, wall time.
+* eager host-ahead: GPU time per step while the host stays ahead (timing.host_ahead_ms);
+* graphed back to back: the step captured once in a torch.cuda.graph and replayed, wall time
+  (timing.wall_ms).
 
 With ``--offload-layers k`` > 0 the stack also runs under TE's V2 offload (the first k layers,
 ``retain_pinned_cpu_buffers=True``), eager and graphed at that same policy. Rounds are interleaved
 (one sample of each contender per round, median over rounds). TFLOP/s count the 6 GEMMs of a
-layer's forward and backward, 2*T*H*F each. Targets of issue 14: graphed >= 97% of host-ahead
-throughput, >= 620 TFLOP/s for one layer at E=8 x 2048 tokens, H=2688, F=1856.
-Writes ``graphs_<GPU>.{json,md,png}`` into ``--out``.
+layer's forward and backward, 2*T*H*F each. Targets: graphed >= 97% of host-ahead throughput,
+>= 620 TFLOP/s for one layer at E=8 x 2048 tokens, H=2688, F=1856.
+Writes ``cuda_graphs_<GPU>.{json,md,png}`` into ``--out``.
+
+    python3 benchmarks/bench_graphs.py [--rounds 10 --steps 10] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,7 +35,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_common import cuda_problem, file_stem, save_png, write_reports  # noqa: E402
+from bench_common import cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
+from timing import host_ahead_ms, median, wall_ms  # noqa: E402
 
 TARGET_FRACTION, TARGET_TFLOPS = 0.97, 620.0
 
@@ -49,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--offload-layers", type=int, default=2, help="layers offloaded by TE V2 (0: no offload rows)")
     p.add_argument("--steps", type=int, default=10, help="steps per sample")
     p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--out", type=Path, default=HERE / "results", help="folder for JSON, markdown, PNG")
     args = p.parse_args(argv)
     for name in ("experts", "tokens", "hidden", "ffn", "layers", "steps", "rounds"):
         if getattr(args, name) <= 0:
@@ -145,21 +147,7 @@ class Step:
         self.graph.replay()
 
 
-def wall_ms(fn, steps: int) -> float:
-    """Back to back: wall time per call, host cost included."""
-    import torch
-
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / steps
-
-
 def measure(args, layers: int, engine: str, offload_layers: int, label: str, uniform: bool = False) -> dict:
-    from bench_fused_mlp import host_ahead_ms
-
     eager, graphed = (Step(args, layers, engine, offload_layers, uniform), Step(args, layers, engine, offload_layers,
                                                                                  uniform))
     eager.eager()
@@ -169,19 +157,19 @@ def measure(args, layers: int, engine: str, offload_layers: int, label: str, uni
     fns = {"eager back to back": (eager.eager, wall_ms), "eager host-ahead": (eager.eager, None),
            "graphed back to back": (graphed.graphed, wall_ms)}
     if engine != "none":
-        del fns["eager host-ahead"]  # offload has no host-ahead target in the issue; its wall time is compared
+        del fns["eager host-ahead"]  # the offloaded step's targets are on wall time
     samples = {name: [] for name in fns}
     for r in range(args.rounds):
         for name, (fn, timer) in fns.items():
             ms = timer(fn, args.steps) if timer else host_ahead_ms(fn, calls=args.steps)
             samples[name].append(float("nan") if ms is None else ms)
-        print(f"  [{label}] round {r + 1}/{args.rounds}: "
+        print(f"[bench_graphs] {label}: round {r + 1}/{args.rounds}: "
               + ", ".join(f"{n} {samples[n][-1]:.3f} ms" for n in fns), flush=True)
     T = args.experts * args.tokens
     flop = 6 * 2 * T * args.hidden * args.ffn * layers
     rows = {}
     for name, vals in samples.items():
-        ms = statistics.median([v for v in vals if v == v] or [float("nan")])
+        ms = median(vals)
         rows[name] = {"ms": ms, "TFLOPs": flop / ms / 1e9, "samples_ms": vals}
     out = {"config": label, "layers": layers, "engine": engine, "offload_layers": offload_layers, "uniform": uniform,
            "capture_s": capture_s, "offloaded_MiB_per_step": eager.counter.total / 2**20 / max(eager.i, 1),
@@ -217,12 +205,10 @@ def markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(result, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result, path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
     names = ["eager back to back", "eager host-ahead", "graphed back to back"]
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(names)
@@ -241,33 +227,34 @@ def plot(result, path: Path) -> None:
     fig.tight_layout()
     save_png(fig, path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if problem := cuda_problem():
-        print(f"bench_graphs.py: cannot run: {problem}", file=sys.stderr)
-        return 2
+        return refuse("bench_graphs.py", problem)
     import torch
 
     from te_offload_ops.fused.selection import kernel_problem
 
     if torch.cuda.get_device_capability() != (9, 0) or kernel_problem():
-        print(f"bench_graphs.py: cannot run: the fused MLP needs an sm_90 GPU and the CuTe DSL "
-              f"({kernel_problem() or torch.cuda.get_device_name()})", file=sys.stderr)
-        return 2
+        return refuse("bench_graphs.py", f"the fused MLP needs an sm_90 GPU and the CuTe DSL "
+                                         f"({kernel_problem() or torch.cuda.get_device_name()})")
     os.environ["TEO_CHECK_SPLIT_SIZES"] = "off"  # see the module doc
     plan = [("1 layer, uniform routing", 1, "none", 0, True), ("1 layer", 1, "none", 0, False),
             (f"{args.layers} layers", args.layers, "none", 0, False)]
     if args.offload_layers:
         plan.append((f"{args.layers} layers, V2 {args.offload_layers}/{args.layers}", args.layers, "v2",
                      args.offload_layers, False))
-    rows = []
+    rows, start = [], time.perf_counter()
     for i, (label, layers, engine, k, uniform) in enumerate(plan, 1):
-        print(f"[{i}/{len(plan)}] {label}", flush=True)
+        print(f"[bench_graphs] config {i}/{len(plan)}: {label} | elapsed {time.perf_counter() - start:.0f} s",
+              flush=True)
         row = measure(args, layers, engine, k, label, uniform)
         rows.append(row)
-        print(f"[{i}/{len(plan)}] {label}: graphed {row['contenders']['graphed back to back']['ms']:.3f} ms, "
+        graphed = row["contenders"]["graphed back to back"]["ms"]
+        print(f"[bench_graphs] config {i}/{len(plan)}: {label}: graphed {graphed:.3f} ms, "
               f"x{row['graphed_vs_eager_b2b']:.3f} of eager back to back"
               + (f", {row['graphed_vs_host_ahead']:.3f} of host-ahead" if "graphed_vs_host_ahead" in row else ""),
               flush=True)
@@ -275,9 +262,9 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name()
     result = {"benchmark": "graphs", "gpu": gpu, "experts": args.experts, "tokens": args.tokens,
               "hidden": args.hidden, "ffn": args.ffn, "steps": args.steps, "rounds": args.rounds, "rows": rows,
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    stem = file_stem("graphs", gpu)
-    write_reports(args.out, stem, result, markdown, plot)
+              "date": utc_now()}
+    paths = write_reports(args.out, file_stem("cuda_graphs", gpu), result, markdown, plot)
+    print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Benchmark the Hopper grouped GEMM kernels against cuBLAS bmm and torch._grouped_mm.
+#!/usr/bin/env python3
+"""The Hopper grouped GEMM kernels against cuBLAS bmm and torch._grouped_mm, GEMM by GEMM.
 
 Shape: E experts x tokens/expert, H (hidden) and F (ffn):
   fc1 fwd   x(T,H) @ W1_e^T      K=H, N=F   (plain, and fused SReLU epilogue)
@@ -8,78 +9,61 @@ Shape: E experts x tokens/expert, H (hidden) and F (ffn):
   wgrads    dY_e^T @ X_e         ours (CuTe, weight-gradient form) vs bmm and
                                  torch._grouped_mm
 
-Ours runs under both schedules (cooperative, pingpong; "ours" is the one the
-kernels pick by default for that GEMM kind).  The contenders of a case are
-timed interleaved, one sample each per round, so clock and power drift hits
-them alike; each number is the median over `--reps` rounds of CUDA-event time
-per call, each sample timing `--inner` back-to-back calls queued while the
-GPU still works through untimed ones (GPU time without host launch cost; the
-host time per call is reported on its own).  Prints a table and writes JSON to --out.
+Ours runs under both schedules (cooperative, pingpong; "ours" is the one the kernels pick by default
+for that GEMM kind). The contenders of a case are timed interleaved (timing.interleaved), one
+sample each per round, so clock and power drift hits them alike; each number is the median over
+--reps rounds of the GPU time per call with the host ahead (timing.host_ahead: --inner calls queued
+behind untimed ones, no sleep kernel), and the host time per call is reported on its own. The first
+call of each kernel (compilation included) is timed apart. Writes grouped_gemms_<GPU>.{json,md,png}
+into --out.
+
+    python3 benchmarks/bench_kernels.py [--experts 8 --tokens-per-expert 2048 --hidden 2688 --ffn 1856]
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_common import cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
+from timing import host_ahead, interleaved, median  # noqa: E402
 
-
-# Each sample first queues `_LEAD` untimed calls of the same contender: the GPU works through
-# them, at the clocks of sustained load, while the host queues the timed calls, so a
-# contender's GPU time is free of its host launch cost (the CuTe DSL call path costs more host
-# time than cuBLAS's; it is measured on its own and reported beside it).  A sleep kernel would
-# do the first part too, but after it the GPU runs a short burst at boost clocks (seen here:
-# cuBLAS bmm at 745 TFLOP/s against 625-660 under sustained load, and the schedules' order
-# reversed: results/bench_kernels_sleep_timing_rejected.log), which a training step does not see.
-_LEAD = 10
-
-
-def _sample(fn, inner):
-    """(GPU ms per call, host us per call, host stayed ahead) of `inner` back-to-back calls.
-    The host stayed ahead when the GPU had not reached the timed calls once they were all
-    queued: then no host gap can be inside the timed span."""
-    a = torch.cuda.Event(enable_timing=True)
-    b = torch.cuda.Event(enable_timing=True)
-    for _ in range(_LEAD):
-        fn()
-    a.record()
-    t0 = time.perf_counter()
-    for _ in range(inner):
-        fn()
-    host_us = (time.perf_counter() - t0) / inner * 1e6
-    ahead = not a.query()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / inner, host_us, ahead
+# Each sample first queues LEAD untimed calls of the same contender: the GPU works through them, at
+# the clocks of sustained load, while the host queues the timed calls, so a contender's GPU time is
+# free of its host launch cost (the CuTe DSL call path costs more host time than cuBLAS's). A sleep
+# kernel in front would keep the host ahead too, but after it the GPU runs a short burst at boost
+# clocks (cuBLAS bmm at 745 TFLOP/s against 625-660 under sustained load on an H100, and the two
+# schedules in the other order), which a training step does not see.
+LEAD = 10
+SCHEDULES = ("cooperative", "pingpong")
 
 
-def _time_interleaved(fns, reps, inner, warmup=3):
-    """{label: (median GPU ms per call, median host us per call, samples where the host did not
-    stay ahead, whose GPU time may hold host gaps)}; one sample of every contender per round."""
+def time_interleaved(fns: dict, reps: int, inner: int, warmup: int = 3) -> dict:
+    """{label: (median GPU ms per call, median host us per call, samples where the host did not stay
+    ahead, whose GPU time may hold host gaps)}; one sample of every contender per round."""
+    import torch
+
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     torch.cuda.synchronize()
-    samples = {label: [] for label in fns}
-    for _ in range(reps):
-        for label, fn in fns.items():
-            samples[label].append(_sample(fn, inner))
-    return {
-        label: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v),
-                sum(not x[2] for x in v))
-        for label, v in samples.items()
-    }
+    samples = interleaved({label: (lambda fn=fn: host_ahead(fn, inner, lead=LEAD, hold=False))
+                           for label, fn in fns.items()}, reps)
+    return {label: (median(x.gpu_ms for x in v), median(x.host_us for x in v), sum(not x.ahead for x in v))
+            for label, v in samples.items()}
 
 
-def _uneven_splits(e, per_expert, seed=0):
+def uneven_splits(e: int, per_expert: int, seed: int = 0):
+    """``e`` split sizes summing to ``e * per_expert``, uneven (weights from 0.25 to 1.25)."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     w = torch.rand(e, generator=g) + 0.25
     s = (w / w.sum() * e * per_expert).floor().long()
@@ -87,27 +71,28 @@ def _uneven_splits(e, per_expert, seed=0):
     return s
 
 
-SCHEDULES = ("cooperative", "pingpong")
-
-
-def main():
-    ap = argparse.ArgumentParser()
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--tokens-per-expert", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=2688)
     ap.add_argument("--ffn", type=int, default=1856)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--inner", type=int, default=10)
-    ap.add_argument("--out", default="bench_kernels.json")
+    ap.add_argument("--reps", type=int, default=20, help="interleaved rounds")
+    ap.add_argument("--inner", type=int, default=10, help="timed calls per sample")
+    ap.add_argument("--out", type=Path, default=HERE / "results", help="folder for JSON, markdown, PNG")
     ap.add_argument("--watchdog", type=float, default=120.0,
                     help="seconds one case may take before the stacks are dumped and the run exits")
-    args = ap.parse_args()
-    from offload_policies import cuda_problem
+    args = ap.parse_args(argv)
+    for name in ("experts", "tokens_per_expert", "hidden", "ffn", "reps", "inner"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    return args
 
-    if problem := cuda_problem():
-        print(f"bench_kernels.py: cannot run: {problem}", file=sys.stderr)
-        return 2
+
+def gemm_cases(args):
+    """[(name, GEMM kind, output N, ours(schedule), bmm or None, grouped_mm or None)] on fresh operands."""
+    import torch
 
     from te_offload_ops import kernels as K
 
@@ -125,11 +110,8 @@ def main():
     dz = torch.randn(t, f, device=dev).to(dtype)
     probs = torch.rand(t, device=dev).to(dtype)
     even = torch.full((e,), m, device=dev, dtype=torch.int64)
-    uneven = _uneven_splits(e, m).to(dev)
+    uneven = uneven_splits(e, m).to(dev)
     offs = torch.cumsum(even, 0).to(torch.int32)
-
-    def fmt(v, w=9, p=1):
-        return f"{v:{w}.{p}f}" if isinstance(v, float) else f"{'-':>{w}}"
 
     xb, actb, dyb, dzb = (v.view(e, m, -1) for v in (x, act, dy, dz))
     w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)
@@ -176,8 +158,23 @@ def main():
          lambda: K.grouped_wgrad(dz, x, uneven, backend="torch")),
     ]
 
-    # first calls compile: time them.  A hung kernel must not eat the whole
-    # run silently: the watchdog dumps the Python stacks and exits.
+    return cases
+
+
+def measure(args) -> dict:
+    import torch
+
+    from te_offload_ops import kernels as K
+
+    e, m, h, f = args.experts, args.tokens_per_expert, args.hidden, args.ffn
+    t = e * m
+    cases = gemm_cases(args)
+    gpu = torch.cuda.get_device_name()
+    print(f"[bench_kernels] {gpu}: {args.dtype}, E={e} x {m} tokens, H={h}, F={f}; {len(cases)} cases, "
+          f"{args.reps} rounds each", flush=True)
+    start = time.perf_counter()
+    # first calls compile: time them. A hung kernel must not eat the whole run silently: the
+    # watchdog dumps the Python stacks and exits.
     compile_s = {}
     for name, _, _, ours, _, _ in cases:
         if "uneven" in name:
@@ -189,20 +186,12 @@ def main():
             torch.cuda.synchronize()
             compile_s[f"{name} [{sc}]"] = time.perf_counter() - t0
             faulthandler.cancel_dump_traceback_later()
-            print(f"first call {name} [{sc}]: {compile_s[f'{name} [{sc}]']:.2f} s", flush=True)
-    gpu = torch.cuda.get_device_name()
-    print(f"GPU: {gpu}  dtype={args.dtype}  E={e} tokens/expert={m} H={h} F={f}")
-    print("TFLOP/s of GPU time, contenders timed interleaved; ours = the default schedule for the "
-          "GEMM kind; host us = host time per call")
-    print(f"{'case':<24}{'ours':>6}{'ms':>7}{'TFLOP/s':>9}{'coop':>7}{'pingpong':>9}{'bmm':>7}"
-          f"{'gmm':>7}{'ours/bmm':>9}{'host us ours':>13}{'bmm':>6}", flush=True)
-
+            print(f"[bench_kernels] first call {name} [{sc}]: {compile_s[f'{name} [{sc}]']:.2f} s", flush=True)
     rows = []
-    for name, kind, nn, ours, bmm, gmm in cases:
+    for i, (name, kind, nn, ours, bmm, gmm) in enumerate(cases, 1):
         fl = 2.0 * t * h * f
         wgrad = kind == "wgrad"
-        epilogue = "plain" if wgrad else kind
-        default = K.pick_schedule(epilogue, wgrad)
+        default = K.pick_schedule("plain" if wgrad else kind, wgrad)
         r = {"case": name, "kind": kind, "N": nn, "flop": fl, "schedule": default,
              "tile": {sc: list(K.pick_tile(nn, sc)) for sc in SCHEDULES}}
         fns = {sc: (lambda sc=sc: ours(sc)) for sc in SCHEDULES}
@@ -212,42 +201,103 @@ def main():
             fns["grouped_mm"] = gmm
         faulthandler.dump_traceback_later(args.watchdog * len(fns), exit=True)
         try:
-            timed = _time_interleaved(fns, args.reps, args.inner)
-        except Exception as exc:  # report, keep going
+            timed = time_interleaved(fns, args.reps, args.inner)
+        except Exception as exc:  # noqa: BLE001 (report, keep going)
             timed = {}
             r["error"] = repr(exc)[:300]
         faulthandler.cancel_dump_traceback_later()
-        ms = {label: v[0] for label, v in timed.items()}
         for label in ("cooperative", "pingpong", "bmm", "grouped_mm"):
-            r[label + "_ms"] = ms.get(label)
-            r[label + "_tflops"] = fl / ms[label] / 1e9 if label in ms else None
+            ms = timed[label][0] if label in timed else None
+            r[label + "_ms"] = ms
+            r[label + "_tflops"] = fl / ms / 1e9 if ms else None
             r[label + "_host_us"] = timed[label][1] if label in timed else None
             r[label + "_host_behind_samples"] = timed[label][2] if label in timed else None
         r["ours_ms"], r["ours_tflops"] = r[default + "_ms"], r[default + "_tflops"]
-        if r.get("ours_ms") and r.get("bmm_ms"):
-            r["ours_vs_bmm"] = r["bmm_ms"] / r["ours_ms"]
+        r["ours_vs_bmm"] = r["bmm_ms"] / r["ours_ms"] if r.get("ours_ms") and r.get("bmm_ms") else None
         rows.append(r)
-        print(f"{name:<24}{default[:4]:>6}{fmt(r['ours_ms'], 7, 3)}{fmt(r['ours_tflops'])}"
-              f"{fmt(r['cooperative_tflops'], 7, 0)}{fmt(r['pingpong_tflops'], 9, 0)}"
-              f"{fmt(r['bmm_tflops'], 7, 0)}{fmt(r['grouped_mm_tflops'], 7, 0)}"
-              f"{fmt(r.get('ours_vs_bmm'), p=2)}{fmt(r[default + '_host_us'], 13, 0)}"
-              f"{fmt(r['bmm_host_us'], 6, 0)}", flush=True)
+        print(f"[bench_kernels] case {i}/{len(cases)} {name}: "
+              + (f"ours ({default}) {r['ours_ms']:.3f} ms, {r['ours_tflops']:.0f} TFLOP/s"
+                 + (f", bmm {r['bmm_tflops']:.0f}" if r["bmm_tflops"] else "")
+                 + (f", grouped_mm {r['grouped_mm_tflops']:.0f}" if r["grouped_mm_tflops"] else "")
+                 if r.get("ours_ms") else f"failed: {r.get('error')}")
+              + f" | elapsed {time.perf_counter() - start:.0f} s", flush=True)
         behind = {k: r[k + "_host_behind_samples"] for k in fns if r.get(k + "_host_behind_samples")}
         if behind:
-            print("    host did not stay ahead in samples (their GPU time may hold host gaps):", behind)
-        if "error" in r:
-            print("   ", r["error"], flush=True)
-    print("first call (compile + run) seconds:", {k: round(v, 2) for k, v in compile_s.items()})
-    out = {
-        "gpu": gpu, "dtype": args.dtype, "experts": e, "tokens_per_expert": m,
-        "hidden": h, "ffn": f, "reps": args.reps, "inner": args.inner,
-        "first_call_seconds": compile_s,
-        "compile_seconds": {str(k): v for k, v in K.compile_times().items()},
-        "rows": rows,
-    }
-    with open(args.out, "w") as fh:
-        json.dump(out, fh, indent=1)
-    print("wrote", args.out)
+            print("    host did not stay ahead in samples (their GPU time may hold host gaps):", behind, flush=True)
+    return {"benchmark": "grouped_gemms", "gpu": gpu, "date": utc_now(), "dtype": args.dtype, "experts": e,
+            "tokens_per_expert": m, "hidden": h, "ffn": f, "reps": args.reps, "inner": args.inner,
+            "first_call_seconds": compile_s,
+            "compile_seconds": {str(k): v for k, v in K.compile_times().items()}, "rows": rows}
+
+
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Grouped GEMM kernels, {result['gpu']} ({result['date']})", "",
+             f"{result['dtype']}, E={result['experts']} x {result['tokens_per_expert']} tokens, H={result['hidden']}, "
+             f"F={result['ffn']}. GPU time per call with the host ahead, median of {result['reps']} interleaved "
+             f"rounds of {result['inner']} calls; ours = the kernels' default schedule for the GEMM kind; host us = "
+             "host time per call to launch.", "",
+             "| case | schedule | ours ms | ours TFLOP/s | cooperative | pingpong | bmm | grouped_mm | bmm / ours "
+             "| host us ours | host us bmm |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['case']} | {r['schedule']} | {_num(r.get('ours_ms'), '{:.3f}')} | "
+                     f"{_num(r.get('ours_tflops'), '{:.0f}')} | {_num(r.get('cooperative_tflops'), '{:.0f}')} | "
+                     f"{_num(r.get('pingpong_tflops'), '{:.0f}')} | {_num(r.get('bmm_tflops'), '{:.0f}')} | "
+                     f"{_num(r.get('grouped_mm_tflops'), '{:.0f}')} | {_num(r.get('ours_vs_bmm'), '{:.2f}')} | "
+                     f"{_num(r.get(r['schedule'] + '_host_us'), '{:.0f}')} | {_num(r.get('bmm_host_us'), '{:.0f}')} |")
+    failed = [f"{r['case']}: {r['error']}" for r in result["rows"] if r.get("error")]
+    if failed:
+        lines += ["", "Failed: " + "; ".join(failed)]
+    first = result.get("first_call_seconds") or {}
+    if first:
+        lines += ["", "First call (compile and run), seconds: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in first.items())]
+    return "\n".join(lines) + "\n"
+
+
+def chart(result: dict, path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(max(8, 0.8 * len(rows) + 3), 4.5))
+    xs = range(len(rows))
+    series = (("cooperative", "#4c72b0"), ("pingpong", "#dd8452"), ("bmm", "#888888"), ("grouped_mm", "#55a868"))
+    width = 0.8 / len(series)
+    for j, (label, color) in enumerate(series):
+        ax.bar([x + (j - 1.5) * width for x in xs], [r.get(label + "_tflops") or 0 for r in rows], width,
+               label=label, color=color)
+    ax.set_xticks(list(xs), [r["case"] for r in rows], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("TFLOP/s (GPU time, host ahead)")
+    ax.set_title(f"Grouped GEMMs, E={result['experts']} x {result['tokens_per_expert']}, H={result['hidden']}, "
+                 f"F={result['ffn']}, {result['gpu']}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    save_png(fig, path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if problem := cuda_problem():
+        return refuse("bench_kernels.py", problem)
+    import torch
+
+    from te_offload_ops.fused.selection import kernel_problem
+
+    if torch.cuda.get_device_capability() != (9, 0) or kernel_problem():
+        return refuse("bench_kernels.py", f"the kernels need an sm_90 GPU and the CuTe DSL "
+                                          f"({kernel_problem() or torch.cuda.get_device_name()})")
+    result = measure(args)
+    paths = write_reports(args.out, file_stem("grouped_gemms", result["gpu"]), result, markdown, chart)
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
 
 
 if __name__ == "__main__":

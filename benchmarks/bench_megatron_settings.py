@@ -17,33 +17,35 @@ runs by up to 10%, so each round times every variant once and medians are taken 
 * split_check     - plain with the deferred split-size check on (the default); the four above
                     run with it off (TEO_CHECK_SPLIT_SIZES=off), so they compare settings alone
 
-Each is timed back to back (wall time per step, host cost included) and with the host ahead
-(GPU work only; see bench_fused_mlp.host_ahead_ms). The split check cannot be timed host-ahead:
+Each is timed back to back (timing.event_ms: CUDA-event time per step, host gaps included) and
+with the host ahead (timing.host_ahead_ms: GPU work only). The split check cannot be timed host-ahead:
 a one-layer step queued behind a sleep kernel must wait at the end of its backward for its own
 forward's copy (by design: a bad step raises before backward() returns), so its GPU cost is
 taken from the profiler (device time per step, plain vs split_check) and its host cost from
 the back-to-back wall time. The profiler also lists main_grad's kernels against plain's: how much
 of its extra GPU time is kernels running longer (and which), how much is between them, and
 the same by GEMM (the profiler range each launch runs in, kernels.api.profile_label).
-Writes JSON, markdown and a PNG.
+Writes megatron_settings_<GPU>[_sweep].{json,md,png} into --out.
+
+    python3 benchmarks/bench_megatron_settings.py [--sweep] [--default-way-only | --ways WAY ...] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import re
-import statistics
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_common import save_png, write_reports  # noqa: E402
+from bench_common import cuda_problem, file_stem, mlp_path, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
+from timing import event_ms, host_ahead_ms, kernel_times, median  # noqa: E402
 
 # main_grad ablation: variant -> (TEO_MAIN_GRAD_ADD, schedule of the main_grad wgrad)
 MAIN_GRAD_WAYS = {"main_grad(rmw,ping)": ("rmw", "pingpong"), "main_grad(rmw,coop)": ("rmw", "cooperative"),
@@ -67,7 +69,7 @@ def parse_args(argv=None):
                    help="time main_grad the default way only, not each add x schedule (fewer kernels to compile)")
     p.add_argument("--ways", nargs="+", choices=list(MAIN_GRAD_WAYS), metavar="WAY",
                    help=f"time only these of the main_grad ways (default: all of {list(MAIN_GRAD_WAYS)})")
-    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--out", type=Path, default=HERE / "results", help="folder for JSON, markdown, PNG")
     args = p.parse_args(argv)
     for name in ("experts", "tokens", "hidden", "ffn", "rounds"):
         if getattr(args, name) <= 0:
@@ -97,9 +99,6 @@ def _build(E, H, F, variant):
 
 def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
     import torch
-
-    from bench_fused_mlp import host_ahead_ms, median_ms, profile_kernels
-    from offload_policies import compute_path
 
     T = E * tokens
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -142,15 +141,15 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
     for v in VARIANTS:  # compile, and check that every variant runs fused
         step(v)
     torch.cuda.synchronize()
-    paths = {v: compute_path(mlps[v]) for v in VARIANTS}
+    paths = {v: mlp_path(mlps[v]) for v in VARIANTS}
     wall = {v: [] for v in VARIANTS}
     gpu = {v: [] for v in VARIANTS}
     for r in range(rounds):
         for v in VARIANTS:
-            wall[v].append(median_ms(lambda: step(v), iters=3))
+            wall[v].append(event_ms(lambda: step(v), 3, inner=5))
             if v != "split_check":
                 gpu[v].append(host_ahead_ms(lambda: step(v)) or float("nan"))
-    kernels = {v: profile_kernels(lambda: step(v), steps=10, top=0)
+    kernels = {v: kernel_times(lambda: step(v), steps=10, top=0)
                for v in ("plain", "split_check", "main_grad") if v in VARIANTS}
     busy = {v: sum(k["us_per_step"] for k in rows) / 1e3 for v, rows in kernels.items()}
     # by GEMM: a profile of its own (CPU events too, for the ranges), not mixed into the busy times
@@ -164,8 +163,7 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
     row = {"E": E, "tokens_per_expert": tokens, "H": H, "F": F, "paths": paths, "variants": {},
            "main_grad_default": {"add": default_way[0], "schedule": default_way[1]}}
     for v in VARIANTS:
-        w = statistics.median(wall[v])
-        g = statistics.median(gpu[v]) if gpu[v] else float("nan")
+        w, g = median(wall[v]), median(gpu[v])
         row["variants"][v] = {"wall_ms": w, "gpu_ms": g, "wall_tflops": flop / w / 1e9, "gpu_tflops": flop / g / 1e9,
                               "wall_samples": wall[v], "gpu_samples": gpu[v]}
     base = row["variants"]["plain"]
@@ -326,12 +324,10 @@ def markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(result, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result, path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
     rows = result["rows"]
     labels = [f"E{r['E']}x{r['tokens_per_expert']}\nH{r['H']} F{r['F']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows) + 2), 4))
@@ -349,34 +345,35 @@ def plot(result, path: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_png(fig, path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from offload_policies import cuda_problem
-
     if problem := cuda_problem():
-        print(f"bench_megatron_settings.py: cannot run: {problem}", file=sys.stderr)
-        return 2
+        return refuse("bench_megatron_settings.py", problem)
     import torch
 
     gpu = torch.cuda.get_device_name()
     plan = SWEEP if args.sweep else [(args.experts, args.tokens, args.hidden, args.ffn)]
-    rows = []
+    rows, start = [], time.perf_counter()
+    print(f"[bench_megatron_settings] {gpu}: {len(plan)} configs, {args.rounds} rounds each", flush=True)
     for i, (E, tokens, H, F) in enumerate(plan, 1):
         ways = () if args.default_way_only else args.ways or tuple(MAIN_GRAD_WAYS)
         variants = tuple(v for v in VARIANTS if v in ways or v not in MAIN_GRAD_WAYS)
         row = measure(E, tokens, H, F, args.rounds, variants)
         rows.append(row)
         v = row["variants"]
-        print(f"[{i}/{len(plan)}] E={E} tok={tokens} H={H} F={F}: plain {v['plain']['gpu_ms']:.3f} ms GPU; "
+        print(f"[bench_megatron_settings] config {i}/{len(plan)} E={E} tok={tokens} H={H} F={F}: plain {v['plain']['gpu_ms']:.3f} ms GPU; "
               + ", ".join(f"{k} x{v[k]['gpu_vs_plain']:.3f}" for k in _settings(row))
-              + f"; split check {row['split_check_cost']['wall']:+.2%} wall, {row['split_check_cost']['gpu_busy']:+.2%} GPU busy",
+              + f"; split check {row['split_check_cost']['wall']:+.2%} wall, "
+              f"{row['split_check_cost']['gpu_busy']:+.2%} GPU busy | elapsed {time.perf_counter() - start:.0f} s",
               flush=True)
-    result = {"benchmark": "megatron_settings", "gpu": gpu, "rounds": args.rounds, "rows": rows,
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    stem = "megatron_settings_" + re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_") + ("_sweep" if args.sweep else "")
-    write_reports(args.out, stem, result, markdown, plot)
+    result = {"benchmark": "megatron_settings", "gpu": gpu, "rounds": args.rounds, "rows": rows, "date": utc_now()}
+    paths = write_reports(args.out, file_stem("megatron_settings", gpu, "sweep" if args.sweep else ""), result,
+                          markdown, plot)
+    print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 
 

@@ -21,10 +21,8 @@ into ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,7 +33,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_common import cuda_problem, file_stem, pyplot, save_png, write_reports  # noqa: E402
+from bench_common import cuda_problem, file_stem, mlp_path, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
+from timing import median, wall_ms  # noqa: E402
 
 MODES = ("cold", "warm", "stock", "off")
 WORKLOADS = ("mlp", "model")
@@ -106,11 +105,7 @@ def _build(args, workload: str, mode: str):
         def step():
             mlp(x, splits, probs, splits).backward(dy)
 
-        def path():
-            ran = [type(op).__name__ for g in mlp._module_groups for op, _ in g._forward_ops]
-            return "fused" if ran == ["FusedScaledSReLUMLP"] else "+".join(ran)
-
-        return step, path
+        return step, (lambda: "stock TE ops" if mode == "stock" else mlp_path(mlp))
     from moe_model import LayerShape, build_stack, compute_path, forward_stack
 
     shape = LayerShape(hidden=H, heads=args.heads, ffn=F, experts=E, topk=args.topk)
@@ -137,12 +132,7 @@ def child(args) -> int:
     step, path = _build(args, workload, mode)
     torch.cuda.synchronize()
     built = time.time()
-    times = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    times = [wall_ms(step, 1) / 1e3 for _ in range(2)]  # the first step, then the second
     print("RESULT " + json.dumps({
         "workload": workload, "mode": mode, "first_step_s": times[0], "second_step_s": times[1],
         "start_to_built_s": built - float(os.environ["TEO_BENCH_LAUNCHED"]),
@@ -177,10 +167,10 @@ def summarize(runs: list[dict], workloads, modes) -> list[dict]:
                 continue
             row = {"workload": w, "mode": m, "runs": len(mine)}
             for k in ("first_step_s", "second_step_s", "process_s", "compiled", "loaded", "compile_s", "load_s"):
-                row[k] = statistics.median(r[k] for r in mine)
+                row[k] = median(r[k] for r in mine)
             row["paths"] = sorted({r["path"] for r in mine})
             if stock and m != "stock":
-                row["vs_stock_s"] = row["first_step_s"] - statistics.median(stock)
+                row["vs_stock_s"] = row["first_step_s"] - median(stock)
             rows.append(row)
     return rows
 
@@ -248,16 +238,14 @@ def main(argv=None) -> int:
     if args.child:
         return child(args)
     if problem := cuda_problem():
-        print(f"first_step.py: cannot run: {problem}", file=sys.stderr)
-        return 2
+        return refuse("first_step.py", problem)
     import torch
 
     from te_offload_ops.fused.selection import kernel_problem
 
     if torch.cuda.get_device_capability() != (9, 0) or kernel_problem():
-        print(f"first_step.py: cannot run: the fused MLP needs an sm_90 GPU and the CuTe DSL "
-              f"({kernel_problem() or torch.cuda.get_device_name()})", file=sys.stderr)
-        return 2
+        return refuse("first_step.py", f"the fused MLP needs an sm_90 GPU and the CuTe DSL "
+                                       f"({kernel_problem() or torch.cuda.get_device_name()})")
     gpu = torch.cuda.get_device_name()
     order = [m for m in MODES if m in args.modes]  # cold before warm
     plan = [(r, w, m) for r in range(args.rounds) for w in args.workloads for m in order]
@@ -274,7 +262,8 @@ def main(argv=None) -> int:
                   f"({run['compiled']} compiled in {run['compile_s']:.1f} s, {run['loaded']} loaded in "
                   f"{run['load_s'] * 1e3:.0f} ms), second {run['second_step_s'] * 1e3:.1f} ms, "
                   f"path {run['path']}, process {run['process_s']:.1f} s", flush=True)
-    result = {"benchmark": "first_step", "gpu": gpu, "date": datetime.date.today().isoformat(),
+    result = {"benchmark": "first_step", "gpu": gpu, "date": utc_now(),
+              "command": "python benchmarks/first_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "versions": {d: _version(d) for d in ("torch", "transformer-engine", "nvidia-cutlass-dsl")},
               "settings": {k: getattr(args, k) for k in ("experts", "topk", "hidden", "ffn", "heads", "layers",
                                                           "seq", "rounds", "workloads", "modes")},

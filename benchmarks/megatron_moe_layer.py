@@ -14,23 +14,22 @@ inputs. Variants:
   where Megatron offers "expert_fc1" and "moe_act".
 - ours: TEOGroupedMLP (the fused Hopper op where it applies), with each offload choice.
 
-Per variant: median step time (wall, synchronized at both ends; also GPU time from CUDA events),
-peak allocated memory and memory held at the end of forward, both above the static floor
-(weights, main_grads, inputs: what is allocated before a step), and the bytes Megatron moved to
-the CPU per step. Megatron's offload manager keeps the last layer's group on the GPU after its
-warmup step (so that backward need not wait for it): L-1 layers are offloaded.
-Writes JSON, markdown and a PNG into --out.
+Per variant: median step time (host clock, synchronized at both ends; also GPU time from CUDA
+events: timing.PhaseTimer), peak memory in use and memory held at the end of forward, both above the
+static floor (weights, main_grads, inputs: what is in use before a step; timing.active_bytes), and
+the bytes Megatron moved to the CPU per step. Megatron's offload manager keeps the last layer's
+group on the GPU after its warm-up step (so that backward need not wait for it): L-1 layers are
+offloaded. Writes megatron_moe_layer_<GPU>.{json,md,png} into --out.
+
+    python3 benchmarks/megatron_moe_layer.py [--layers 4 --variants stock-fuser,ours] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
-import re
 import socket
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,8 +38,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
-from bench_common import cuda_problem, pyplot, save_png  # noqa: E402
+from bench_common import cuda_problem, file_stem, pyplot, refuse, save_png, utc_now  # noqa: E402
 from bench_common import write_reports as bench_common_write_reports  # noqa: E402
+from timing import PhaseTimer, active_bytes, median  # noqa: E402
 
 VARIANTS = {  # name -> (experts, use_transformer_engine_op_fuser, offload_modules)
     "stock-fuser": ("stock", True, ()),
@@ -214,41 +214,38 @@ def measure(args, name: str, weights: list, inputs) -> dict:
                                    min_offloaded_tensor_size=config.min_offloaded_tensor_size,
                                    delta_offload_bytes_across_pp_ranks=0, activation_offload_fraction=1.0)
         torch.cuda.synchronize()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        t0 = time.perf_counter()
-        ev[0].record()
+        timer = PhaseTimer()
         h = x
         for layer in layers:
             out, _ = layer(h)
             h = h + out
-        ev[1].record()
+        timer.mark("fwd")
         held = None
         if sync_after_forward:
-            torch.cuda.synchronize()
-            held = torch.cuda.memory_allocated()
+            held = active_bytes()  # (synchronizes)
         h.backward(dy)
-        ev[2].record()
+        timer.mark("bwd")
         del h, out
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) * 1e3
+        times = timer.finish()
         if modules:
             off.reset()
-        return {"wall_ms": wall, "gpu_ms": ev[0].elapsed_time(ev[2]), "fwd_ms": ev[0].elapsed_time(ev[1]),
-                "held": held}
+        return {"wall_ms": times["wall_ms"], "gpu_ms": times["gpu_ms"], "fwd_ms": times["fwd_ms"], "held": held}
 
     with counting_offloads(moved):
         for i in range(args.warmup):
             step()
-            print(f"  {name}: warmup step {i + 1}/{args.warmup} done", flush=True)
+            print(f"[megatron_moe_layer] {name}: warm-up step {i + 1}/{args.warmup}", flush=True)
         for p in params:  # the floor holds weights, main_grads and inputs only
             p.grad = None
-        torch.cuda.synchronize()
-        floor = torch.cuda.memory_allocated()
+        floor = active_bytes()
         torch.cuda.reset_peak_memory_stats()
         first = step(sync_after_forward=True)  # memory only: its sync after forward would skew the time
-        peak = torch.cuda.max_memory_allocated()
+        peak = active_bytes(peak=True)
         moved[0] = 0
-        times = [step() for _ in range(args.iters)]
+        times = []
+        for i in range(args.iters):
+            times.append(step())
+            print(f"[megatron_moe_layer] {name}: step {i + 1}/{args.iters}: {times[-1]['wall_ms']:.2f} ms", flush=True)
         moved_per_step = moved[0] / args.iters
     path = experts_path(layers[0])
     fallback = None
@@ -261,9 +258,9 @@ def measure(args, name: str, weights: list, inputs) -> dict:
     return {
         "variant": name, "experts": experts, "op_fuser": op_fuser, "offload_modules": list(modules),
         "experts_path": path, "fallback_reasons": fallback,
-        "step_ms": statistics.median(wall), "step_ms_min": min(wall), "step_ms_max": max(wall),
-        "gpu_step_ms": statistics.median(t["gpu_ms"] for t in times),
-        "fwd_ms": statistics.median(t["fwd_ms"] for t in times),
+        "step_ms": median(wall), "step_ms_min": min(wall), "step_ms_max": max(wall),
+        "gpu_step_ms": median(t["gpu_ms"] for t in times),
+        "fwd_ms": median(t["fwd_ms"] for t in times),
         "floor_MiB": floor / 2**20, "peak_above_floor_MiB": (peak - floor) / 2**20,
         "held_after_fwd_MiB": (first["held"] - floor) / 2**20, "offloaded_MiB_per_step": moved_per_step / 2**20,
     }
@@ -333,8 +330,7 @@ def chart(result: dict, path: Path) -> bool:
 
 
 def write_reports(result: dict, folder: Path) -> list[Path]:
-    stem = "megatron_moe_layer_" + re.sub(r"[^A-Za-z0-9]+", "_", result["gpu"]).strip("_")
-    return bench_common_write_reports(folder, stem, result, markdown, chart)
+    return bench_common_write_reports(folder, file_stem("megatron_moe_layer", result["gpu"]), result, markdown, chart)
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -351,8 +347,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     reason = problem()
     if reason:
-        print(f"megatron_moe_layer.py: cannot run: {reason}", file=sys.stderr)
-        return 2
+        return refuse("megatron_moe_layer.py", reason)
 
     import torch
     import transformer_engine
@@ -377,18 +372,19 @@ def main(argv=None) -> int:
                     requires_grad=True)
     dy = torch.randn(args.seq, args.batch, args.hidden, device="cuda", dtype=torch.bfloat16, generator=g)
 
-    rows = []
+    rows, start = [], time.perf_counter()
     for i, name in enumerate(args.variants, 1):
-        print(f"[{i}/{len(args.variants)}] {name} ...", flush=True)
+        print(f"[megatron_moe_layer] variant {i}/{len(args.variants)}: {name} | elapsed "
+              f"{time.perf_counter() - start:.0f} s", flush=True)
         row = measure(args, name, weights, (x, dy))
         rows.append(row)
-        print(f"[{i}/{len(args.variants)}] {name:28s} {row['experts_path']:20s} step {row['step_ms']:8.2f} ms  "
+        print(f"[megatron_moe_layer] variant {i}/{len(args.variants)}: {name:28s} {row['experts_path']:20s} step {row['step_ms']:8.2f} ms  "
               f"peak+{row['peak_above_floor_MiB']:7.0f} MiB  held+{row['held_after_fwd_MiB']:7.0f} MiB  "
               f"offloaded {row['offloaded_MiB_per_step']:7.0f} MiB/step", flush=True)
     add_speedups(rows)
     result = {
         "benchmark": "megatron_moe_layer", "gpu": gpu,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_now(),
         "versions": {"megatron-core": installed_version(), "transformer-engine": transformer_engine.__version__,
                      "torch": torch.__version__, "te-offload-ops": _package_version(version)},
         "config": {k: getattr(args, k) for k in ("experts", "hidden", "ffn", "seq", "batch", "topk", "layers",

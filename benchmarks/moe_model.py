@@ -28,6 +28,8 @@ from transformer_engine.pytorch.router import fused_topk_with_score_function
 import te_offload_ops as teo
 from te_offload_ops import policy
 
+from bench_common import mlp_path
+
 ATTENTION_KINDS = ("sdpa", "te")
 SCOPES = ("layer", "mlp")  # what runs inside the offload context
 
@@ -133,9 +135,4 @@ def forward_stack(stack: torch.nn.ModuleList, x: torch.Tensor, batch: int, scope
 
 def compute_path(stack: torch.nn.ModuleList) -> str:
     """ "fused" when every layer's MLP ran this package's Hopper fused op (after a forward), else "unfused"."""
-    for layer in stack:
-        ran = [op for group in layer.mlp._module_groups for op, _ in group._forward_ops]
-        fused = [op for op in ran if type(op).__name__ == "FusedScaledSReLUMLP"]
-        if not fused or any(op.last_fallback_reasons for op in fused):
-            return "unfused"
-    return "fused"
+    return "fused" if all(mlp_path(layer.mlp) == "fused" for layer in stack) else "unfused"

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The main job: a training step of N MoE transformer layers with activations offloaded to CPU.
+"""The main job: what activation offload costs in a training step of MoE transformer layers, per
+policy, and how many more tokens per step it fits under a GPU memory cap.
 
 Each layer is built from Transformer Engine's parts and this package's grouped MLP
 (benchmarks/moe_model.py): LayerNormLinear qkv, causal attention, Linear proj, LayerNorm, a top-k
@@ -7,15 +8,28 @@ softmax router, TE's moe_permute_with_probs / moe_unpermute, and
 te.ops.Sequential(GroupedLinear, ScaledSReLU, GroupedLinear). A step is forward, backward and an
 AdamW step, with grads kept in preallocated buffers.
 
-For each engine (TE V2, TE V1, and this package's "teo" schedule on TE's marks; one process each,
-as TE picks its engine at import) and policy
-("MLP n/L": only the grouped MLP of the first n layers inside the offload context; "layer n/L":
-whole layers) it reports step time and tokens/s, peak memory above the static floor over the whole
-step, bytes offloaded, peak freed / bytes offloaded, the PCIe bound from bandwidth measured in the
-same process, and the most tokens per step that fit under a memory cap with and without offload
-(predicted from the measured peak per sequence, then confirmed by runs under the cap). It writes
-JSON, markdown and a PNG (step time against peak memory) into --out; --memory-target names the
-fastest measured policy whose peak meets it.
+Each engine runs in a process of its own (TE picks its offload engine when it is imported): TE V2
+(``v2``), TE V1 (``v1``) and this package's ``teo``, with variants of teo by name. Policies: "MLP
+n/L" offloads the grouped MLP of the first n layers, "layer n/L" whole layers. Per engine and
+policy it reports
+
+* what offload costs: step time and tokens/s against no offload in the same process, peak memory
+  above the static floor over the whole step, bytes moved to the host, peak freed per byte moved,
+  and the PCIe bound from the bandwidth measured in the same process;
+* tokens under a cap: the most sequences per step that fit under a memory cap without offload
+  and with the policies predicted to fit the most (at most 5% slower, and of all), predicted from
+  the measured peak per sequence and confirmed by runs with the allocator limited to the cap.
+
+It prints a progress line per step (elapsed time and an estimate of the time left) and writes
+JSON, markdown and a PNG (step time against peak memory; tokens per step under the cap) into
+--out. --memory-target names the fastest measured policy whose peak meets it.
+
+    python3 benchmarks/moe_step.py            # the default: shape base, engines teo and v2,
+                                              # MLP L/2, L-1, L and layer L/2, a short cap search;
+                                              # made to end within 5 minutes on one H100
+    python3 benchmarks/moe_step.py --full     # shapes base and moe-heavy, engines v2, v1, teo,
+                                              # eight policies, a longer cap search
+    python3 benchmarks/moe_step.py --quick    # a small smoke run of every engine and policy
 
 With --profile POLICY[,...] it measures nothing of the above: for each engine and the policies
 named it runs a few steps after warm-up under torch.profiler and writes where the time goes
@@ -28,13 +42,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import json
 import math
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -47,25 +59,23 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
 import step_profile  # noqa: E402
-from bench_common import active_bytes, cuda_problem, file_stem, measure_pcie  # noqa: E402
+from bench_common import cuda_problem, file_stem, refuse, utc_now  # noqa: E402
 from bench_common import write_reports as write_profile_reports  # noqa: E402
+from timing import PhaseTimer, active_bytes, median, pcie_bandwidth  # noqa: E402
 from moe_step_report import (  # noqa: E402
     GiB, MiB, cap_candidates, finish, oom_error, policy_label, predicted_batch, search_cap, write_reports,
 )
 
-# Shapes (per layer). "base": the step measured in issue 12 on an H100. "moe-heavy": MoE activations
+# Shapes (per layer). "base": a mid-size MoE layer, the default. "moe-heavy": MoE activations
 # dominate (many small experts, large top-k), as in Qwen3-30B-A3B or DeepSeek-V2-Lite. "wide": a
-# 4096-wide model (Mixtral's width, eight experts, top-2), more compute per byte saved: the forward's
-# FLOPs per token grow with H^2, the MLP's saved bytes with H + F (2 x (H + F) per routed token), so
-# by estimate from the base run (FLOPs scaled at base's speed) its 7 MLP copies take about 0.7 of
-# the forward at 55 GB/s where base's take 1.0 (base: n = L-1 cannot reach 1.03x on PCIe; here it
-# could). Named only: not in the default run. "big-ffn": Mixtral's width and FFN (H=4096, F=14336,
-# eight experts) with top-4: MoE activations about 65% of what a layer saves, and about 2.8x
-# base's forward FLOPs per saved byte (FLOPs per token 8 H^2 + 2 seq H + 4 top-k H F; saved bytes
-# about 19 H (measured at base) + 2 top-k (H + F)), so by estimate the copies hidden in a forward
-# 5% longer hold about 70% of its peak where base's hold a quarter: the shape where the
-# tokens-under-a-cap target (1.5x at <= 5% slower) could be in reach. Run it with --layers 4 on an
-# 80 GB GPU (4.0 B parameters: about 32 GB of weights, grads and optimizer state). Named only.
+# 4096-wide model (Mixtral's width, eight experts, top-2): the forward's FLOPs per token grow with
+# H^2, the MLP's saved bytes with H + F (2 x (H + F) per routed token), so more compute hides each
+# byte moved. "big-ffn": Mixtral's width and FFN (H=4096, F=14336, eight experts) with top-4: MoE
+# activations are about 65% of what a layer saves (saved bytes per token: about 19 H outside the MoE
+# MLP, 2 top-k (H + F) in it), with about 2.8x base's forward FLOPs per saved byte (FLOPs per token
+# 8 H^2 + 2 seq H + 4 top-k H F): the shape where offload buys the most tokens under a cap. Run it
+# with --layers 4 on an 80 GB GPU (4.0 B parameters: about 32 GB of weights, grads and optimizer
+# state). "wide" and "big-ffn" run only when named.
 SHAPES = {
     "base": {"hidden": 2688, "heads": 21, "ffn": 1856, "experts": 8, "topk": 2},
     "moe-heavy": {"hidden": 2048, "heads": 16, "ffn": 1024, "experts": 64, "topk": 8},
@@ -74,9 +84,8 @@ SHAPES = {
 }
 SHAPE_KEYS = ("hidden", "heads", "ffn", "experts", "topk")
 
-# The environment each engine's process needs before TE is imported. An engine of this package
-# (te_offload_ops.engines.offload_context) is one more entry here: "teo" reads TE's marks with
-# V2's semantics, so its process runs TE in V2 mode.
+# The environment each engine's process needs before TE is imported: "teo" and its variants read
+# TE's marks with V2's semantics, so their processes run TE in V2 mode.
 ENGINE_ENV = {
     "v2": {"NVTE_CPU_OFFLOAD_V1": "0"},
     "v1": {"NVTE_CPU_OFFLOAD_V1": "1"},
@@ -104,14 +113,20 @@ FUSION_ENV = "TEO_FUSED_SRELU_MLP"
 ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"  # read by torch when it initialises CUDA: set before each child starts
 ALLOC_ENV_NEW = "PYTORCH_ALLOC_CONF"  # its newer name; some torch versions read it first
 
-# Defaults of a full run and of --quick; an explicit flag wins over either.
-# 8 x 4096 tokens: 65 Ki routed tokens per step in the base shape (top-2), 256 Ki in moe-heavy
-# (top-8), in the 10^5-10^6 a GPU trains on; at 2 x 4096 the forward ran host-bound (its GPU
-# span varied 25-35 ms between processes for the same work while the backward held at 47 ms).
-FULL = {"shapes": "base,moe-heavy", "layers": 8, "batch": 8, "warmup": 2, "iters": 5,
+# Presets; an explicit flag wins over any. 8 x 4096 tokens: 65 Ki routed tokens per step in the
+# base shape (top-2), 256 Ki in moe-heavy (top-8), in the 10^5-10^6 a GPU trains on; with fewer the
+# forward runs host-bound. The default's policies are a function of L (default_policies); --full's
+# too (full_policies). Timed steps: a step's outliers are single slow steps, so the median of three
+# holds where the default needs it.
+DEFAULT = {"shapes": "base", "engines": "teo,v2", "layers": 8, "batch": 8, "warmup": 2, "iters": 3,
+           "cap_seqs": 8, "cap_trials": 3, "cap_max_batch": 24}
+FULL = {"shapes": "base,moe-heavy", "engines": "v2,v1,teo", "layers": 8, "batch": 8, "warmup": 2, "iters": 5,
         "cap_seqs": 8, "cap_trials": 4, "cap_max_batch": 32}
-QUICK = {"shapes": "base", "layers": 4, "batch": 1, "warmup": 1, "iters": 3,
+QUICK = {"shapes": "base", "engines": "v2,v1,teo", "layers": 4, "batch": 1, "warmup": 1, "iters": 3,
          "cap_seqs": 2, "cap_trials": 2, "cap_max_batch": 4}
+PRESETS = {"default": DEFAULT, "full": FULL, "quick": QUICK}
+CAP_TRIAL_STEPS = (1, 2)  # warm-up and timed steps of each run under the cap
+CAP_SEARCHES = 3  # policies searched under the cap at most: no offload, the best fast one, the best overall
 
 
 @dataclass(frozen=True)
@@ -127,7 +142,14 @@ NO_OFFLOAD = Policy("none", 0)
 
 
 def default_policies(layers: int) -> list[Policy]:
-    """MLP only: a quarter, half, three quarters, all but one, all; whole layers: a quarter to three quarters."""
+    """The default's: the MLP of half, all but one and all layers; whole layers, half."""
+    mlp = sorted({n for n in (layers // 2, layers - 1, layers) if n > 0})
+    return [Policy("mlp", n) for n in mlp] + [Policy("layer", max(1, layers // 2))]
+
+
+def full_policies(layers: int) -> list[Policy]:
+    """--full's and --quick's: the MLP of a quarter, half, three quarters, all but one and all
+    layers; whole layers, a quarter to three quarters."""
     mlp = sorted({n for n in (layers // 4, layers // 2, 3 * layers // 4, layers - 1, layers) if n > 0})
     whole = sorted({n for n in (layers // 4, layers // 2, 3 * layers // 4) if n > 0}) or [1]
     return [Policy("mlp", n) for n in mlp] + [Policy("layer", n) for n in whole]
@@ -244,35 +266,47 @@ def auto_cap_GiB(floor_MiB: float, none_peak_above_MiB: float, batch: int, seqs:
     return min(math.ceil(want * 2) / 2, math.floor(device_GiB) - 1)
 
 
+def _preset_help(preset: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in preset.items())
+
+
+FULL_POLICIES_HELP = "the MLP of L/4, L/2, 3L/4, L-1 and L layers; L/4, L/2 and 3L/4 whole layers"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help=f"a short run: {', '.join(f'{k}={v}' for k, v in QUICK.items())}")
-    p.add_argument("--shapes", help=f"comma-separated, from {', '.join(SHAPES)} (default {FULL['shapes']})")
+    preset = p.add_mutually_exclusive_group()
+    preset.add_argument("--full", action="store_true",
+                        help=f"the whole sweep: {_preset_help(FULL)}; policies: {FULL_POLICIES_HELP}")
+    preset.add_argument("--quick", action="store_true",
+                        help=f"a small smoke run: {_preset_help(QUICK)}; policies: {FULL_POLICIES_HELP}")
+    p.add_argument("--shapes", help=f"comma-separated, from {', '.join(SHAPES)} (default {DEFAULT['shapes']})")
     for key in SHAPE_KEYS:
         p.add_argument(f"--{key}", type=int, help=f"{key} for every shape run (default: the shape's)")
-    p.add_argument("--layers", "-L", type=int, help=f"layers (default {FULL['layers']})")
-    p.add_argument("--batch", type=int, help=f"sequences per step (default {FULL['batch']})")
+    p.add_argument("--layers", "-L", type=int, help=f"layers (default {DEFAULT['layers']})")
+    p.add_argument("--batch", type=int, help=f"sequences per step (default {DEFAULT['batch']})")
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--attention", choices=["sdpa", "te"], default="sdpa",
                    help="torch SDPA on contiguous q, k, v, or TE's DotProductAttention")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    p.add_argument("--engines", default="v2,v1,teo", help=f"comma-separated, from {', '.join(ENGINE_ENV)}")
-    p.add_argument("--policies", help="comma-separated mlp:N / layer:N (N = layers offloaded, or 'all'); "
-                                      "default: a quarter, half, three quarters, L-1 and L for the MLP, "
-                                      "a quarter to three quarters for whole layers")
+    p.add_argument("--engines", help=f"comma-separated, from {', '.join(ENGINE_ENV)} (default {DEFAULT['engines']})")
+    p.add_argument("--policies", help="comma-separated mlp:N / layer:N (N = layers offloaded, or 'all'); default: "
+                                      "the MLP of L/2, L-1 and L layers and L/2 whole layers")
     p.add_argument("--unfused", action="store_true",
                    help=f"run this package's MLP ops unfused, through TE's path ({FUSION_ENV}=0)")
-    p.add_argument("--warmup", type=int, help=f"untimed steps per policy (default {FULL['warmup']})")
-    p.add_argument("--iters", type=int, help=f"timed steps per policy (default {FULL['iters']})")
+    p.add_argument("--warmup", type=int, help=f"untimed steps per policy (default {DEFAULT['warmup']})")
+    p.add_argument("--iters", type=int, help=f"timed steps per policy (default {DEFAULT['iters']})")
     p.add_argument("--memory-cap", help="GiB of GPU memory for the tokens-under-a-cap search: one number, or "
                                         "shape=GiB,...; default per shape: the static floor plus --cap-seqs "
                                         "sequences at the no-offload peak (found by the first engine's process)")
-    p.add_argument("--cap-seqs", type=int, help=f"sequences the automatic cap leaves room for (default {FULL['cap_seqs']})")
+    p.add_argument("--cap-seqs", type=int,
+                   help=f"sequences the automatic cap leaves room for (default {DEFAULT['cap_seqs']})")
     p.add_argument("--cap-slowdown", type=float, default=0.05,
                    help="also search the policy fitting the most tokens among those at most this much slower")
-    p.add_argument("--cap-trials", type=int, help=f"runs under the cap per policy searched (default {FULL['cap_trials']})")
-    p.add_argument("--cap-max-batch", type=int, help=f"most sequences per step tried (default {FULL['cap_max_batch']})")
+    p.add_argument("--cap-trials", type=int,
+                   help=f"runs under the cap per policy searched (default {DEFAULT['cap_trials']})")
+    p.add_argument("--cap-max-batch", type=int,
+                   help=f"most sequences per step tried (default {DEFAULT['cap_max_batch']})")
     p.add_argument("--no-cap", action="store_true", help="skip the tokens-under-a-cap search")
     p.add_argument("--budget-margin", type=float, default=2.0,
                    help="GiB: engine teo-b's memory_budget is the cap (under the cap search; else the GPU's "
@@ -282,8 +316,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "bytes the policy moves (times --target-freed), plus this much")
     p.add_argument("--target-freed", type=float, default=1.0,
                    help="fraction of the bytes the policy moves that engine teo-t's budget frees at the peak "
-                        "(default 1: all; issue 12's target is 0.95): the rest may still be copying there, "
-                        "which spares the step waits where copies are as slow as the forward")
+                        "(default 1: all): the rest may still be copying there, which spares the step waits "
+                        "where copies are as slow as the forward")
     p.add_argument("--alloc-conf", default="",
                    help=f"{ALLOC_ENV} for each engine's process, e.g. expandable_segments:True (as Megatron-Core "
                         "runs commonly use: it avoids the fragmentation that can fail a run under a cap well "
@@ -297,9 +331,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace", action="store_true", help="with --profile: keep each chrome trace (.json.gz) in --out")
     p.add_argument("--child", choices=list(ENGINE_ENV), help=argparse.SUPPRESS)
     p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--clock", help=argparse.SUPPRESS)  # the parent's start and this child's launch (epoch s)
     args = p.parse_args(argv)
 
-    for key, value in (QUICK if args.quick else FULL).items():
+    args.preset = "full" if args.full else "quick" if args.quick else "default"
+    for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     names = [s.strip() for s in args.shapes.split(",") if s.strip()]
@@ -335,8 +371,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.trace and not args.profile:
         p.error("--trace needs --profile")
     try:
+        args.clock = [float(x) for x in args.clock.split(",")] if args.clock else None
+    except ValueError:
+        p.error(f"--clock: {args.clock!r}")
+    try:
         args.profile = parse_profile_policies(args.profile, args.layers) if args.profile else None
-        args.policies = parse_policies(args.policies, args.layers) if args.policies else default_policies(args.layers)
+        preset_policies = default_policies if args.preset == "default" else full_policies
+        args.policies = parse_policies(args.policies, args.layers) if args.policies else preset_policies(args.layers)
         args.caps = parse_caps(args.memory_cap, list(args.shapes))
         if args.memory_target is not None:
             args.memory_target = gib_value("--memory-target", args.memory_target)
@@ -366,9 +407,8 @@ def release_te_offload_state() -> int:
     """After a failed step: TE V2's offload synchronizers let go of the tensors they hold. A step
     that fails mid-forward leaves its synchronizer holding the saved GPU tensors, and its autograd
     graph holds the synchronizer (the unpack hooks, the layer-output prehook): a cycle through C++
-    graph nodes, which gc cannot break. In the tenth and thirteenth sessions no batch of TE V2's
-    layer policy fit after such a failure (read from TE 2.20's cpu_offload.py; to be confirmed on a
-    GPU: scripts/diag_v2_oom.py). Returns how many synchronizers were found."""
+    graph nodes, which gc cannot break, so that the next runs (a cap search's larger batches) would
+    fail for want of that memory. Returns how many synchronizers were found."""
     te_offload = sys.modules.get("transformer_engine.pytorch.cpu_offload")
     kind = getattr(te_offload, "OffloadSynchronizer", None)
     if kind is None:
@@ -380,10 +420,34 @@ def release_te_offload_state() -> int:
     return len(found)
 
 
+def target_budget(*, floor_bytes: int, no_offload_peak_bytes: int, moved_bytes: int, num_layers: int,
+                  model_layers: int, freed: float, slack_bytes: int = 0) -> int:
+    """teo's memory_budget for a target peak: the static floor plus no offload's peak above it, less
+    ``freed`` of the bytes the policy moves, plus ``slack_bytes``; at n = L, of (L - 1) / L of them
+    (the layer whose backward comes first is back on the GPU at the peak under any schedule). The
+    package's ``te_offload_ops.engines.target_budget`` where it has one, else the same formula."""
+    try:
+        from te_offload_ops.engines import target_budget as package_target_budget
+    except ImportError:
+        if num_layers == model_layers:
+            moved_bytes = moved_bytes * (model_layers - 1) // model_layers
+        return int(floor_bytes + no_offload_peak_bytes - moved_bytes * freed + slack_bytes)
+    return package_target_budget(floor_bytes=floor_bytes, no_offload_peak_bytes=no_offload_peak_bytes,
+                                 moved_bytes=moved_bytes, num_layers=num_layers, model_layers=model_layers,
+                                 freed=freed, slack_bytes=slack_bytes)
+
+
+FIRST_STEP = "first step (kernels compile, the optimizer state is allocated)"
+
+
 class StepBench:
     """One model of one shape, its optimizer and preallocated grads, and the runs of its policies."""
 
-    def __init__(self, name: str, shape: dict, args, engine: str):
+    progress: Optional["Progress"] = None
+    ticks = 0
+    where = ""
+
+    def __init__(self, name: str, shape: dict, args, engine: str, progress: Optional["Progress"] = None):
         import torch
 
         from moe_model import LayerShape, build_stack, compute_path
@@ -394,6 +458,8 @@ class StepBench:
         self.none_peak_MiB: dict[int, float] = {}  # batch -> no offload's peak above the floor (teo-t's target)
         self.moved_bytes: dict[tuple, int] = {}  # (scope, layers, batch) -> bytes plain teo moves in a step
         self.mark = lambda phase: contextlib.nullcontext()  # step_profile.phase_mark while profiling
+        self.progress: Optional[Progress] = progress
+        self.where, self.ticks = FIRST_STEP, 0  # what the progress lines say is running; steps done
         self.L, self.seq = args.layers, args.seq
         self.hidden = shape["hidden"]
         self.dtype = getattr(torch, DTYPES[args.dtype])
@@ -435,10 +501,10 @@ class StepBench:
         return offload_context(engine, num_layers=policy.layers, model_layers=self.L, **options)
 
     def target_budget(self, policy: Policy, batch: int) -> int:
-        """teo-t's budget: the floor plus no offload's peak at ``batch`` (measured in this process,
-        else scaled by sequences from the batch measured; one step of it first where none ran) less
-        --target-freed of what plain teo moves in a step of this policy (at n = L, of (L - 1) / L of
-        it), plus --target-slack."""
+        """teo-t's budget (:func:`target_budget`): the floor, no offload's peak at ``batch``
+        (measured in this process, else scaled by sequences from the batch measured; one step of it
+        first where none ran), the bytes plain teo moves in a step of this policy, --target-freed
+        and --target-slack."""
         if not self.none_peak_MiB:  # (the measurements run no offload first; a profile may not)
             _, peak, _ = self._steps(NO_OFFLOAD, batch, count=1, warmup=1)
             self.none_peak_MiB[batch] = peak - self.floor_MiB
@@ -447,13 +513,9 @@ class StepBench:
         key = (policy.scope, policy.layers, batch)
         if key not in self.moved_bytes:
             self.moved_bytes[key] = self._moved(policy, batch)
-        moved = self.moved_bytes[key]
-        if policy.layers == self.L:
-            # n = L: the layer whose backward comes first is back on the GPU at the peak under any
-            # schedule (its bytes serve its backward in place), so the target frees the other L - 1
-            # (layers move equal bytes: the same shapes, and routing sends every layer T x top-k rows)
-            moved = moved * (self.L - 1) // self.L
-        return int((self.floor_MiB + none_peak) * MiB - moved * self.args.target_freed + self.args.target_slack * GiB)
+        return target_budget(floor_bytes=round(self.floor_MiB * MiB), no_offload_peak_bytes=round(none_peak * MiB),
+                             moved_bytes=self.moved_bytes[key], num_layers=policy.layers, model_layers=self.L,
+                             freed=self.args.target_freed, slack_bytes=round(self.args.target_slack * GiB))
 
     def _moved(self, policy: Policy, batch: int) -> int:
         """Bytes plain teo moves to the host in one step of ``policy`` at ``batch``: a step outside
@@ -505,41 +567,44 @@ class StepBench:
     def _step(self, x, dy, batch: int, policy: Policy, context) -> dict:
         from moe_model import forward_stack
 
-        torch = self.torch
         ctx, sync, counter = context
         counter.bytes.clear()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        ev[0].record()
+        timer = PhaseTimer()
         with self.mark("forward"):
             # a copy, so that the engine can free what it offloads: the model does not keep the embedding's output
             out = forward_stack(self.stack, x.clone(), batch, "layer" if policy.scope == "none" else policy.scope,
                                 ctx, sync)
-        ev[1].record()
+        timer.mark("fwd")
         with self.mark("backward"):
             out.backward(dy)
             del out
-        ev[2].record()
+        timer.mark("bwd")
         with self.mark("optimizer"):
             self.opt.step()
             self.opt.zero_grad(set_to_none=False)
-        ev[3].record()
-        torch.cuda.synchronize()
-        fwd, bwd, opt = (ev[i].elapsed_time(ev[i + 1]) for i in range(3))
-        return {"fwd_ms": fwd, "bwd_ms": bwd, "opt_ms": opt, "step_ms": fwd + bwd + opt, "offloaded": counter.total}
+        timer.mark("opt")
+        t = timer.finish()
+        return {"fwd_ms": t["fwd_ms"], "bwd_ms": t["bwd_ms"], "opt_ms": t["opt_ms"], "step_ms": t["gpu_ms"],
+                "offloaded": counter.total}
 
     def _steps(self, policy: Policy, batch: int, count: int, warmup: int = 0, reuse: bool = True):
         """``warmup`` untimed then ``count`` timed steps; returns (samples, peak above floor MiB, held MiB)."""
         torch = self.torch
         x, dy = self._inputs(batch)
         held = self._context(policy, batch) if reuse else None
-        for _ in range(warmup):
-            self._step(x, dy, batch, policy, held or self._context(policy, batch))
+        steps = warmup + count
+        for i in range(1, warmup + 1):
+            sample = self._step(x, dy, batch, policy, held or self._context(policy, batch))
+            self._tick(f"step {i}/{steps} (warm-up)", sample)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         engine = getattr(held[0], "engine", None) if held else None
         waits = (engine.budget_waits, engine.budget_wait_bytes, engine.reloads_deferred, engine.fits_given_up,
                  engine.reloads_started_early) if getattr(engine, "memory_budget", None) else None
-        samples = [self._step(x, dy, batch, policy, held or self._context(policy, batch)) for _ in range(count)]
+        samples = []
+        for i in range(warmup + 1, steps + 1):
+            samples.append(self._step(x, dy, batch, policy, held or self._context(policy, batch)))
+            self._tick(f"step {i}/{steps}", samples[-1])
         # teo-b / teo-t, per timed step: copies waited for to stay under the budget (count, MiB),
         # prefetches put off, the budget itself, fits given up, copies of put-off prefetches started
         self.budget_waits = None if waits is None else (
@@ -551,6 +616,13 @@ class StepBench:
         inputs_MiB = 2 * x.numel() * x.element_size() / MiB
         left = active_bytes() / MiB - inputs_MiB  # what the engine keeps between steps
         return samples, peak, left
+
+    def _tick(self, what: str, sample: dict) -> None:
+        """One step done: a progress line (where a Progress is attached)."""
+        self.ticks += 1
+        if self.progress is not None:
+            self.progress.step(f"shape={self.name} {self.where} {what}: {sample['step_ms']:.1f} ms",
+                               counted=self.where != FIRST_STEP)
 
     def _recover(self) -> None:
         torch = self.torch
@@ -572,16 +644,19 @@ class StepBench:
                "policy": policy.label(self.L), "batch": batch, "tokens": batch * self.seq,
                "context": "reused" if reuse else "one per step", "floor_MiB": self.floor_MiB,
                "notes": schedule_notes(self.engine, policy.layers, self.L) if policy.scope != "none" else []}
+        ticks = self.ticks
         try:
             samples, peak, left = self._steps(policy, batch, iters, warmup, reuse)
         except torch.cuda.OutOfMemoryError as exc:  # "out of memory (tried to allocate ...; ...)"
             row["error"], row["oom"] = oom_error(str(exc)), True
         except Exception as exc:  # noqa: BLE001 (an engine that cannot run a policy is a result)
             row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        if self.progress is not None:  # the steps a failed run did not take
+            self.progress.drop(warmup + iters - (self.ticks - ticks))
         if "error" in row:
             self._recover()
             return row
-        med = lambda k: statistics.median(s[k] for s in samples)  # noqa: E731
+        med = lambda k: median(s[k] for s in samples)  # noqa: E731
         row.update({k: med(k) for k in ("step_ms", "fwd_ms", "bwd_ms", "opt_ms")})
         row.update({"step_ms_min": min(s["step_ms"] for s in samples), "step_ms_max": max(s["step_ms"] for s in samples),
                     "tokens_per_s": row["tokens"] / (row["step_ms"] / 1e3),
@@ -607,6 +682,8 @@ class StepBench:
         a = self.args
         row = self.run(policy, a.batch, warmup=a.warmup, iters=a.iters)
         if row.get("error") and not row.get("oom") and policy.scope != "none":
+            if self.progress is not None:
+                self.progress.plan(a.warmup + a.iters)
             retry = self.run(policy, a.batch, warmup=a.warmup, iters=a.iters, reuse=False)
             if not retry.get("error"):
                 retry["notes"].append(f"a reused context failed ({row['error']})")
@@ -653,7 +730,7 @@ class StepBench:
         torch.cuda.empty_cache()
         _empty_host_cache()  # pinned buffers of other batch sizes would pile up on the host
         with self.under_cap(cap_GiB):  # the allocator refuses what would pass the cap: an OOM means it does not fit
-            row = self.run(policy, batch, warmup=1, iters=2, reuse=reuse)
+            row = self.run(policy, batch, warmup=CAP_TRIAL_STEPS[0], iters=CAP_TRIAL_STEPS[1], reuse=reuse)
             # what the allocator held at most since the timed steps began (blocks the warm-up left
             # cached included): above the active peak by what fragmentation cost; None where the
             # run failed before it was read
@@ -674,18 +751,24 @@ class StepBench:
         base = (row["batch"], row["peak_above_MiB"])
 
         def trial(batch: int) -> dict:
+            self.where = (f"cap {cap_GiB:.1f} GiB policy={row['policy']} batch {batch} "
+                          f"(trial {len(done) + 1}/{a.cap_trials})")
             t = self.cap_trial(policy, batch, cap_GiB, reuse=row["context"] == "reused")
-            print(f"[{self.engine} {self.name} cap {cap_GiB:.1f} GiB] {row['policy']:10s} {batch:3d} x {self.seq} tokens: "
-                  + (f"fits, peak {(self.floor_MiB + t['peak_above_MiB']) / 1024:.1f} GiB "
-                     f"(reserved {t['reserved_peak_MiB'] / 1024:.1f} GiB), {t['step_ms']:.0f} ms "
-                     f"(fwd {t['fwd_ms']:.0f}, bwd {t['bwd_ms']:.0f})"
-                     + (f", budget waits {t['budget_waits_per_step']:.0f} ({t['budget_wait_MiB_per_step']:.0f} MiB), "
-                        f"prefetches put off {t.get('budget_reloads_deferred_per_step', 0):.1f}"
-                        if "budget_waits_per_step" in t else "")
-                     if t["fits"] else f"does not fit ({t['error'] or 'over the cap'})"), flush=True)
+            done.append(t)
+            say(f"{self.where}: {batch} x {self.seq} tokens "
+                + (f"fit, peak {(self.floor_MiB + t['peak_above_MiB']) / 1024:.1f} GiB "
+                   f"(reserved {t['reserved_peak_MiB'] / 1024:.1f} GiB), {t['step_ms']:.0f} ms "
+                   f"(fwd {t['fwd_ms']:.0f}, bwd {t['bwd_ms']:.0f})"
+                   + (f", budget waits {t['budget_waits_per_step']:.0f} ({t['budget_wait_MiB_per_step']:.0f} MiB), "
+                      f"prefetches put off {t.get('budget_reloads_deferred_per_step', 0):.1f}"
+                      if "budget_waits_per_step" in t else "")
+                   if t["fits"] else f"do not fit ({t['error'] or 'over the cap'})"), self)
             return t
 
+        done: list[dict] = []
         trials, best, bracketed = search_cap(trial, base, cap_above, a.cap_max_batch, a.cap_trials)
+        if self.progress is not None:  # the trials the search did not need
+            self.progress.drop((a.cap_trials - len(trials)) * sum(CAP_TRIAL_STEPS))
         at = next((t for t in trials if t["fits"] and t["batch"] == best), {})
         return {"engine": self.engine, "scope": row["scope"], "layers": row["layers"], "policy": row["policy"],
                 "predicted_batch": predicted_batch(row["peak_above_MiB"], row["batch"], cap_above),
@@ -695,14 +778,79 @@ class StepBench:
                 "trials": trials}
 
 
-def _progress(engine: str, name: str, i: int, n: int, row: dict) -> None:
-    head = f"[{engine} {name} {i}/{n}] {row['policy']:10s}"
+def say(text: str, bench: Optional["StepBench"] = None, engine: Optional[str] = None) -> None:
+    """A line of this job's output: ``[moe_step] engine=E shape=S text``."""
+    who = f"engine={bench.engine} shape={bench.name} " if bench is not None else f"engine={engine} " if engine else ""
+    print(f"[moe_step] {who}{text}", flush=True)
+
+
+def clock_text(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+class Progress:
+    """Progress lines of one engine's process: each step, the time since the job started, and an
+    estimate of the time left: this process's steps still planned at the pace of those done
+    (building the model apart), and each engine still to come as long as this one."""
+
+    def __init__(self, engine: str, engines: list, started: float, launched: float):
+        self.engine, self.index, self.count = engine, engines.index(engine), len(engines)
+        self.started, self.launched = started, launched
+        self.total = self.done = 0
+        self.began: Optional[float] = None  # when the first planned step started
+
+    def plan(self, steps: int) -> None:
+        """``steps`` more steps to come."""
+        self.total += steps
+
+    def drop(self, steps: int) -> None:
+        """``steps`` planned that will not run (a failed run, a search that settled early)."""
+        self.total -= max(0, steps)
+
+    def begin(self) -> None:
+        """The planned steps start now: the time before is set-up (process start, model build)."""
+        if self.began is None:
+            self.began = time.time()
+
+    def left_s(self, now: float) -> Optional[float]:
+        """Seconds left by estimate, or None before a planned step is done."""
+        if self.began is None or not self.done:
+            return None
+        pace = (now - self.began) / self.done
+        setup = self.began - self.launched
+        return (max(0, self.total - self.done) * pace
+                + (self.count - self.index - 1) * (setup + self.total * pace))
+
+    def step(self, text: str, counted: bool = True) -> None:
+        """A line for a step just done; ``counted``: one of the steps planned."""
+        now = time.time()
+        if self.began is not None and counted:
+            self.done += 1
+        left = self.left_s(now)
+        print(f"[moe_step] engine={self.engine} ({self.index + 1}/{self.count}) {text} | elapsed "
+              f"{clock_text(now - self.started)}, left {'?' if left is None else '~' + clock_text(left)}", flush=True)
+
+
+def steps_planned(args) -> int:
+    """Steps one engine's process plans per shape: each policy's (no offload's too) and, unless
+    --no-cap, every trial the cap searches may run."""
+    if args.profile:
+        return 0
+    runs = (1 + len(args.policies)) * (args.warmup + args.iters)
+    cap = 0 if args.no_cap else min(CAP_SEARCHES, 1 + len(args.policies)) * args.cap_trials * sum(CAP_TRIAL_STEPS)
+    return runs + cap
+
+
+def _row_line(bench: "StepBench", i: int, n: int, row: dict, ref: dict) -> None:
+    head = f"policy={row['policy']} ({i}/{n})"
     if row.get("error"):
-        print(f"{head} did not run: {row['error']}", flush=True)
+        say(f"{head} did not run: {row['error']}", bench)
         return
-    print(f"{head} step {row['step_ms']:7.1f} ms  {row['tokens_per_s']:9,.0f} tok/s  "
-          f"peak above floor {row['peak_above_MiB']:7.0f} MiB  offloaded {row['offloaded_MiB']:6.0f} MiB"
-          + (f"  ({'; '.join(row['notes'])})" if row["notes"] else ""), flush=True)
+    vs = f", x{row['step_ms'] / ref['step_ms']:.3f} of no offload" if row is not ref and not ref.get("error") else ""
+    say(f"{head}: step {row['step_ms']:.1f} ms{vs}, {row['tokens_per_s']:,.0f} tok/s, peak above floor "
+        f"{row['peak_above_MiB']:.0f} MiB, offloaded {row['offloaded_MiB']:.0f} MiB"
+        + (f" ({'; '.join(row['notes'])})" if row["notes"] else ""), bench)
 
 
 def profile_stem(gpu: str, unfused: bool) -> str:
@@ -717,14 +865,14 @@ def profile_policy(bench: StepBench, args, policy: Policy) -> dict:
                         f"{label.replace(' ', '').replace('/', 'of')}.trace.json.gz")
     t0 = time.perf_counter()
     entry = bench.profile(policy, trace)
-    head = f"[{bench.engine} {bench.name} profile] {label:10s}"
+    head = f"profile policy={label}"
     if entry.get("error"):
-        print(f"{head} did not run: {entry['error']}", flush=True)
+        say(f"{head} did not run: {entry['error']}", bench)
         return entry
     m = entry["mean"]
     idle = ", ".join(f"{p} {v:.2f}" for p, v in m.get("idle_total_ms", {}).items())
-    print(f"{head} GPU {m['gpu_ms']:.1f} ms, compute busy {m['compute_busy_ms']:.1f} ms; idle ms: {idle} "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    say(f"{head}: GPU {m['gpu_ms']:.1f} ms, compute busy {m['compute_busy_ms']:.1f} ms; idle ms: {idle} "
+        f"({time.perf_counter() - t0:.0f} s)", bench)
     return entry
 
 
@@ -732,27 +880,33 @@ def run_child(args) -> None:
     import torch
 
     engine = args.child
+    started, launched = args.clock or (time.time(), time.time())
+    progress = Progress(engine, args.engines, started, launched)
+    progress.plan(steps_planned(args) * len(args.shapes))
     alloc = allocator_setting()
     device_GiB = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GiB
     if (not args.no_cap and not args.profile) or (args.profile and args.caps):  # caps: the search, or a profile under one
         check_caps_fit(args.caps, device_GiB, torch.cuda.get_device_name())
     out = {"engine": engine, "gpu": torch.cuda.get_device_name(), "alloc_conf": alloc,
-           "pcie": measure_pcie(), "shapes": {}}
+           "pcie": pcie_bandwidth(), "shapes": {}}
     p = out["pcie"]
-    print(f"[{engine}] PCIe d2h {p['d2h_GBps']:.1f} GB/s, h2d {p['h2d_GBps']:.1f} GB/s, "
-          f"both {p['bidirectional_each_GBps']:.1f} GB/s each", flush=True)
+    say(f"PCIe d2h {p['d2h_GBps']:.1f} GB/s, h2d {p['h2d_GBps']:.1f} GB/s, both {p['bidirectional_each_GBps']:.1f} "
+        f"GB/s each", engine=engine)
     for name, shape in args.shapes.items():
         t0 = time.perf_counter()
+        say(f"shape={name}: building the model and running its first step (kernels compile)", engine=engine)
         try:
-            bench = StepBench(name, shape, args, engine)
+            bench = StepBench(name, shape, args, engine, progress)
         except Exception as exc:  # noqa: BLE001 (one shape that does not fit must not cost the others)
             out["shapes"][name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
-            print(f"[{engine} {name}] could not build and run the model: {out['shapes'][name]['error']}", flush=True)
+            say(f"shape={name}: could not build and run the model: {out['shapes'][name]['error']}", engine=engine)
+            progress.drop(steps_planned(args))
             gc.collect()
             torch.cuda.empty_cache()
             continue
-        print(f"[{engine} {name}] built in {time.perf_counter() - t0:.0f} s: MLP {bench.path}, "
-              f"static floor {bench.floor_MiB:.0f} MiB", flush=True)
+        say(f"built in {time.perf_counter() - t0:.0f} s: MLP {bench.path}, static floor {bench.floor_MiB:.0f} MiB",
+            bench)
+        progress.begin()
         if args.profile:
             out["shapes"][name] = {"path": bench.path, "profiles": [profile_policy(bench, args, p) for p in args.profile]}
             del bench
@@ -762,8 +916,9 @@ def run_child(args) -> None:
         plan = [NO_OFFLOAD] + args.policies
         rows = []
         for i, policy in enumerate(plan, 1):
+            bench.where = f"policy={policy.label(args.layers)} ({i}/{len(plan)})"
             rows.append(bench.run_policy(policy))
-            _progress(engine, name, i, len(plan), rows[-1])
+            _row_line(bench, i, len(plan), rows[-1], rows[0])
         result = {"floor": bench.floor, "path": bench.path, "rows": rows}
         ref = rows[0]
         if not args.no_cap and not ref.get("error"):
@@ -775,7 +930,11 @@ def run_child(args) -> None:
                        "sequence, rounded up to 0.5 GiB")
             cap_above = cap * 1024 - bench.floor_MiB
             picks = cap_candidates(rows, cap_above, args.batch, args.cap_slowdown)
+            progress.drop((min(CAP_SEARCHES, len(plan)) - len(picks)) * args.cap_trials * sum(CAP_TRIAL_STEPS))
+            say(f"tokens under a {cap:.1f} GiB cap ({how}): searching {', '.join(r['policy'] for r in picks)}", bench)
             result["cap"] = {"cap_GiB": cap, "how": how, "searches": [bench.cap_search(r, cap) for r in picks]}
+        elif not args.no_cap:
+            progress.drop(min(CAP_SEARCHES, len(plan)) * args.cap_trials * sum(CAP_TRIAL_STEPS))
         out["shapes"][name] = result
         del bench
         gc.collect()
@@ -798,11 +957,11 @@ def merge(args, children: list[dict]) -> dict:
                        "path": runs[0]["path"] if runs else None, "runs": runs, "failed": failed})
     return {
         "benchmark": "moe_step", "gpu": children[0]["gpu"],
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_now(),
         "alloc_conf": alloc_conf(args, children),
         "config": {"engines": args.engines, "policies": [p.label(args.layers) for p in args.policies],
                    "warmup": args.warmup, "iters": args.iters, "unfused": args.unfused, "quick": args.quick,
-                   "cap_slowdown": args.cap_slowdown, "memory_target_GiB": args.memory_target,
+                   "preset": args.preset, "cap_slowdown": args.cap_slowdown, "memory_target_GiB": args.memory_target,
                    "budget_margin_GiB": args.budget_margin, "target_slack_GiB": args.target_slack,
                    "target_freed": args.target_freed},
         "pcie": {c["engine"]: c["pcie"] for c in children},
@@ -844,40 +1003,45 @@ def merge_profiles(args, children: list[dict]) -> dict:
                        "profiles": profiles, "failed": failed})
     return {
         "benchmark": "moe_step_profile", "gpu": children[0]["gpu"],
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_now(),
         "alloc_conf": alloc_conf(args, children),
         "config": {"engines": args.engines, "policies": [p.label(args.layers) for p in args.profile],
                    "warmup": args.warmup, "profile_steps": args.profile_steps, "unfused": args.unfused,
-                   "quick": args.quick, "trace": args.trace},
+                   "quick": args.quick, "preset": args.preset, "trace": args.trace},
         "pcie": {c["engine"]: c["pcie"] for c in children},
         "shapes": shapes,
     }
 
 
 def main(argv=None) -> int:
+    started = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     problem = cuda_problem()
     if problem:
-        print(f"moe_step.py: cannot run: {problem}; it measures GPU memory, time and PCIe traffic", file=sys.stderr)
-        return 2
+        return refuse("moe_step.py", f"{problem}; it measures GPU memory, time and PCIe traffic")
     if args.child:
         run_child(args)
         return 0
 
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"MoE step: shapes {', '.join(args.shapes)}, L={args.layers}, {args.batch} x {args.seq} tokens, "
-          f"engines {', '.join(args.engines)}, policies {', '.join(p.label(args.layers) for p in args.policies)}"
-          + (", MLP unfused" if args.unfused else "")
-          + (f", {ALLOC_ENV}={args.alloc_conf}" if args.alloc_conf else "")
-          + (f"; profiling {', '.join(p.label(args.layers) for p in args.profile)}" if args.profile else ""), flush=True)
-    start = time.perf_counter()
+    say(f"{args.preset} run: shapes {', '.join(args.shapes)}, L={args.layers}, {args.batch} x {args.seq} tokens, "
+        f"engines {', '.join(args.engines)} (a process each), "
+        f"policies {', '.join(p.label(args.layers) for p in args.policies)}"
+        + (", MLP unfused" if args.unfused else "")
+        + (f", {ALLOC_ENV}={args.alloc_conf}" if args.alloc_conf else "")
+        + (f"; profiling {', '.join(p.label(args.layers) for p in args.profile)}" if args.profile else "")
+        + ("" if args.profile or args.no_cap else f"; then the tokens-under-a-cap search, {args.cap_trials} trials "
+           f"per policy searched"))
     children, failed, caps, how = [], [], dict(args.caps), {}
-    for engine in args.engines:
+    for i, engine in enumerate(args.engines, 1):
         child_out = args.out / f".moe_step_child_{engine}.json"
         env = child_env(args, engine)
         extra = ["--memory-cap", format_caps(caps)] if caps and caps != args.caps else []
-        cmd = [sys.executable, __file__, *argv, *extra, "--child", engine, "--child-out", str(child_out)]
+        say(f"engine {engine} ({i}/{len(args.engines)}): starting its process | elapsed "
+            f"{clock_text(time.time() - started)}")
+        cmd = [sys.executable, __file__, *argv, *extra, "--child", engine, "--child-out", str(child_out),
+               "--clock", f"{started},{time.time()}"]
         code = subprocess.run(cmd, env=env).returncode
         if code == BAD_ARGS_EXIT:  # the same arguments would fail every engine's process
             return 2
@@ -899,14 +1063,21 @@ def main(argv=None) -> int:
         result = merge_profiles(args, children)
         paths = write_profile_reports(args.out, profile_stem(result["gpu"], args.unfused), result,
                                       step_profile.markdown, step_profile.chart)
-        print(f"\nwrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - start:.0f} s")
-        return 1 if failed else 0
-    result = merge(args, children)
-    finish(result, args.memory_target)
-    stem = file_stem("moe_step", result["gpu"], "unfused" if args.unfused else "", "quick" if args.quick else "")
-    paths = write_reports(result, args.out, stem)
-    print(f"\nwrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - start:.0f} s")
+    else:
+        result = merge(args, children)
+        finish(result, args.memory_target)
+        paths = write_reports(result, args.out, result_stem(result["gpu"], args))
+    say(f"wrote {', '.join(str(p) for p in paths)} in {clock_text(time.time() - started)}")
     return 1 if failed else 0
+
+
+def result_stem(gpu: str, args) -> str:
+    """``moe_step_<GPU>_<shapes>``, then what sets the run apart: the MLP unfused, the preset
+    (``full``, ``quick``), engines other than the preset's."""
+    preset = PRESETS[args.preset]
+    engines = "" if args.engines == preset["engines"].split(",") else "_".join(args.engines)
+    return file_stem("moe_step", gpu, *args.shapes, "unfused" if args.unfused else "",
+                     "" if args.preset == "default" else args.preset, engines)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """One report from several ``moe_step.py`` runs of the same shapes on the same GPU.
 
-A full run of every engine does not fit one 10-minute device call, so engines run in separate
-calls (``scripts/gpu_session.sh``); this puts their results side by side as one run would
-(rows, cap searches, targets per engine), after checking that they are comparable: the same GPU,
-path (fused or unfused), steps timed and allocator setting, and per shape the same dimensions,
-layers, sequences and tokens. Each engine's rows stay against its own process's no-offload step.
+Engines can run in separate calls (``--engines v2``, then ``--engines teo``, ...: where a machine's
+calls are limited in time, say); this puts their results side by side as one run would (rows, cap
+searches, targets per engine), after checking that they are comparable: the same GPU, path (fused
+or unfused), steps timed and allocator setting, and per shape the same dimensions, layers,
+sequences and tokens. Each engine's rows stay against its own process's no-offload step.
 
     python3 benchmarks/moe_step_combine.py A.json B.json [--out DIR] [--stem NAME]
 

@@ -35,8 +35,8 @@ from bench_common import pyplot, save_png
 MiB = 2**20
 GiB = 2**30
 
-TARGETS = {  # issue 12's targets: name -> (what, bound, "max" or "min")
-    # issue 12 asks for any n <= L; n = L on its own row: the layer whose backward comes first
+TARGETS = {  # the project's targets: name -> (what, bound, "max" or "min")
+    # MLP offload, judged apart at n < L and n = L: at n = L the layer whose backward comes first
     # makes its round trip with no compute left to hide it under, and frees nothing at the peak
     "mlp_step": ("MoE-MLP offload, n < L: step / no offload", 1.03, "max"),
     "mlp_step_all": ("MoE-MLP offload, n = L: step / no offload", 1.03, "max"),
@@ -122,7 +122,7 @@ def predicted_batch(peak_above_MiB: float, batch: int, cap_above_MiB: float) -> 
 
 def _line_guess(points: list[tuple[int, float]], cap_above_MiB: float) -> int:
     # Through the two largest measured batches (nearest the cap); through the origin from one.
-    # A later point of the same batch replaces an earlier one (a run under the cap beats the base run).
+    # Of two points of the same batch the later counts (a run under the cap beats the run without).
     points = sorted(dict(points).items())
     b2, p2 = points[-1]
     if len(points) >= 2:
@@ -478,7 +478,7 @@ def markdown(result: dict) -> str:
         share = "the bytes" if freed == 1 else f"{freed:g} of the bytes"
         lines.append(f"- teo-t: teo with memory_budget = the static floor plus no offload's peak less {share} "
                      f"the policy moves, plus {c.get('target_slack_GiB') or 0:g} GiB")
-    for part in result.get("combined_from", []):  # moe_step_combine.py: runs made in separate calls
+    for part in result.get("combined_from", []):  # moe_step_combine.py: runs made apart
         lines.append(f"- from {Path(part['source']).name} ({part['date']}): {', '.join(part['engines'])}")
     for s in result["shapes"]:
         lines += ["", f"## {s['name']}: {_shape_line(s)}", ""]
@@ -488,7 +488,7 @@ def markdown(result: dict) -> str:
             f = run["floor"]
             lines.append(f"- {run['engine']} process: static floor {f['floor_MiB']:.0f} MiB (weights {f['params_MiB']:.0f}, "
                          f"grads {f['grads_MiB']:.0f}, optimizer {f['optimizer_MiB']:.0f}, other {f['other_MiB']:.0f})")
-        lines.append("")
+        lines += ["", "### In short", ""] + summary_lines(s) + ["", "### Every policy", ""]
         lines += _table([h for h, _, _ in ROW_COLUMNS],
                         [_row_cells(r) for run in s["runs"] for r in run["rows"]])
         pn = [r for run in s["runs"] for r in run["rows"] if r.get("pn_bound_ms")]
@@ -522,8 +522,45 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary_lines(shape_result: dict) -> list[str]:
+    """The two answers per engine, in words: what each policy costs (step time against no offload,
+    peak memory freed, bytes moved) and how many sequences per step fit under the cap."""
+    lines = []
+    for run in shape_result["runs"]:
+        ref = no_offload_row(run["rows"])
+        if ref is None:
+            lines.append(f"- {run['engine']}: no offload did not run, nothing to compare with")
+            continue
+        costs = []
+        for r in run["rows"]:
+            if r["scope"] == "none":
+                continue
+            if r.get("error"):
+                costs.append(f"{r['policy']} did not run")
+                continue
+            costs.append(f"{r['policy']} x{r['vs_none']:.3f} the step, peak -{(r['freed_MiB'] or 0) / 1024:.1f} GiB "
+                         f"({r['offloaded_MiB'] / 1024:.1f} GiB moved)")
+        lines.append(f"- {run['engine']}, cost against no offload ({ref['step_ms']:.1f} ms, peak "
+                     f"{ref['peak_above_MiB'] / 1024:.1f} GiB above the floor): " + "; ".join(costs))
+        cap = run.get("cap") or {}
+        searches = cap.get("searches", [])
+        none = next((x for x in searches if x["scope"] == "none"), None)
+        if none is None:
+            continue
+        fits = [f"no offload {_max_batch_cell(none)}"]
+        for x in searches:
+            if x is none:
+                continue
+            gain = "" if x.get("tokens_vs_none") is None else f" (x{x['tokens_vs_none']:.2f} tokens"
+            rate = "" if x.get("rate_vs_none") is None else f", x{x['rate_vs_none']:.2f} tokens/s"
+            fits.append(f"{x['policy']} {_max_batch_cell(x)}{gain}{rate}{')' if gain else ''}")
+        lines.append(f"- {run['engine']}, sequences of {shape_result['seq']} tokens per step under "
+                     f"{cap['cap_GiB']:.1f} GiB (runs under the cap): " + "; ".join(fits))
+    return lines
+
+
 def alloc_conf_text(value: Optional[str]) -> str:
-    """None: not recorded (a run before the option); "": unset, PyTorch's default."""
+    """None: not in the result; "": unset, PyTorch's default."""
     if value is None:
         return "-"
     return f"`{value}`" if value else "unset (PyTorch's default)"
@@ -554,41 +591,73 @@ def memory_target_text(shape_result: dict, target_GiB: float) -> dict:
 
 
 def chart(result: dict, path: Path) -> bool:
-    """Step time against peak memory, one point per policy, each with its PCIe bound below it."""
+    """Per shape: step time against peak memory, one point per policy with its PCIe bound below it
+    (what offload costs); and the most sequences per step that fit under the cap, per engine and
+    policy searched (what it buys)."""
     plt = pyplot()
     if plt is None:
         return False
     shapes = result["shapes"]
-    fig, axes = plt.subplots(1, len(shapes), figsize=(8 * len(shapes), 6.5), squeeze=False)
-    markers = {"none": "*", "v2": "o", "v1": "s", "teo": "D", "teo-m": "P", "teo-h2": "X", "teo-h4": "^", "teo-b": "v"}
-    colors = {"none": "black", "mlp": "#4c72b0", "layer": "#dd8452"}
-    for ax, s in zip(axes[0], shapes):
-        seen = set()
-        for run in s["runs"]:
-            for r in run["rows"]:
-                if r.get("error"):
-                    continue
-                x, y = r["peak_above_MiB"] / 1024, r["step_ms"]
-                label = f"{r['engine']} {r['scope']}"
-                ax.scatter([x], [y], marker=markers.get(r["engine"], "D"), color=colors[r["scope"]], s=60,
-                           label=None if label in seen else label, zorder=3)
-                seen.add(label)
-                ax.annotate(r["policy"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-                if r.get("bound_ms") is not None:
-                    ax.plot([x, x], [r["bound_ms"], y], color=colors[r["scope"]], lw=0.8, ls=":")
-                    ax.scatter([x], [r["bound_ms"]], marker="_", color=colors[r["scope"]], s=200,
-                               label=None if "bound" in seen else "PCIe bound", zorder=2)
-                    seen.add("bound")
-        ax.set_xlabel("peak memory above the static floor (GiB)")
-        ax.set_ylabel("step time (ms)")
-        ax.set_title(f"{s['name']}: {_shape_line(s)}", fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"MoE training step with activation offload, {result['gpu']}")
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(15, 6.5 * len(shapes)), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 2]})
+    for (ax, ax_cap), s in zip(axes, shapes):
+        _cost_panel(ax, s)
+        _cap_panel(ax_cap, s)
+    fig.suptitle(f"MoE training step with activation offload, {result['gpu']} ({result['date']})")
     fig.tight_layout()
-    save_png(fig, path, dpi=110)
+    save_png(fig, path, dpi=100)
     plt.close(fig)
     return True
+
+
+_MARKERS = {"v2": "o", "v1": "s", "teo": "D", "teo-m": "P", "teo-h2": "X", "teo-h4": "^", "teo-b": "v", "teo-t": "<"}
+_COLORS = {"none": "black", "mlp": "#4c72b0", "layer": "#dd8452"}
+
+
+def _cost_panel(ax, s: dict) -> None:
+    seen = set()
+    for run in s["runs"]:
+        for r in run["rows"]:
+            if r.get("error"):
+                continue
+            x, y = r["peak_above_MiB"] / 1024, r["step_ms"]
+            label = f"{r['engine']} {r['scope']}"
+            ax.scatter([x], [y], marker="*" if r["scope"] == "none" else _MARKERS.get(r["engine"], "D"),
+                       color=_COLORS[r["scope"]], s=60, label=None if label in seen else label, zorder=3)
+            seen.add(label)
+            ax.annotate(r["policy"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            if r.get("bound_ms") is not None:
+                ax.plot([x, x], [r["bound_ms"], y], color=_COLORS[r["scope"]], lw=0.8, ls=":")
+                ax.scatter([x], [r["bound_ms"]], marker="_", color=_COLORS[r["scope"]], s=200,
+                           label=None if "bound" in seen else "PCIe bound", zorder=2)
+                seen.add("bound")
+    ax.set_xlabel("peak memory above the static floor (GiB)")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(f"{s['name']}: {_shape_line(s)}", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _cap_panel(ax, s: dict) -> None:
+    bars = [(run["engine"], x) for run in s["runs"] for x in (run.get("cap") or {}).get("searches", [])]
+    if not bars:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no tokens-under-a-cap search", ha="center", va="center")
+        return
+    cap = next(run["cap"] for run in s["runs"] if run.get("cap"))
+    ys = range(len(bars))
+    ax.barh(list(ys), [x["batch"] for _, x in bars], color=[_COLORS[x["scope"]] for _, x in bars])
+    for y, (_, x) in zip(ys, bars):
+        rate = "" if x.get("rate_vs_none") is None else f", x{x['rate_vs_none']:.2f} tok/s"
+        gain = "" if x.get("tokens_vs_none") is None else f" (x{x['tokens_vs_none']:.2f} tokens{rate})"
+        ax.annotate(f"{_max_batch_cell(x)}{gain}", (x["batch"], y), textcoords="offset points", xytext=(3, -3),
+                    fontsize=7)
+    ax.set_yticks(list(ys), [f"{engine} {x['policy']}" for engine, x in bars], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"sequences of {s['seq']} tokens per step that fit")
+    ax.set_title(f"under a {cap['cap_GiB']:.1f} GiB cap (runs with the allocator limited to it)", fontsize=8)
+    ax.grid(alpha=0.3, axis="x")
+    ax.set_xlim(right=max(x["batch"] for _, x in bars) * 1.45 + 1)
 
 
 def finish(result: dict, memory_target_GiB: Optional[float] = None) -> None:

@@ -16,7 +16,12 @@ from engines import Config, attach_main_grads, forward_plan, make_inputs, make_s
 def main(out_path: str, engine: str, *flags: str) -> None:
     # TEO_TEST_MEGATRON: comma-separated keys of engines.MEGATRON_KWARGS (e.g. "main_grad,delay")
     megatron = tuple(filter(None, os.environ.get("TEO_TEST_MEGATRON", "").split(",")))
-    cfg = Config(offload=tuple(f == "1" for f in flags), megatron=megatron)
+    # TEO_TEST_RECIPE: a key of engines.RECIPES (the forward runs under that recipe)
+    recipe = os.environ.get("TEO_TEST_RECIPE") or None
+    # TEO_TEST_SPLITS: comma-separated tokens per expert (FP8 GEMMs need multiples of 16)
+    splits = os.environ.get("TEO_TEST_SPLITS")
+    extra = {"splits": tuple(int(n) for n in splits.split(","))} if splits else {}
+    cfg = Config(offload=tuple(f == "1" for f in flags), megatron=megatron, recipe=recipe, **extra)
     stack = make_stack(cfg)
     if "main_grad" in megatron:
         attach_main_grads(stack)

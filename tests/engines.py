@@ -30,6 +30,43 @@ MEGATRON_KWARGS = {
 }
 
 
+# TE's quantization recipes by short name (the forward runs under te.autocast(recipe=...))
+RECIPES = {
+    "delayed": "DelayedScaling",
+    "current": "Float8CurrentScaling",
+    "block": "Float8BlockScaling",
+    "mxfp8": "MXFP8BlockScaling",
+    "nvfp4": "NVFP4BlockScaling",
+}
+
+
+def make_recipe(name: str | None):
+    """TE's recipe object for a key of RECIPES (None: no quantization)."""
+    if name is None:
+        return None
+    from transformer_engine.common import recipe
+
+    return getattr(recipe, RECIPES[name])()
+
+
+def recipe_problem(name: str | None) -> str | None:
+    """Why TE says this GPU cannot run the recipe, or None."""
+    if name is None:
+        return None
+    check = {"delayed": te.is_fp8_available, "current": te.is_fp8_available,
+             "block": te.is_fp8_block_scaling_available, "mxfp8": te.is_mxfp8_available,
+             "nvfp4": te.is_nvfp4_available}[name]
+    ok, reason = check(return_reason=True)
+    return None if ok else f"TE cannot run the {RECIPES[name]} recipe here: {reason}"
+
+
+def quantized(recipe_name: str | None):
+    """The autocast context a forward of this recipe runs in."""
+    if recipe_name is None:
+        return contextlib.nullcontext()
+    return te.autocast(enabled=True, recipe=make_recipe(recipe_name))
+
+
 @dataclass
 class Config:
     layers: int = 2
@@ -42,6 +79,7 @@ class Config:
     stock_te: bool = False  # build TE's own ops instead of ours
     seed: int = 1234
     megatron: tuple[str, ...] = ()  # keys of MEGATRON_KWARGS for both GroupedLinears
+    recipe: str | None = None  # a key of RECIPES: the forward runs under te.autocast with it
 
     @property
     def linear_kwargs(self) -> dict:
@@ -124,9 +162,17 @@ def relay_expert_weights(op, order, pad: int = 0) -> torch.Tensor:
     return buf
 
 
-def make_stack(cfg: Config) -> list[te.ops.Sequential]:
+class Stack(list):
+    """The MLPs of a test model, with the recipe their forward runs under."""
+
+    recipe: str | None = None
+
+
+def make_stack(cfg: Config) -> Stack:
     torch.manual_seed(cfg.seed)
-    return [make_mlp(cfg) for _ in range(cfg.layers)]
+    stack = Stack(make_mlp(cfg) for _ in range(cfg.layers))
+    stack.recipe = cfg.recipe
+    return stack
 
 
 def make_inputs(cfg: Config):
@@ -177,8 +223,9 @@ def run_step(stack, inputs, engine: str, offload_layers: int | None = None, keep
     torch.cuda.reset_peak_memory_stats()
     h = x * 1.0  # a non-leaf input, so offloading its slices really frees it
     with recorder.watch(named_ops(stack)), (spy.hooks() if spy else contextlib.nullcontext()):
+        recipe = getattr(stack, "recipe", None)
         for i, mlp in enumerate(stack):
-            with ctx:
+            with ctx, quantized(recipe):
                 h = mlp(h, splits, probs[i], splits)
             h = sync(h)
         torch.cuda.synchronize()

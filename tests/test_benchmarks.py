@@ -1,5 +1,8 @@
 """CPU checks of the benchmark scripts: their bookkeeping, and a clear exit without a GPU."""
 
+import argparse
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,55 +13,85 @@ import torch
 MiB = 2**20
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
-
-
-def _row(engine, ops, peak, moved, fwd=5.0, bwd=10.0, step=15.0):
-    return {"engine": engine, "ops": ops, "peak_MiB": peak, "act_MiB": peak / 2, "offloaded_MiB": moved,
-            "fwd_ms": fwd, "bwd_ms": bwd, "step_ms": step}
-
-
-def test_r_is_the_step_peak_freed_against_the_no_offload_run_of_its_own_ops():
-    from offload_policies import derive
-
-    rows = [_row("none", "teo", 1200, 0), _row("none", "te", 1700, 0, fwd=6.0, bwd=12.0),
-            _row("v2", "teo", 200, 1000, step=40.0), _row("v2", "te", 300, 1400, step=80.0),
-            _row("v1", "teo", 700, 1000, step=30.0)]
-    pcie = {"d2h_GBps": 50.0, "h2d_GBps": 50.0}
-    derive(rows, pcie)
-    assert rows[2]["R"] == pytest.approx(1.0) and rows[3]["R"] == pytest.approx(1.0)
-    assert rows[4]["R"] == pytest.approx(0.5)  # offloaded 1000 MiB, the peak fell by 500
-    moved_ms = 1400 * 2**20 / 50e9 * 1e3  # > the stock run's fwd and bwd: the bound is PCIe
-    assert rows[3]["bound_ms"] == pytest.approx(2 * moved_ms)
-    assert rows[0]["R"] is None
+sys.path.insert(0, str(BENCH / "experiments"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-@pytest.mark.parametrize("script", ["moe_step.py", "offload_policies.py", "bench_fused_mlp.py", "bench_kernels.py",
-                                    "ablate_epilogue.py", "bench_graphs.py", "bench_copy_interference.py",
-                                    "bench_cluster2x2.py", "bench_megatron_settings.py", "profile_host.py",
-                                    "first_step.py"])
+@pytest.mark.parametrize("script", ["moe_step.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
+                                    "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py",
+                                    "experiments/ablate_epilogue.py", "experiments/bench_copy_interference.py",
+                                    "experiments/bench_cluster2x2.py", "first_step.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
     proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert "cannot run" in proc.stderr and "Traceback" not in proc.stderr
+    assert f"{Path(script).name}: cannot run: " in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_every_benchmark_script_is_kept_run_or_an_experiment_with_a_line():
+    """benchmarks/ holds the benchmarks users run and their shared modules; each experiment has its
+    line in experiments/README.md."""
+    kept = {"moe_step.py", "moe_model.py", "moe_step_report.py", "moe_step_combine.py", "step_profile.py",
+            "bench_common.py", "timing.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
+            "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py", "first_step.py"}
+    assert {p.name for p in BENCH.glob("*.py")} == kept
+    readme = (BENCH / "experiments" / "README.md").read_text()
+    for script in (BENCH / "experiments").glob("*.py"):
+        assert f"- `{script.name}`: " in readme, script.name
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_diag_scripts_refuse_bad_arguments_and_exit_clearly_without_a_gpu():
-    script = str(BENCH.parent / "scripts" / "diag_budget.py")
-    args = ["--shape", "base", "--layers", "8", "--batch", "8", "--scope", "mlp", "--offload", "7", "--cap", "0",
-            "--margins", "", "--no-layer-schedule", "--target-freed", "1,0.96"]
-    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "diag_budget.py needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
-    for bad, said in ((["--scope", "experts"], "invalid choice: 'experts'"),
-                      (["--target-freed", "1,1.2"], "each fraction must be in (0, 1], got [1.2]"),
-                      (["--target-freed", "half"], "fractions separated by commas"),
-                      (["--layers", "8", "--offload", "9"], "--offload must be in 0..--layers=8, got 9")):
-        proc = subprocess.run([sys.executable, script, *bad], capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    peak = str(BENCH.parent / "scripts" / "diag_peak.py")  # the same set-up (bench_common.moe_step_bench)
-    proc = subprocess.run([sys.executable, peak, "--policy", "mlp:7"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "diag_peak.py needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+def test_gpu_run_runs_the_tests_given_then_the_main_job_and_keeps_the_logs(tmp_path):
+    script = BENCH.parent / "scripts" / "gpu_run.sh"
+    env = dict(os.environ, OUT=str(tmp_path / "a"), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(script), "--no-bench", "tests/test_policy.py", "-q"], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert " passed" in (tmp_path / "a" / "pytest.log").read_text()
+    assert (tmp_path / "a" / "gpu.txt").exists() and not (tmp_path / "a" / "moe_step.log").exists()
+    env["OUT"] = str(tmp_path / "b")
+    proc = subprocess.run(["bash", str(script), "tests/test_policy.py", "-q"], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 2  # the tests passed; the main job cannot run without a GPU, and says so
+    assert "moe_step.py: cannot run: no CUDA GPU" in (tmp_path / "b" / "moe_step.log").read_text()
+
+
+def test_timing_medians_skip_samples_not_taken_and_interleave_rounds():
+    from timing import interleaved, median
+
+    assert median([3.0, float("nan"), 1.0, None, 2.0]) == 2.0
+    assert math.isnan(median([float("nan")])) and math.isnan(median([]))
+    calls = []
+    samples = interleaved({"a": lambda: calls.append("a") or len(calls), "b": lambda: calls.append("b") or -1}, 3)
+    assert calls == ["a", "b"] * 3  # one sample of each contender per round, in turn
+    assert samples == {"a": [1, 3, 5], "b": [-1, -1, -1]}
+
+
+def test_kernels_report_has_a_row_per_case_and_marks_failures(tmp_path):
+    from bench_kernels import chart, markdown
+
+    rows = [{"case": "fc1 fwd (plain)", "schedule": "pingpong", "ours_ms": 0.25, "ours_tflops": 650.0,
+             "cooperative_tflops": 620.0, "pingpong_tflops": 650.0, "bmm_tflops": 640.0, "grouped_mm_tflops": 600.0,
+             "ours_vs_bmm": 1.015, "pingpong_host_us": 30.0, "bmm_host_us": 8.0},
+            {"case": "fc1 wgrad uneven", "schedule": "cooperative", "error": "RuntimeError('x')"}]
+    result = {"gpu": "GPU", "date": "today", "dtype": "bfloat16", "experts": 8, "tokens_per_expert": 2048,
+              "hidden": 2688, "ffn": 1856, "reps": 20, "inner": 10, "rows": rows,
+              "first_call_seconds": {"fc1 fwd (plain) [pingpong]": 3.5}}
+    md = markdown(result)
+    assert "| fc1 fwd (plain) | pingpong | 0.250 | 650 | 620 | 650 | 640 | 600 | 1.01 | 30 | 8 |" in md
+    assert "| fc1 wgrad uneven | cooperative | - | - |" in md and "Failed: fc1 wgrad uneven: RuntimeError('x')" in md
+    assert "fc1 fwd (plain) [pingpong] 3.50" in md
+    if chart(result, tmp_path / "k.png"):
+        assert (tmp_path / "k.png").stat().st_size > 0
+
+
+def test_fused_mlp_chart_draws_every_config(tmp_path):
+    from bench_fused_mlp import chart
+
+    b = {"ours_gpu_tflops": 600.0, "te_gpu_tflops": 300.0, "bmm_tflops": 650.0}
+    result = {"gpu": "GPU", "date": "today", "rows": [{"E": 8, "tokens_per_expert": 2048, "H": 2688, "F": 1856,
+                                                        "fwd_bwd": b}] * 2}
+    if chart(result, tmp_path / "f.png"):
+        assert (tmp_path / "f.png").stat().st_size > 0
 
 
 def test_graphs_report_names_targets_and_ratios(tmp_path):
@@ -135,7 +168,7 @@ def test_megatron_settings_report_splits_main_grads_extra_time_into_kernels_and_
     variants["main_grad"]["gpu_ms"] = float("nan")  # no host-ahead time: the kernels alone
     md = bms.markdown({"gpu": "H100", "date": "today", "rounds": 3, "rows": [row]})
     assert "kernels +55.0 us (profiler; no host-ahead GPU time to set it against)" in md and "+nan" not in md
-    assert "The same by GEMM" not in md  # a run without the ranges (older JSON)
+    assert "The same by GEMM" not in md  # a result without the ranges
     name = bms.gemm_row_name
     assert name("te_offload_ops.gemm[wgrad tma_f32 n=2688 k=2048]") == "te_offload_ops.gemm[wgrad n=2688 k=2048]"
     assert name("te_offload_ops.gemm[gemm srelu n=1856 k=2688]") == "te_offload_ops.gemm[gemm srelu n=1856 k=2688]"
@@ -166,7 +199,7 @@ def test_megatron_settings_report_splits_main_grads_extra_time_into_kernels_and_
     assert "| g[wgrad n=8 k=0] | 235.0 | 282.2 | 260.0 |" in md
     del row["gemm_us"]["main_grad(tma,coop)"]  # the default way alone: the diff table says it all
     assert "by variant" not in bms.markdown({"gpu": "H100", "date": "today", "rounds": 3, "rows": [row]})
-    del row["main_grad_kernels"]  # a run without the profile (older JSON): no such section
+    del row["main_grad_kernels"]  # a result without the profile: no such section
     assert "Where main_grad's extra GPU time goes" not in bms.markdown({"gpu": "H100", "date": "today", "rounds": 3,
                                                                         "rows": [row]})
 
@@ -181,57 +214,24 @@ def test_megatron_settings_times_the_main_grad_ways_asked_for():
         bms.parse_args(["--ways", "main_grad(tma,ping256)"])
 
 
-def test_alloc_history_names_each_unmap_burst_with_the_allocation_that_asked():
-    sys.path.insert(0, str(BENCH.parent / "scripts"))
-    from alloc_history import summarize
+def test_fp8_recipes_report_names_each_recipe_and_error():
+    import fp8_recipes
 
-    frame = [{"filename": "/x/te_offload_ops/fused/srelu_mlp.py", "line": 130, "name": "_forward_fused"},
-             {"filename": "/usr/lib/python3/threading.py", "line": 1, "name": "run"}]
-    trace = [
-        {"action": "alloc", "size": 4 * MiB, "stream": 0, "time_us": 1000},
-        {"action": "segment_unmap", "size": 100 * MiB, "stream": 0, "time_us": 2000},
-        {"action": "segment_unmap", "size": 60 * MiB, "stream": 0, "time_us": 2100},
-        {"action": "free_completed", "size": 4 * MiB, "stream": 0, "time_us": 2200},
-        {"action": "segment_map", "size": 200 * MiB, "stream": 0, "time_us": 2500},
-        {"action": "alloc", "size": 200 * MiB, "stream": 7, "time_us": 4000, "frames": frame},
-        {"action": "segment_unmap", "size": 20 * MiB, "stream": 0, "time_us": 9000},
-    ]
-    lines = summarize({"device_traces": [trace]})
-    assert lines[0] == "events: alloc 2, free_completed 1, segment_map 1, segment_unmap 3"
-    assert lines[1] == ("  at 1.0 ms: 2 unmaps, 160 MiB (stream 0), for 200.0 MiB on stream 7, served 2.0 ms "
-                        "after the first unmap: _forward_fused:130")
-    assert lines[2] == "  at 8.0 ms: 1 unmaps, 20 MiB; no allocation after"
-    assert lines[3] == "  maps: 1 bursts, 200 MiB in all"
-    assert summarize({"device_traces": []}) == ["no allocator events recorded"]
-
-
-def test_diag_peak_finds_the_peak_its_phase_and_the_budget_look_before_it():
-    """The allocated memory rebuilt event by event (allocs up, requested frees down, marker
-    allocations counted as they are): the peak, the phase marker before it, the allocations just
-    before it and the engine's last look (the look markers counted in order)."""
-    sys.path.insert(0, str(BENCH.parent / "scripts"))
-    import diag_peak as dp
-
-    def alloc(size, **kw):
-        return {"action": "alloc", "size": size, "stream": 0, **kw}
-
-    def free(size):
-        return {"action": "free_requested", "size": size, "stream": 0}
-
-    fwd, bwd, look = dp._PHASE_MARK["forward"], dp._PHASE_MARK["backward"], dp._LOOK_MARK
-    frame = [{"filename": "/x/te_offload_ops/fused/srelu_mlp.py", "line": 228, "name": "_backward_fused"}]
-    trace = [alloc(fwd), free(fwd), alloc(100 * MiB), alloc(look), free(look),  # look 0
-             alloc(50 * MiB), alloc(look), free(look),  # look 1
-             alloc(bwd), free(bwd), free(100 * MiB), alloc(look), free(look),  # look 2
-             alloc(120 * MiB, frames=frame), free(120 * MiB), alloc(10 * MiB)]
-    looks = [{"where": w, "layer": 1, "bwd": b, "memory": m, "held": h, "reloaded": 0, "incoming": i}
-             for w, b, m, h, i in (("save", None, 1100 * MiB, 80 * MiB, 0), ("enter", None, 1150 * MiB, 0, 0),
-                                   ("use", 1, 1050 * MiB, 0, 0))]
-    lines = dp.analyse(trace, start=1000 * MiB, floor=1000 * MiB, looks=looks)
-    assert lines[0].startswith("peak 170 MiB above the floor, in the backward (event 13 of 16)")
-    assert "alloc     120.0 MiB stream 0: srelu_mlp.py:228 _backward_fused" in lines[-5]
-    assert any(">" in line and "use " in line and "backward layer 1" in line for line in lines)
-    assert not any(">" in line and "save" in line for line in lines)
+    args = fp8_recipes.parse_args(["--recipes", "none,DelayedScaling,Float8BlockScaling"])
+    assert args.recipes == ["none", "DelayedScaling", "Float8BlockScaling"]
+    with pytest.raises(SystemExit):
+        fp8_recipes.parse_args(["--recipes", "Float8Tensorwise"])
+    row = {"ms": 2.0, "saved_MiB": {"activations": 129.0, "weight_copies": 76.0, "parameters": 0.0},
+           "v2_moved_MiB": 129.0, "plan": ["GroupedLinear", "ScaledSReLU", "GroupedLinear"]}
+    result = {"gpu": "GPU", "date": "2026-11-25 00:00 UTC", "command": "python benchmarks/fp8_recipes.py",
+              "args": {"experts": 8, "tokens": 2048, "hidden": 2688, "ffn": 1856, "iters": 20},
+              "rows": [dict(row, impl="te", recipe="DelayedScaling"), dict(row, impl="ours", recipe="DelayedScaling"),
+                       {"impl": "te", "recipe": "Float8BlockScaling", "error": "RuntimeError: no algorithm"}]}
+    md = fp8_recipes.markdown(result)
+    assert "| DelayedScaling | te_offload_ops | 2.00 | " in md and "| 129 | 76 | 129 |" in md
+    assert "| Float8BlockScaling | TE ops | RuntimeError: no algorithm |" in md
+    assert math.isclose(fp8_recipes.tflops(argparse.Namespace(experts=8, tokens=2048, hidden=2688, ffn=1856), 1.0),
+                        6 * 2 * 8 * 2048 * 2688 * 1856 / 1e9)
 
 
 def test_first_step_report_compares_each_mode_with_stock(tmp_path):

@@ -309,3 +309,15 @@ def test_the_fused_backward_announces_the_weight_grads_it_allocates(monkeypatch)
     for p in params:
         p.requires_grad_(False)
     assert wg.weight_grad_bytes(op) == []
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"])
+def test_fused_op_called_under_a_recipe_runs_unfused(recipe, monkeypatch):
+    """Were a fused op reached under a recipe (outside its Sequential), it would not compute in bf16."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    monkeypatch.setattr(FP8GlobalStateManager, "is_fp8_enabled", classmethod(lambda cls: True))
+    monkeypatch.setattr(FP8GlobalStateManager, "get_fp8_recipe", classmethod(lambda cls: recipe))
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    reasons = runtime_blockers(x, torch.tensor([8]), torch.rand(8), weight_dtype=torch.bfloat16)
+    assert any("quantization recipe" in r and type(recipe).__name__ in r for r in reasons), reasons

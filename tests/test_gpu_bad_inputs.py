@@ -187,8 +187,8 @@ def test_bad_arguments_raise_before_any_kernel(mlp, path, case):
 @requires_gpu
 def test_three_dim_input_runs_as_te_runs_it(path):
     """TE splits dim 0 of any-rank input by the split sizes; the fused op takes (tokens, hidden)
-    and runs such a call unfused, saying why. (TE's own results for such input were seen to vary
-    between calls on an H100, so only the shape is compared.)"""
+    and runs such a call unfused, saying why. (TE's own results for such input vary between calls
+    on an H100, so only the shape is compared.)"""
     x = torch.randn(128, 4, H, device="cuda", dtype=torch.bfloat16)
     probs = torch.rand(128, 4, device="cuda", dtype=torch.bfloat16)
     splits = torch.tensor([28, 0, 60, 40], device="cuda")

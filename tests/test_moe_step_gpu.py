@@ -1,5 +1,5 @@
 """GPU: the MoE transformer step of benchmarks/moe_step.py computes the same thing with and without
-offload, and a quick run of the benchmark reports every policy of both TE engines."""
+offload, and a quick run of the benchmark reports every policy of every engine."""
 
 import json
 import subprocess
@@ -64,7 +64,7 @@ def test_quick_run_reports_every_policy_of_every_engine(tmp_path):
            *(a for k, v in SHAPE.items() for a in (f"--{k}", str(v))), "--memory-target", "80", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    [path] = tmp_path.glob("moe_step_*_quick.json")
+    [path] = tmp_path.glob("moe_step_*_base_quick.json")
     result = json.loads(path.read_text())
     [shape] = result["shapes"]
     assert [run["engine"] for run in shape["runs"]] == ["v2", "v1", "teo"]
@@ -86,4 +86,6 @@ def test_quick_run_reports_every_policy_of_every_engine(tmp_path):
         assert all(t["fits"] == (t["peak_above_MiB"] is not None) for s in searches for t in s["trials"])
     assert shape["memory_target"]["policy"] is not None  # 80 GiB: every policy meets it
     assert path.with_suffix(".md").exists()
-    assert "[v1 base 6/6]" in proc.stdout  # a progress line per run
+    assert "[moe_step] engine=v1 shape=base policy=layer 2/3 (6/6): step" in proc.stdout  # a line per policy
+    assert "[moe_step] engine=teo (3/3) shape=base policy=none (1/6) step 4/4: " in proc.stdout  # and per step
+    assert path.with_suffix(".png").exists()

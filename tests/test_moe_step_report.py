@@ -1,6 +1,7 @@
 """CPU checks of benchmarks/moe_step.py: its options, policies, bound, cap search and reports,
 from synthetic results (the GPU run itself is tests/test_moe_step_gpu.py)."""
 
+import contextlib
 import copy
 import json
 import sys
@@ -20,14 +21,149 @@ from moe_step import Policy  # noqa: E402
 # Options and policies
 
 
-def test_full_run_defaults_cover_both_shapes_and_the_issue_policies():
+def test_the_default_run_is_one_shape_two_engines_and_four_policies():
     args = moe_step.parse_args([])
-    assert list(args.shapes) == ["base", "moe-heavy"]
+    assert list(args.shapes) == ["base"] and args.preset == "default"
     assert args.shapes["base"] == {"hidden": 2688, "heads": 21, "ffn": 1856, "experts": 8, "topk": 2}
-    assert (args.layers, args.batch, args.seq, args.engines) == (8, 8, 4096, ["v2", "v1", "teo"])
+    assert (args.layers, args.batch, args.seq, args.engines) == (8, 8, 4096, ["teo", "v2"])
+    assert [p.label(8) for p in args.policies] == ["MLP 4/8", "MLP 7/8", "MLP 8/8", "layer 4/8"]
+    assert (args.warmup, args.iters, args.cap_trials, args.no_cap) == (2, 3, 3, False)
+    assert args.caps == {}
+
+
+def test_full_run_covers_both_shapes_three_engines_and_eight_policies():
+    args = moe_step.parse_args(["--full"])
+    assert list(args.shapes) == ["base", "moe-heavy"] and args.preset == "full"
+    assert (args.layers, args.batch, args.engines, args.iters, args.cap_trials) == (8, 8, ["v2", "v1", "teo"], 5, 4)
     assert [p.label(8) for p in args.policies] == [
         "MLP 2/8", "MLP 4/8", "MLP 6/8", "MLP 7/8", "MLP 8/8", "layer 2/8", "layer 4/8", "layer 6/8"]
-    assert args.caps == {}
+    assert moe_step.parse_args(["--full", "--engines", "teo"]).engines == ["teo"]  # a flag wins over the preset
+    with pytest.raises(SystemExit):
+        moe_step.parse_args(["--full", "--quick"])
+
+
+def test_steps_planned_per_shape_count_every_run_and_every_cap_trial():
+    args = moe_step.parse_args([])
+    # (none + 4 policies) x (2 + 3) steps, then 3 searches x 3 trials x (1 + 2) steps
+    assert moe_step.steps_planned(args) == 5 * 5 + 3 * 3 * 3
+    assert moe_step.steps_planned(moe_step.parse_args(["--no-cap"])) == 25
+    assert moe_step.steps_planned(moe_step.parse_args(["--policies", "mlp:4", "--no-cap"])) == 10
+    assert moe_step.steps_planned(moe_step.parse_args(["--policies", "mlp:4"])) == 10 + 2 * 3 * 3  # two searches at most
+    assert moe_step.steps_planned(moe_step.parse_args(["--profile", "none"])) == 0
+
+
+def test_progress_estimates_the_time_left_from_the_pace_of_the_steps_done(capsys, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(moe_step.time, "time", lambda: clock[0])
+    progress = moe_step.Progress("teo", ["teo", "v2"], started=40.0, launched=60.0)
+    progress.plan(20)
+    assert progress.left_s(100.0) is None  # nothing done yet
+    progress.step("first step (kernels compile)", counted=False)
+    assert "left ?" in capsys.readouterr().out
+    progress.begin()  # set-up took 40 s (launched at 60, steps begin at 100)
+    for _ in range(10):
+        clock[0] += 2.0
+        progress.step("shape=base policy=none (1/5) step 1/5: 250.0 ms")
+    line = capsys.readouterr().out.splitlines()[-1]
+    # 10 steps in 20 s: 10 left here (20 s), then v2 as long as this one: 40 s + 20 x 2 s
+    assert progress.left_s(clock[0]) == pytest.approx(20 + 40 + 40)
+    assert line == ("[moe_step] engine=teo (1/2) shape=base policy=none (1/5) step 1/5: 250.0 ms | "
+                    "elapsed 1:20, left ~1:40")
+    progress.drop(10)  # a search that settled early: nothing left here
+    assert progress.left_s(clock[0]) == pytest.approx(0 + 40 + 10 * 2)
+
+
+class _FakeBench(moe_step.StepBench):
+    """StepBench's bookkeeping on synthetic steps: the peak above the floor grows by 1000 MiB per
+    sequence, less 40% with an MLP policy and 60% with whole layers; a step takes 10 ms per
+    sequence, 20% more with offload. The allocator's cap raises OutOfMemoryError past it."""
+
+    def __init__(self, name, shape, args, engine, progress=None):
+        self.args, self.engine, self.name, self.progress = args, engine, name, progress
+        self.torch = type("T", (), {"cuda": type("C", (), {"empty_cache": staticmethod(lambda: None),
+                                                          "max_memory_reserved": staticmethod(lambda: 0),
+                                                          "OutOfMemoryError": MemoryError})})
+        self.L, self.seq, self.floor_MiB, self.path = args.layers, args.seq, 5000.0, "fused"
+        self.floor = {"floor_MiB": 5000.0, "params_MiB": 1, "grads_MiB": 1, "optimizer_MiB": 1, "other_MiB": 0}
+        self.cap_bytes, self.budget_waits, self.none_peak_MiB = None, None, {}
+        self.where, self.ticks = moe_step.FIRST_STEP, 0
+        self._tick("step 1/1", {"step_ms": 1000.0})
+
+    @contextlib.contextmanager
+    def under_cap(self, cap_GiB):
+        self.cap_bytes = cap_GiB * moe_step.GiB
+        try:
+            yield
+        finally:
+            self.cap_bytes = None
+
+    def _steps(self, policy, batch, count, warmup=0, reuse=True):
+        share = {"none": 1.0, "mlp": 0.6, "layer": 0.4}[policy.scope]
+        peak = self.floor_MiB + 1000.0 * batch * share
+        step = {"fwd_ms": 3.0 * batch, "bwd_ms": 7.0 * batch, "opt_ms": 0.0,
+                "step_ms": 10.0 * batch * (1.0 if policy.scope == "none" else 1.2),
+                "offloaded": int(1000 * batch * (1 - share)) * moe_step.MiB}
+        for i in range(warmup + count):
+            if self.cap_bytes is not None and peak * moe_step.MiB > self.cap_bytes:
+                raise MemoryError("out of memory")
+            self._tick(f"step {i + 1}/{warmup + count}", step)
+        return [step] * count, peak, self.floor_MiB
+
+    def _recover(self):
+        pass
+
+
+def test_an_engine_process_runs_every_planned_step_and_its_progress_ends_at_zero_left(monkeypatch, tmp_path, capsys):
+    """run_child on synthetic steps: rows for no offload and every policy, the cap searches, and
+    progress bookkeeping whose plan (steps_planned, less what failed runs and settled searches
+    dropped) matches the steps that ran."""
+    import torch
+
+    seen = []
+    real_init = moe_step.Progress.__init__
+
+    def keep(self, *a, **k):
+        real_init(self, *a, **k)
+        seen.append(self)
+
+    monkeypatch.setattr(moe_step.Progress, "__init__", keep)
+    monkeypatch.setattr(moe_step, "StepBench", _FakeBench)
+    monkeypatch.setattr(moe_step, "pcie_bandwidth", lambda: PCIE)
+    monkeypatch.setattr(moe_step, "_empty_host_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"total_memory": 80 << 30})())
+    import time
+
+    now = time.time()
+    args = moe_step.parse_args(["--engines", "teo", "--child", "teo", "--child-out", str(tmp_path / "c.json"),
+                                "--clock", f"{now - 75},{now - 5}"])
+    moe_step.run_child(args)
+    out = json.loads((tmp_path / "c.json").read_text())["shapes"]["base"]
+    assert [r["policy"] for r in out["rows"]] == ["none", "MLP 4/8", "MLP 7/8", "MLP 8/8", "layer 4/8"]
+    searches = out["cap"]["searches"]
+    # the automatic cap holds 8 sequences without offload; whole layers fit 8 / 0.4 = 20
+    assert [(x["policy"], x["batch"]) for x in searches][0] == ("none", 8)
+    assert ("layer 4/8", 20) in [(x["policy"], x["batch"]) for x in searches]
+    [progress] = seen
+    # two searches (the MLP policies run 20% slower), each a trial that fit (3 steps) and one that
+    # failed at its first step
+    assert progress.done == progress.total == 5 * 5 + 2 * 3
+    assert progress.left_s(time.time()) == 0  # the only engine
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("[moe_step] engine=teo (1/1) shape=base policy=MLP 7/8 (3/5) step 5/5: 96.0 ms | "
+                               "elapsed 1:1") for line in lines)
+    assert any("[moe_step] engine=teo shape=base cap 13.0 GiB policy=layer 4/8 batch 20 (trial " in line
+               for line in lines)
+
+
+def test_result_names_say_the_shapes_and_what_sets_the_run_apart():
+    gpu = "NVIDIA H100 80GB HBM3"
+    stem = lambda argv: moe_step.result_stem(gpu, moe_step.parse_args(argv))  # noqa: E731
+    assert stem([]) == "moe_step_NVIDIA_H100_80GB_HBM3_base"
+    assert stem(["--full"]) == "moe_step_NVIDIA_H100_80GB_HBM3_base_moe-heavy_full"
+    assert stem(["--quick", "--unfused"]) == "moe_step_NVIDIA_H100_80GB_HBM3_base_unfused_quick"
+    assert stem(["--shapes", "big-ffn", "--engines", "teo-t"]) == "moe_step_NVIDIA_H100_80GB_HBM3_big-ffn_teo-t"
 
 
 def test_the_big_ffn_shape_runs_only_when_named_and_its_moe_bytes_dominate():
@@ -57,12 +193,12 @@ def test_the_wide_shape_runs_only_when_named():
 def test_quick_fills_only_what_is_not_given():
     args = moe_step.parse_args(["--quick", "--layers", "6"])
     assert list(args.shapes) == ["base"] and args.batch == 1 and args.iters == 3
-    assert args.layers == 6
-    assert Policy("mlp", 6) in args.policies and Policy("mlp", 5) in args.policies
+    assert args.layers == 6 and args.engines == ["v2", "v1", "teo"]
+    assert Policy("mlp", 6) in args.policies and Policy("mlp", 5) in args.policies and Policy("layer", 1) in args.policies
 
 
 def test_shape_flags_override_every_shape_run():
-    args = moe_step.parse_args(["--experts", "16", "--topk", "4"])
+    args = moe_step.parse_args(["--full", "--experts", "16", "--topk", "4"])
     assert all(s["experts"] == 16 and s["topk"] == 4 for s in args.shapes.values())
     assert args.shapes["moe-heavy"]["hidden"] == 2048
 
@@ -122,6 +258,8 @@ def test_a_cap_above_the_gpu_is_refused_not_silently_clipped(capsys):
 def test_policies_parse_all_and_drop_repeats():
     assert moe_step.parse_policies("mlp:all, layer:2,mlp:4", 4) == [Policy("mlp", 4), Policy("layer", 2)]
     assert moe_step.default_policies(1) == [Policy("mlp", 1), Policy("layer", 1)]
+    assert moe_step.full_policies(1) == [Policy("mlp", 1), Policy("layer", 1)]
+    assert moe_step.default_policies(3) == [Policy("mlp", 1), Policy("mlp", 2), Policy("mlp", 3), Policy("layer", 1)]
     with pytest.raises(ValueError, match="1..4"):
         moe_step.parse_policies("mlp:0", 4)
 
@@ -386,6 +524,14 @@ def test_reports_hold_every_row_the_cap_table_targets_and_the_memory_choice(tmp_
     assert "TE V2 at n = L-1" in md
     assert "Most tokens per step under 16.5 GiB" in md
     assert "Memory target 11.0 GiB: fastest measured policy is v1 MLP 8/8" in md
+    # the two answers in words, per engine: cost per policy, sequences under the cap
+    assert ("- v1, cost against no offload (61.0 ms, peak 4.9 GiB above the floor): MLP 2/8 x1.008 the step, "
+            "peak -0.3 GiB (0.3 GiB moved); MLP 8/8 x1.049 the step, peak -1.1 GiB (1.1 GiB moved); "
+            "layer 4/8 x1.311 the step, peak -2.2 GiB (2.2 GiB moved)") in md
+    assert "MLP 8/8 did not run" in md
+    assert ("- v1, sequences of 4096 tokens per step under 16.5 GiB (runs under the cap): no offload 3; "
+            "layer 4/8 5 (x1.67 tokens, x0.97 tokens/s)") in md
+    assert md.index("### In short") < md.index("### Every policy") < md.index("### Most tokens per step")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -544,14 +690,14 @@ def test_merge_records_the_allocator_setting_the_processes_saw():
     child = {"engine": "teo", "gpu": "GPU", "pcie": PCIE, "alloc_conf": "expandable_segments:True",
              "shapes": {"base": {"floor": {}, "path": "fused", "rows": []}}}
     assert moe_step.merge(args, [child])["alloc_conf"] == "expandable_segments:True"
-    del child["alloc_conf"]  # a child of before the option: what the parent gave it
+    del child["alloc_conf"]  # a child that did not say: what the parent gave it
     assert moe_step.merge(args, [child])["alloc_conf"] == "expandable_segments:True"
 
 
 def test_report_header_names_the_allocator_setting():
     result = _result()
     rep.finish(result)
-    assert "- allocator: PYTORCH_CUDA_ALLOC_CONF -\n" in rep.markdown(result)  # a result from before the option
+    assert "- allocator: PYTORCH_CUDA_ALLOC_CONF -\n" in rep.markdown(result)  # a result without the setting
     result["alloc_conf"] = ""
     assert "- allocator: PYTORCH_CUDA_ALLOC_CONF unset (PyTorch's default)" in rep.markdown(result)
     result["alloc_conf"] = "expandable_segments:True"
@@ -594,18 +740,18 @@ def test_cap_ceiling_goes_under_the_cap_table_and_into_the_cap_target_only():
     json.dumps(result, allow_nan=False)  # the JSON stays strict
 
 
-def test_results_written_before_these_fields_still_render():
+def test_committed_results_render_with_or_without_the_optional_fields():
     from bench_common import read_result
 
-    old = sorted(p for pattern in ("moe_step_*.json", "moe_step_*.json.gz") for p in (BENCH / "results").glob(pattern)
-                 if not p.name.startswith("moe_step_profile"))
-    if not old:
+    committed = sorted(p for pattern in ("moe_step_*.json", "moe_step_*.json.gz")
+                       for p in (BENCH / "results").glob(pattern) if not p.name.startswith("moe_step_profile"))
+    if not committed:
         pytest.skip("no moe_step results in this checkout")
-    for path in old:
+    for path in committed:
         result = read_result(path)
         rep.finish(result, result["config"].get("memory_target_GiB"))
         md = rep.markdown(result)
-        # results from before the option say "-"; later ones what their processes ran under
+        # a result without the allocator setting says "-"; others what their processes ran under
         assert f"- allocator: PYTORCH_CUDA_ALLOC_CONF {rep.alloc_conf_text(result.get('alloc_conf'))}\n" in md, path.name
         assert "### Targets" in md, path.name
 
@@ -762,15 +908,32 @@ def test_teo_t_budget_is_the_target_peak_no_offload_less_what_the_policy_moves()
     result["config"].update(engines=["v2", "v1", "teo-t"], target_slack_GiB=0.5)
     assert "- teo-t: teo with memory_budget = the static floor plus no offload's peak less the bytes the policy " \
            "moves, plus 0.5 GiB" in rep.markdown(rep.finish(result) or result)
-    # --target-freed: the budget frees that share of the bytes moved (the issue's target is 0.95)
+    # --target-freed: the budget frees that share of the bytes moved
     bench.args = moe_step.parse_args(["--engines", "teo-t", "--target-freed", "0.96"])
-    assert bench.target_budget(Policy("mlp", 7), 2) == int(5000 * MiB - 600 * MiB * 0.96)
-    assert bench.target_budget(Policy("mlp", 8), 2) == int(5000 * MiB - (600 * MiB * 7 // 8) * 0.96)
+    # (to a byte: the package's rounding of a fraction of the bytes is its own)
+    assert bench.target_budget(Policy("mlp", 7), 2) == pytest.approx(5000 * MiB - 600 * MiB * 0.96, abs=1)
+    assert bench.target_budget(Policy("mlp", 8), 2) == pytest.approx(5000 * MiB - (600 * MiB * 7 // 8) * 0.96, abs=1)
     for bad in ("0", "1.2", "nan", "-0.5"):
         with pytest.raises(SystemExit):
             moe_step.parse_args(["--target-freed", bad])
     result["config"].update(target_slack_GiB=0, target_freed=0.96)
     assert "less 0.96 of the bytes the policy moves, plus 0 GiB" in rep.markdown(rep.finish(result) or result)
+
+
+def test_teo_t_budget_comes_from_the_package_where_it_has_one(monkeypatch):
+    """moe_step.target_budget hands its arguments to te_offload_ops.engines.target_budget where the
+    package has it, and computes the same formula where it does not."""
+    import te_offload_ops.engines as engines
+
+    MiB = moe_step.MiB
+    kw = dict(floor_bytes=1000 * MiB, no_offload_peak_bytes=4000 * MiB, moved_bytes=800 * MiB, num_layers=8,
+              model_layers=8, freed=0.5, slack_bytes=10 * MiB)
+    monkeypatch.delattr(engines, "target_budget", raising=False)
+    assert moe_step.target_budget(**kw) == (1000 + 4000 - 350 + 10) * MiB  # n = L: half of 7/8 of 800 MiB
+    assert moe_step.target_budget(**{**kw, "num_layers": 7}) == (1000 + 4000 - 400 + 10) * MiB
+    seen = []
+    monkeypatch.setattr(engines, "target_budget", lambda **given: seen.append(given) or 123, raising=False)
+    assert moe_step.target_budget(**kw) == 123 and seen == [kw]
 
 
 def test_after_a_failed_step_te_offload_synchronizers_let_go_of_their_tensors(monkeypatch):
@@ -796,39 +959,6 @@ def test_after_a_failed_step_te_offload_synchronizers_let_go_of_their_tensors(mo
     assert moe_step.release_te_offload_state() == 1 and sorted(released) == ["L0", "L1"]
     monkeypatch.delitem(sys.modules, "transformer_engine.pytorch.cpu_offload")
     assert moe_step.release_te_offload_state() == 0
-
-
-def _cap_run(engine, none_rate, trials):
-    searches = [{"scope": "none", "policy": "none", "batch": 8, "tokens_per_s": none_rate,
-                 "trials": [{"batch": 8, "fits": True, "tokens_per_s": none_rate}]},
-                {"scope": "layer", "policy": "layer 2/4", "batch": max(b for b, ok, _ in trials if ok),
-                 "trials": [{"batch": b, "fits": ok, "tokens_per_s": r} for b, ok, r in trials]}]
-    return {"engine": engine, "cap": {"cap_GiB": 67.0, "searches": searches}}
-
-
-def test_cap_chart_points_are_against_their_own_process_and_only_runs_that_fit(tmp_path):
-    import moe_step_cap_chart as cc
-
-    result = {"gpu": "G", "date": "d", "config": {"budget_margin_GiB": 1.0},
-              "shapes": [{"name": "big-ffn", "runs": [_cap_run("teo", 100.0, [(12, True, 93.0), (10, True, 99.0),
-                                                                                (13, False, None)]),
-                                                       _cap_run("teo-b", 50.0, [(12, True, 48.0)])]},
-                         {"name": "base", "runs": [_cap_run("teo", 1.0, [(9, True, 1.0)])]}]}
-    points = cc.cap_points(result, "big-ffn")
-    assert [(p["engine"], p["batch"]) for p in points] == [("teo", 10), ("teo", 12), ("teo-b (cap - 1 GiB)", 12)]
-    assert points[1]["tokens_x"] == pytest.approx(1.5) and points[1]["rate_x"] == pytest.approx(0.93)
-    assert points[2]["rate_x"] == pytest.approx(0.96)  # against teo-b's own no-offload search
-    text = cc.markdown(points, "big-ffn", ["x.json"])
-    assert "| teo-b (cap - 1 GiB) | layer 2/4 | 67.0 | 12 | 1.500 | 0.960 | met |" in text
-    assert "| teo | layer 2/4 | 67.0 | 12 | 1.500 | 0.930 |  |" in text
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(result))
-    assert cc.main([str(path), "--out", str(tmp_path), "--stem", "c"]) == 0
-    assert (tmp_path / "c.md").exists() and (tmp_path / "c.png").stat().st_size > 0
-    assert cc.main([str(path), "--shape", "wide", "--out", str(tmp_path)]) == 1  # no cap runs of that shape
-    assert cc.main([str(path), f"{path}=new code", "--out", str(tmp_path), "--stem", "t"]) == 0  # a tag sets runs apart
-    text = (tmp_path / "t.md").read_text()
-    assert "| teo-b (cap - 1 GiB) [new code] | layer 2/4 | 67.0 | 12 |" in text and "r.json [new code] (G, d)" in text
 
 
 def test_under_cap_limits_the_allocator_and_always_restores_it():

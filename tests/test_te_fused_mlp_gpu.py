@@ -11,7 +11,7 @@ quantization need sm_100; a recorder takes its place and returns no gradients) a
 kernels' numbers (the stand-ins write random bytes of the right shapes).
 
 On sm_100 with NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 and the cuDNN frontend's kernels, the last test
-runs the same with nothing stood in and compares with TE's own fused op. It has not run yet.
+runs the same with nothing stood in and compares with TE's own fused op; it skips elsewhere.
 """
 
 import os
@@ -105,7 +105,7 @@ def test_v1_engine_in_its_own_process(tmp_path):
 def _blackwell_problem():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 10:
         return ("needs an sm_100 GPU (Blackwell) with NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 and the cuDNN frontend's "
-                "sm100 grouped GEMM kernels; not run yet: no Blackwell GPU was available")
+                "sm100 grouped GEMM kernels")
     if not te_mlp.GroupedMLP_CuTeGEMMUnary.is_supported():
         return "TE's fused grouped MLP is not supported here (set NVTE_CUTEDSL_FUSED_GROUPED_MLP=1; cuDNN frontend)"
     return None

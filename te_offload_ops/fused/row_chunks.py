@@ -15,7 +15,7 @@ import torch
 from ..settings import mib_from_env
 
 CHUNK_ENV = "TEO_FUSED_ACT_CHUNK_MIB"
-DEFAULT_CHUNK_MIB = 1024  # below this an act is made whole (one GEMM pair, as before)
+DEFAULT_CHUNK_MIB = 1024  # up to this an act is made whole (one GEMM pair)
 _ROW_ALIGN = 128  # blocks of whole tiles (the kernels' largest row tile)
 
 

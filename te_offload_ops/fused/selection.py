@@ -44,6 +44,13 @@ def _cuda_capability() -> Optional[tuple[int, int]]:
     return torch.cuda.get_device_capability()
 
 
+def active_recipe() -> Any:
+    """The quantization recipe of the enclosing ``te.autocast``, or None outside one."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    return FP8GlobalStateManager.get_fp8_recipe() if FP8GlobalStateManager.is_fp8_enabled() else None
+
+
 def _recipe_blocker(recipe: Any) -> Optional[str]:
     if recipe is None:
         return None
@@ -111,6 +118,10 @@ def runtime_blockers(x: Any, split_sizes: Any, probs: Any, *, weight_dtype: torc
     Inputs TE rejects never get here: the fused op raises for them first (ops/input_checks.py)."""
     del split_sizes, probs  # any integer dtype, CPU or GPU, and any probs dtype are taken
     reasons = []
+    # TE's fuser re-fuses when the recipe changes, so this holds only for a fused op called
+    # outside its Sequential; the kernels never compute in bf16 what a recipe asks in FP8.
+    if (blocker := _recipe_blocker(active_recipe())) is not None:
+        reasons.append(blocker)
     if type(x) is not torch.Tensor:
         reasons.append(f"input is a {type(x).__name__}, not a plain tensor")
         return reasons

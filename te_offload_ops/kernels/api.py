@@ -151,10 +151,11 @@ CLUSTER_M_ENV = "TEO_GEMM_CLUSTER_M"  # "2": 2 x 2 clusters for every GEMM that 
 def pick_cluster_m(wgrad_m, n: int, tile, cluster_n: int) -> int:
     """2 (2 x 2 clusters: B multicast over m-block pairs as well as A over n-block pairs) when
     TEO_GEMM_CLUSTER_M=2, for GEMMs with at least two n-blocks (and, for a weight gradient, two
-    m-blocks), else 1. Opt-in until measured: the GEMMs are bound by L2 sectors (Nsight Compute,
-    2026-11-23) and this cuts their operand reads by about a quarter, at the cost of phantom tiles
-    where a block count is odd (and, in the forward form, a whole B load where an m-pair straddles
-    two experts). A value other than 1 or 2 raises for every GEMM (it names them all)."""
+    m-blocks), else 1. Opt-in: the GEMMs are bound by L2 sectors (Nsight Compute) and this cuts
+    their operand reads by about a quarter, but phantom tiles where a block count is odd (and, in
+    the forward form, a whole B load where an m-pair straddles two experts) make it slower than the
+    pair in every GEMM on an H100 (benchmarks/results/cluster2x2_*). A value other than 1 or 2
+    raises for every GEMM (it names them all)."""
     want = os.environ.get(CLUSTER_M_ENV, "") or "1"
     if want not in ("1", "2"):
         raise ValueError(f"{CLUSTER_M_ENV} must be 1 or 2, got {want!r}")
@@ -631,7 +632,7 @@ def dsrelu_bwd_bytes(t: int, n: int, itemsize: int, *, tile=None, schedule=None)
 
 WGRAD_BACKEND_ENV = "TEO_WGRAD_BACKEND"  # "cute" or "torch": overrides the default below
 WGRAD_BACKENDS = ("cute", "torch")
-# measured on H100 (benchmarks/results/bench_kernels*): see README "Which kernel runs where"
+# measured on H100 (benchmarks/results/bench_kernels*): see docs/fused-mlp.md, "Kernels"
 DEFAULT_WGRAD_BACKEND = "cute"
 
 
@@ -823,7 +824,7 @@ def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool 
     if accumulate:
         add, schedule = main_grad_way(t, e, add, schedule)
         epilogue = MAIN_GRAD_ADDS[add]
-    else:  # overwrite_main_grad: stores only, the schedule as before
+    else:  # overwrite_main_grad: stores only, under the schedule given or pick_schedule's
         epilogue = "store_f32"
     layout = main_grad_slots([g.data_ptr() for g in bufs], n * k) if epilogue == "tma_f32" else None
     if epilogue == "tma_f32" and layout is None:  # buffers TMA cannot address as one array

@@ -1,0 +1,188 @@
+"""2 x 2 clusters against the CTA pair, per grouped GEMM of the fused MLP (``TEO_GEMM_CLUSTER_M``).
+
+The GEMMs are bound by L2 sectors (Nsight Compute): a 2 x 2
+cluster multicasts B over m-block pairs as well as A over n-block pairs, a quarter less operand
+traffic per tile, at the cost of phantom tiles where a block count is odd. Each GEMM of one fused
+MLP step (E experts x tokens, H, F; uneven routing with ``--skew``) runs under its default
+schedule with the pair (``TEO_GEMM_CLUSTER_M=1``) and with 2 x 2 clusters, timed interleaved as
+``bench_kernels.py`` times (GPU time with the host ahead, medians over ``--reps`` rounds), and
+the two outputs are compared bit for bit (each tile runs the same k-loop: they must be equal).
+Writes ``cluster2x2_<GPU>[_skewed].{json,md,png}`` to ``--out``.
+
+    python3 benchmarks/experiments/bench_cluster2x2.py [--skew] --out "$OUT/results"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent))
+
+from bench_common import cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
+
+ENV = "TEO_GEMM_CLUSTER_M"
+
+
+def _gemms(e, tokens, h, f, skew, torch):
+    """{name: (flops, fn, buffer)} for the six GEMMs of one fused MLP step and fc1's weight
+    gradient added into an fp32 main_grad: fn returns the output(s), or adds into ``buffer``."""
+    from bench_kernels import uneven_splits
+
+    from te_offload_ops import kernels as K
+
+    s = uneven_splits(e, tokens) if skew else torch.full((e,), tokens, dtype=torch.int64)
+    s = s.to(device="cuda", dtype=torch.int32)  # int32: no conversion kernel inside the timed calls
+    t = e * tokens
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+    x, dy = rnd(t, h), rnd(t, h)
+    w1, w2 = rnd(e, f, h, scale=h**-0.5), rnd(e, h, f, scale=f**-0.5)
+    p = torch.rand(t, device="cuda", generator=g).to(torch.bfloat16)
+    z, dz = rnd(t, f), rnd(t, f)
+    main_grad = torch.zeros(e, f, h, device="cuda")
+    mm = 2.0 * t * h * f
+    return {
+        "fc1 fwd + SReLU": (mm, lambda: K.grouped_gemm_srelu_fwd(x, w1, s, p), None),
+        "fc2 fwd": (mm, lambda: K.grouped_gemm(z, w2, s), None),
+        "fc2 dgrad + dSReLU": (mm, lambda: K.grouped_gemm_dsrelu_bwd(dy, w2, s, z, p), None),
+        "fc1 dgrad": (mm, lambda: K.grouped_gemm(dz, w1, s, trans_b=True), None),
+        "fc1 wgrad": (mm, lambda: K.grouped_wgrad(dz, x, s, backend="cute"), None),
+        "fc2 wgrad": (mm, lambda: K.grouped_wgrad(dy, z, s, backend="cute"), None),
+        "fc1 wgrad into main_grad": (mm, lambda: K.grouped_wgrad_main_grad(dz, x, s, main_grad, backend="cute"),
+                                     main_grad),
+    }
+
+
+def _problem() -> str | None:
+    """Why this machine cannot run it: a GPU and TE (the package imports it), an sm_90 GPU and the
+    CuTe DSL (the kernels)."""
+    import importlib.util
+
+    import torch
+
+    if (problem := cuda_problem()):
+        return problem
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"the kernels need an sm_90 GPU (H100/H200), found {torch.cuda.get_device_name()}"
+    if importlib.util.find_spec("cutlass") is None:
+        return "the CuTe DSL (nvidia-cutlass-dsl) is not installed"
+    return None
+
+
+def _with(cluster_m: str, fn):
+    def call():
+        os.environ[ENV] = cluster_m
+        return fn()
+    return call
+
+
+def _same_bits(a, b, torch) -> bool:
+    a = a if isinstance(a, tuple) else (a,)
+    b = b if isinstance(b, tuple) else (b,)
+    return all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def measure(args) -> dict:
+    import torch
+
+    from bench_kernels import time_interleaved
+
+    from te_offload_ops.kernels import api
+
+    gemms = _gemms(args.experts, args.tokens, args.hidden, args.ffn, args.skew, torch)
+    rows = []
+    for i, (name, (flops, fn, buffer)) in enumerate(gemms.items(), 1):
+        outs = {}
+        compiled_before = set(api.compile_times())
+        for cm in ("1", "2"):
+            os.environ[ENV] = cm
+            if buffer is not None:  # the add accumulates: compare one call from equal starts
+                buffer.zero_()
+                fn()
+                outs[cm] = buffer.clone()
+            else:
+                outs[cm] = fn()
+        same = _same_bits(outs["1"], outs["2"], torch)
+        # did a 2 x 2 kernel run at all? (one n-block, or TEO_GEMM_CLUSTER_N=1, leaves the pair)
+        ran_2x2 = any(("cluster_m", 2) in key for key in set(api.compile_times()) - compiled_before)
+        times = time_interleaved({"pair": _with("1", fn), "2x2": _with("2", fn)}, args.reps, args.inner)
+        pair_ms, two_ms = times["pair"][0], times["2x2"][0]
+        rows.append({"gemm": name, "pair_ms": pair_ms, "two_by_two_ms": two_ms, "speedup": pair_ms / two_ms,
+                     "pair_TFLOPs": flops / pair_ms / 1e9, "two_by_two_TFLOPs": flops / two_ms / 1e9,
+                     "same_bits": same, "ran_2x2": ran_2x2,
+                     "host_behind_samples": times["pair"][2] + times["2x2"][2]})
+        print(f"[{i}/{len(gemms)}] {name}: pair {pair_ms:.3f} ms, 2x2 {two_ms:.3f} ms "
+              f"(x{pair_ms / two_ms:.3f}), same bits: {same}{'' if ran_2x2 else ' (no 2 x 2 kernel ran)'}",
+              flush=True)
+    os.environ.pop(ENV, None)
+    return {"gpu": torch.cuda.get_device_name(), "date": utc_now(), "shape": {"experts": args.experts, "tokens_per_expert": args.tokens,
+            "hidden": args.hidden, "ffn": args.ffn, "skew": args.skew}, "reps": args.reps, "inner": args.inner,
+            "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    sh = result["shape"]
+    lines = [f"# 2 x 2 clusters against the CTA pair, {result['gpu']} ({result['date']})", "",
+             f"E={sh['experts']} x {sh['tokens_per_expert']} tokens{' (uneven)' if sh['skew'] else ''}, "
+             f"H={sh['hidden']}, F={sh['ffn']}, bf16, each GEMM under its default schedule; GPU time per "
+             f"call with the host ahead, medians of {result['reps']} interleaved rounds of {result['inner']} calls.",
+             "", "| GEMM | pair ms | 2x2 ms | pair / 2x2 | pair TFLOP/s | 2x2 TFLOP/s | same bits |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['gemm']} | {r['pair_ms']:.3f} | {r['two_by_two_ms']:.3f} | {r['speedup']:.3f} | "
+                     f"{r['pair_TFLOPs']:.0f} | {r['two_by_two_TFLOPs']:.0f} | {'yes' if r['same_bits'] else '**no**'} |"
+                     + ("" if r.get("ran_2x2", True) else " (no 2 x 2 kernel ran: the pair both times)"))
+    return "\n".join(lines) + "\n"
+
+
+def chart(result: dict, path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["pair_TFLOPs"] for r in rows], 0.4, label="CTA pair (A shared)")
+    ax.bar([x + 0.2 for x in xs], [r["two_by_two_TFLOPs"] for r in rows], 0.4, label="2 x 2 (A and B shared)")
+    ax.set_xticks(list(xs), [r["gemm"] for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"Grouped GEMMs, pair vs 2 x 2 clusters ({result['gpu']})")
+    ax.legend()
+    fig.tight_layout()
+    save_png(fig, path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per expert (on average with --skew)")
+    ap.add_argument("--hidden", type=int, default=2688)
+    ap.add_argument("--ffn", type=int, default=1856)
+    ap.add_argument("--skew", action="store_true", help="uneven tokens per expert")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--inner", type=int, default=10)
+    ap.add_argument("--out", default=str(BENCH / "results"), help="folder for JSON, markdown, PNG")
+    args = ap.parse_args(argv)
+    for name in ("experts", "tokens", "hidden", "ffn", "reps", "inner"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if (problem := _problem()):
+        return refuse("bench_cluster2x2.py", problem)
+    result = measure(args)
+    write_reports(Path(args.out), file_stem("cluster2x2", result["gpu"], "skewed" if args.skew else ""), result,
+                  markdown, chart)
+    return 0 if all(r["same_bits"] for r in result["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
