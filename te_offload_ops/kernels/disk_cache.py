@@ -8,8 +8,8 @@ where tracing and compiling it takes seconds. The DSL's own file cache is no sub
 the kernel's Python again.
 
 Where: ``$TEO_KERNEL_CACHE_DIR``, else ``${XDG_CACHE_HOME:-~/.cache}/te_offload_ops/kernels``;
-``TEO_KERNEL_CACHE=0`` turns the disk cache off (kernels are then compiled in every process, and
-kept in memory as before).
+``TEO_KERNEL_CACHE=0`` turns the disk cache off (kernels are then compiled in every process and
+kept in its memory only).
 
 An entry's file name is a hash of its key, which names everything that changes the code: the
 kernel sources (every ``kernels/*.py``), the variant (the in-memory cache key and the kernel
@@ -49,7 +49,7 @@ FORMAT = 1  # of the entry file below; a change gives every key a new name
 MAGIC = b"TEOKERNL"
 SUFFIX = ".kernel"
 _HEADER_LEN = struct.Struct("<I")
-LOCK_WAIT_S = 600.0  # past this, a process compiles without waiting any longer for another's compile
+LOCK_WAIT_S = 300.0  # past this, a process compiles without waiting any longer for another's compile
 
 # what this process did, for warm-up reports and tests: file name -> seconds
 LOADED: dict[str, float] = {}
