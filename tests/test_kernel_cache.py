@@ -277,6 +277,19 @@ def test_an_unusable_directory_costs_one_warning_per_process(tmp_path, fixed_key
     assert len(caplog.records) == 1 and "is not usable" in caplog.records[0].getMessage()
 
 
+def test_a_store_removes_temporaries_that_dead_writers_left(entry, monkeypatch):
+    """A writer killed mid-write leaves its temporary file; the next store of the entry removes it
+    once it is old, and leaves a young one (a live writer's) alone."""
+    entry.directory.mkdir(parents=True)
+    old, young = (entry.directory / f".{entry.name}.{tag}.tmp" for tag in ("dead", "live"))
+    for f in (old, young):
+        f.write_bytes(b"half an entry")
+    os.utime(old, (time.time() - 2 * disk_cache.ORPHAN_AGE_S,) * 2)
+    monkeypatch.setattr(disk_cache, "export_object", lambda compiled, call, prefix: b"object bytes")
+    entry.store("compiled")
+    assert entry.path.exists() and not old.exists() and young.exists()
+
+
 def test_a_failed_export_costs_one_warning_and_no_file(entry, caplog):
     with caplog.at_level(logging.INFO, logger=disk_cache.__name__):
         entry.store(object())  # not a compiled kernel: the export raises

@@ -50,6 +50,7 @@ MAGIC = b"TEOKERNL"
 SUFFIX = ".kernel"
 _HEADER_LEN = struct.Struct("<I")
 LOCK_WAIT_S = 300.0  # past this, a process compiles without waiting any longer for another's compile
+ORPHAN_AGE_S = 3600.0  # a temporary file this old was left by a writer that died
 
 # what this process did, for warm-up reports and tests: file name -> seconds
 LOADED: dict[str, float] = {}
@@ -330,8 +331,7 @@ class Entry:
         try:
             compiled = load_object(payload, self.call, self.prefix)
         except Exception as exc:  # the DSL refused the object: treat it as any bad entry
-            return self._reject(f"the CuTe DSL could not load it: {exc.__class__.__name__}: "
-                                f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}")
+            return self._reject(f"the CuTe DSL could not load it: {exc.__class__.__name__}: {_first_line(exc)}")
         LOADED[self.name] = time.perf_counter() - t0
         return compiled
 
@@ -349,7 +349,21 @@ class Entry:
             write_atomic(self.path, encode(self.description, self.call, self.prefix, payload))
         except Exception as exc:
             _log.warning("could not write kernel cache entry %s (%s: %s); the kernel is used from memory",
-                         self.path, exc.__class__.__name__, str(exc).strip().splitlines()[0][:200] if str(exc).strip()
-                         else "")
+                         self.path, exc.__class__.__name__, _first_line(exc))
             return
         STORED[self.name] = time.perf_counter() - t0
+        self._remove_orphans()
+
+    def _remove_orphans(self) -> None:
+        """Temporary files of this entry that a writer killed mid-write left behind (old enough
+        that no live writer can still be writing them)."""
+        cutoff = time.time() - ORPHAN_AGE_S
+        for tmp in self.directory.glob(f".{self.name}.*.tmp"):
+            with contextlib.suppress(OSError):
+                if tmp.stat().st_mtime < cutoff:
+                    tmp.unlink()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else ""
