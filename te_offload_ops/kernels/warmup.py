@@ -9,8 +9,9 @@ for these shapes: fc1 forward with SReLU, fc2 forward, fc2 dgrad with dSReLU, fc
 weight gradients (plain, or added into main_grad the way :func:`~.api.main_grad_way` picks for the
 tokens, or every way it can pick where ``tokens`` is not given). ``delay_wgrad_compute`` runs the
 same kernels later, so it needs nothing here. Without a GPU the kernels compile for sm_90a
-(``CUTE_DSL_ARCH``); the entries then serve GPU machines whose CuTe DSL picks the same CUDA
-flavour (the newest installed where no driver is found; ``CUTE_DSL_LIBS`` sets it).
+(``CUTE_DSL_ARCH``); the entries then serve GPU machines whose CuTe DSL is installed at the same
+path and picks the same CUDA flavour (the newest installed where no driver is found;
+``CUTE_DSL_LIBS`` sets it): the DSL's runtime library is part of the key.
 
 Any process that runs the kernels also fills the cache: one step of the job itself warms exactly
 what it uses, whatever its weight layout.
