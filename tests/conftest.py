@@ -7,8 +7,20 @@ first two marks under the names the GPU tests import.
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
+
+# Tests count and compare compiles, so the kernels' disk cache is off unless a test (or the
+# caller, TEO_KERNEL_CACHE=1) turns it on; where on, it is a directory of this run's own.
+os.environ.setdefault("TEO_KERNEL_CACHE", "0")
+if "TEO_KERNEL_CACHE_DIR" not in os.environ:
+    os.environ["TEO_KERNEL_CACHE_DIR"] = tempfile.mkdtemp(prefix="teo-kernel-cache-")
+    atexit.register(shutil.rmtree, os.environ["TEO_KERNEL_CACHE_DIR"], True)
 
 requires_gpu = pytest.mark.gpu
 requires_sm90 = pytest.mark.gpu("sm_90")

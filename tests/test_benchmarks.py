@@ -19,8 +19,8 @@ sys.path.insert(0, str(BENCH / "experiments"))
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 @pytest.mark.parametrize("script", ["moe_step.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
                                     "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py",
-                                    "megatron_gpt.py", "experiments/ablate_epilogue.py", "experiments/bench_copy_interference.py",
-                                    "experiments/bench_cluster2x2.py"])
+                                    "megatron_gpt.py", "first_step.py", "experiments/ablate_epilogue.py",
+                                    "experiments/bench_copy_interference.py", "experiments/bench_cluster2x2.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
     proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
@@ -33,7 +33,8 @@ def test_every_benchmark_script_is_kept_run_or_an_experiment_with_a_line():
     kept = {"moe_step.py", "moe_model.py", "moe_step_report.py", "moe_step_combine.py", "step_profile.py",
             "bench_common.py", "timing.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
             "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py", "megatron_gpt.py",
-            "megatron_gpt_model.py", "megatron_gpt_report.py", "comm_copy_overlap.py", "teo_budget_check.py"}
+            "megatron_gpt_model.py", "megatron_gpt_report.py", "comm_copy_overlap.py", "teo_budget_check.py",
+            "first_step.py"}
     assert {p.name for p in BENCH.glob("*.py")} == kept
     readme = (BENCH / "experiments" / "README.md").read_text()
     for script in (BENCH / "experiments").glob("*.py"):
@@ -233,3 +234,28 @@ def test_fp8_recipes_report_names_each_recipe_and_error():
     assert "| Float8BlockScaling | TE ops | RuntimeError: no algorithm |" in md
     assert math.isclose(fp8_recipes.tflops(argparse.Namespace(experts=8, tokens=2048, hidden=2688, ffn=1856), 1.0),
                         6 * 2 * 8 * 2048 * 2688 * 1856 / 1e9)
+
+
+def test_first_step_report_compares_each_mode_with_stock(tmp_path):
+    import first_step
+
+    def run(w, m, first, compiled=0, loaded=0):
+        return {"workload": w, "mode": m, "first_step_s": first, "second_step_s": 0.02, "process_s": first + 8,
+                "compiled": compiled, "compile_s": 1.5 * compiled, "loaded": loaded, "load_s": 0.003 * loaded,
+                "path": "stock TE ops" if m == "stock" else "fused"}
+
+    runs = [run("mlp", "cold", 10.0, compiled=6), run("mlp", "warm", 1.4, loaded=6), run("mlp", "stock", 1.0),
+            run("mlp", "cold", 12.0, compiled=6), run("mlp", "warm", 1.6, loaded=6), run("mlp", "stock", 1.2),
+            run("model", "cold", 11.0, compiled=6), run("model", "warm", 3.5, loaded=6), run("model", "stock", 1.5)]
+    rows = first_step.summarize(runs, ["mlp", "model"], ["cold", "warm", "stock"])
+    by = {(r["workload"], r["mode"]): r for r in rows}
+    assert by["mlp", "cold"]["first_step_s"] == pytest.approx(11.0) and by["mlp", "cold"]["runs"] == 2
+    assert by["mlp", "warm"]["vs_stock_s"] == pytest.approx(1.5 - 1.1)
+    assert "vs_stock_s" not in by["mlp", "stock"]
+    assert by["model", "warm"]["vs_stock_s"] == pytest.approx(2.0)
+    settings = {"experts": 16, "topk": 4, "hidden": 2048, "ffn": 1024, "heads": 16, "layers": 4, "seq": 2048,
+                "rounds": 2}
+    text = first_step.markdown({"gpu": "GPU", "date": "2026-11-26", "settings": settings, "summary": rows})
+    assert "mlp: warm +0.40 s vs stock: meets the target" in text
+    assert "model: warm +2.00 s vs stock: misses the target" in text
+    assert text.count("\n| ") == 1 + 6  # header and one row per (workload, mode)

@@ -5,8 +5,9 @@ All entry points take plain torch tensors, allocate their outputs, never read
 stream.  Compiled kernels are cached per
 ``(dtype, tile, cluster, epilogue, N, K, E, B major, wgrad M, schedule, call convention)``, with
 the main_grad slot stride (``tma`` add) or the weights' layout (padded or reversed experts) before
-the call convention where they differ from the default; the first call of a key compiles (see
-:func:`compile_times`).
+the call convention where they differ from the default; the first call of a key in a process loads
+it from the disk cache (:mod:`.disk_cache`, see :func:`load_times`) or compiles it (see
+:func:`compile_times`) and writes it there.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import time
 import torch
 
 from ..capture import GraphCaptureError, capturing, warm_up_hint
+from . import disk_cache
 
 _log = logging.getLogger(__name__)
 
 _CACHE: dict = {}
 _COMPILE_SECONDS: dict = {}
+_LOAD_SECONDS: dict = {}
 _LOCK = threading.Lock()
 
 def _cutlass():
@@ -163,6 +166,36 @@ def pick_cluster_m(wgrad_m, n: int, tile, cluster_n: int) -> int:
     return 2 if -(-n // tile[1]) >= 2 else 1
 
 
+def _make_kernel(dtype: torch.dtype, n: int, k: int, e: int, b_n_major: bool, epilogue: str, tile, *,
+                 cluster_n: int = 1, wgrad_m: int | None = None, schedule: str = "cooperative",
+                 epi_cols: int | None = None, kernel_class=None, slot_stride: int | None = None,
+                 b_layout: tuple = (None, False), cluster_m: int = 1):
+    """The kernel object of one variant (its parameters; nothing compiled)."""
+    from .gemm_sm90 import GroupedGemmSm90
+
+    return (kernel_class or GroupedGemmSm90)(
+        _cutlass_dtype(dtype), n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile_mn=tile, cluster_n=cluster_n,
+        wgrad_m=wgrad_m, schedule=schedule, epi_cols=epi_cols,
+        **({"cluster_m": cluster_m} if cluster_m != 1 else {}),
+        **({"slot_stride": slot_stride} if slot_stride is not None else {}),
+        **({"b_stride": b_layout[0], "b_reversed": b_layout[1]} if b_layout != (None, False) else {}),
+    )
+
+
+_RUNTIME_ATTRS = ("call", "launched", "cache_key")  # set on a kernel object after it is built
+
+
+def _kernel_params(kern) -> tuple:
+    """A kernel object's plain parameters (tile, stages, epilogue chunking, ...), for the disk
+    cache's key: what the kernel's constructor derives, so a variant built differently (a
+    constant of the kernel module changed at run time, say) never loads another's code."""
+    plain = (bool, int, float, str, type(None))
+    return tuple(sorted(
+        (name, value) for name, value in vars(kern).items()
+        if name not in _RUNTIME_ATTRS and (isinstance(value, plain) or (
+            isinstance(value, tuple) and all(isinstance(v, plain) for v in value)))))
+
+
 def _compile(
     dtype: torch.dtype, n: int, k: int, e: int, b_n_major: bool, epilogue: str, tile,
     options: str | None = None, cluster_n: int = 1, wgrad_m: int | None = None,
@@ -171,16 +204,12 @@ def _compile(
     cluster_m: int = 1,
 ):
     cutlass, cute, make_ptr, make_fake_stream = _cutlass()
-    from .gemm_sm90 import MAIN_GRAD_EPILOGUES, GroupedGemmSm90
+    from .gemm_sm90 import MAIN_GRAD_EPILOGUES
 
     dt = _cutlass_dtype(dtype)
-    kern = (kernel_class or GroupedGemmSm90)(
-        dt, n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile_mn=tile, cluster_n=cluster_n,
-        wgrad_m=wgrad_m, schedule=schedule, epi_cols=epi_cols,
-        **({"cluster_m": cluster_m} if cluster_m != 1 else {}),
-        **({"slot_stride": slot_stride} if slot_stride is not None else {}),
-        **({"b_stride": b_layout[0], "b_reversed": b_layout[1]} if b_layout != (None, False) else {}),
-    )
+    kern = _make_kernel(dtype, n, k, e, b_n_major, epilogue, tile, cluster_n=cluster_n, wgrad_m=wgrad_m,
+                        schedule=schedule, epi_cols=epi_cols, kernel_class=kernel_class, slot_stride=slot_stride,
+                        b_layout=b_layout, cluster_m=cluster_m)
     gmem = cute.AddressSpace.gmem
     fake = 1 << 20  # any aligned address: only the types matter at compile time
     main_grad = epilogue in MAIN_GRAD_EPILOGUES
@@ -255,31 +284,51 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
         with _LOCK:
             hit = _CACHE.get(key)
             if hit is None:
+                variant = ((dtype, n, k, e, bool(b_n_major), epilogue, tile),
+                           dict(cluster_n=cluster_n, wgrad_m=wgrad_m, schedule=schedule, slot_stride=slot_stride,
+                                b_layout=b_layout, cluster_m=cluster_m))
                 try:
-                    kern, compiled, secs = _compile(
-                        dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
-                        wgrad_m=wgrad_m, schedule=schedule, call=call, slot_stride=slot_stride,
-                        b_layout=b_layout, cluster_m=cluster_m,
-                    )
+                    kern, compiled = _load_or_compile(key, call, *variant)
                 except Exception as exc:
                     if call != "tvm-ffi" or os.environ.get(CALL_ENV):
                         raise
                     # an apache-tvm-ffi the DSL cannot use?  If the Python executor compiles
                     # the same kernel, use it from now on (a broken kernel raises here again)
-                    kern, compiled, secs = _compile(
-                        dtype, n, k, e, bool(b_n_major), epilogue, tile, cluster_n=cluster_n,
-                        wgrad_m=wgrad_m, schedule=schedule, call="python", slot_stride=slot_stride,
-                        b_layout=b_layout, cluster_m=cluster_m,
-                    )
+                    key = key[:-1] + ("python",)
+                    kern, compiled = _load_or_compile(key, "python", *variant)
                     _TVM_FFI_FAILED.append(repr(exc)[:300])
                     _log.warning("the TVM-FFI kernel call path failed to compile (%s); using the "
                                  "CuTe DSL's Python executor", _TVM_FFI_FAILED[-1])
-                    key = key[:-1] + ("python",)
-                _COMPILE_SECONDS[key] = secs
-                _log.info("compiled grouped GEMM %s in %.2f s", key, secs)
                 kern.cache_key = key  # named in errors
                 hit = _CACHE[key] = (kern, compiled)
     return hit
+
+
+def _load_or_compile(key: tuple, call: str, args: tuple, variant: dict):
+    """(kernel object, compiled kernel) of one variant: loaded from the disk cache where it holds
+    the variant, else compiled (and written there). One process at a time compiles a variant
+    that several want at once; the others load what it wrote."""
+    if not disk_cache.enabled():
+        return _compile_now(key, call, args, variant)
+    kern = _make_kernel(*args, **variant)
+    entry = disk_cache.Entry(key, _kernel_params(kern), call)
+    with entry.claim():
+        compiled = entry.load()
+        if compiled is None:
+            kern, compiled = _compile_now(key, call, args, variant)
+            entry.store(compiled)
+            return kern, compiled
+    kern.call = call  # how _launch passes the arguments
+    _LOAD_SECONDS[key] = disk_cache.LOADED[entry.name]
+    _log.info("loaded grouped GEMM %s from %s in %.3f s", key, entry.path, _LOAD_SECONDS[key])
+    return kern, compiled
+
+
+def _compile_now(key: tuple, call: str, args: tuple, variant: dict):
+    kern, compiled, secs = _compile(*args, call=call, **variant)
+    _COMPILE_SECONDS[key] = secs
+    _log.info("compiled grouped GEMM %s in %.2f s", key, secs)
+    return kern, compiled
 
 
 def _first_call_in_capture(key) -> str:
@@ -288,14 +337,21 @@ def _first_call_in_capture(key) -> str:
 
 
 def compile_times() -> dict:
-    """{cache key: first-call compile seconds} for every kernel compiled so far."""
+    """{cache key: first-call compile seconds} for every kernel this process compiled."""
     return dict(_COMPILE_SECONDS)
 
 
+def load_times() -> dict:
+    """{cache key: seconds} for every kernel this process loaded from the disk cache instead."""
+    return dict(_LOAD_SECONDS)
+
+
 def clear_cache() -> None:
+    """Forget the kernels of this process (the disk cache stays: see :mod:`.disk_cache`)."""
     with _LOCK:
         _CACHE.clear()
         _COMPILE_SECONDS.clear()
+        _LOAD_SECONDS.clear()
 
 
 def _aligned(t: torch.Tensor, align: int = 16) -> torch.Tensor:

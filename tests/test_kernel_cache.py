@@ -1,0 +1,458 @@
+"""CPU: the kernels' disk cache: where it lives, what its keys hold, its file format, atomic
+writes under many writers, bad entries (one warning, a recompile, the file replaced), and real
+sm_90a kernels compiled in one process and loaded in the next (``CUTE_DSL_ARCH=sm_90a``: the
+DSL compiles Hopper kernels without a GPU). GPU execution of loaded kernels:
+test_kernel_cache_gpu.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from te_offload_ops.kernels import disk_cache
+from te_offload_ops.kernels.disk_cache import BadEntry, decode, encode
+
+ROOT = Path(__file__).resolve().parent.parent
+_HAVE_DSL = importlib.util.find_spec("cutlass") is not None
+needs_dsl = pytest.mark.skipif(not _HAVE_DSL, reason="the CuTe DSL (nvidia-cutlass-dsl) is not installed")
+
+
+# -- where --------------------------------------------------------------------------------------------
+
+def test_location_follows_the_conventions(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv(disk_cache.CACHE_DIR_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert disk_cache.cache_dir() == tmp_path / "home" / ".cache" / "te_offload_ops" / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert disk_cache.cache_dir() == tmp_path / "xdg" / "te_offload_ops" / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # the XDG convention: ignored
+    assert disk_cache.cache_dir() == tmp_path / "home" / ".cache" / "te_offload_ops" / "kernels"
+    monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, "~/kernels")
+    assert disk_cache.cache_dir() == tmp_path / "home" / "kernels"
+    monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, str(tmp_path / "given"))
+    assert disk_cache.cache_dir() == tmp_path / "given"
+
+
+def test_switch(monkeypatch):
+    for raw, on in (("", True), ("1", True), ("0", False), (" 0 ", False)):
+        monkeypatch.setenv(disk_cache.CACHE_ENV, raw)
+        assert disk_cache.enabled() is on
+    monkeypatch.delenv(disk_cache.CACHE_ENV)
+    assert disk_cache.enabled()
+    monkeypatch.setenv(disk_cache.CACHE_ENV, "off")
+    with pytest.raises(ValueError, match=r"TEO_KERNEL_CACHE must be 1 .* or 0 .*, got 'off'"):
+        disk_cache.enabled()
+
+
+# -- the key ------------------------------------------------------------------------------------------
+
+KEY = ("torch.bfloat16", (128, 128), 2, "srelu", 512, 256, 4, False, None, "pingpong", "tvm-ffi")
+PARAMS = (("bn", 128), ("epi_cols", 32), ("stages", 7))
+
+
+@pytest.fixture
+def fixed_key_inputs(monkeypatch):
+    """The key's environment parts pinned, so each test below changes exactly one."""
+    monkeypatch.setattr(disk_cache, "source_digest", lambda: "s" * 64)
+    monkeypatch.setattr(disk_cache, "dsl_settings", lambda: "arch='sm_90a';lineinfo=False;")
+    monkeypatch.setattr(disk_cache, "_version", lambda dist: {"apache-tvm-ffi": "0.1"}.get(dist, "4.8.1"))
+    monkeypatch.setattr(disk_cache, "_package_version", lambda: "0.1.0")
+    monkeypatch.setattr(disk_cache.platform, "machine", lambda: "x86_64")
+
+
+CHANGES = {
+    "kernel sources": lambda mp: mp.setattr(disk_cache, "source_digest", lambda: "t" * 64),
+    "gpu arch": lambda mp: mp.setattr(disk_cache, "dsl_settings", lambda: "arch='sm_100a';lineinfo=False;"),
+    "dsl compile setting": lambda mp: mp.setattr(disk_cache, "dsl_settings", lambda: "arch='sm_90a';lineinfo=True;"),
+    "dsl version": lambda mp: mp.setattr(disk_cache, "_version",
+                                         lambda d: {"apache-tvm-ffi": "0.1"}.get(d, "4.9.0")),
+    "tvm-ffi version": lambda mp: mp.setattr(disk_cache, "_version",
+                                             lambda d: {"apache-tvm-ffi": "0.2"}.get(d, "4.8.1")),
+    "package version": lambda mp: mp.setattr(disk_cache, "_package_version", lambda: "0.2.0"),
+    "host": lambda mp: mp.setattr(disk_cache.platform, "machine", lambda: "aarch64"),
+}
+
+
+@pytest.mark.parametrize("what", list(CHANGES))
+def test_the_key_changes_with_everything_that_changes_the_code(what, fixed_key_inputs, monkeypatch):
+    before = disk_cache.Entry(KEY, PARAMS, "tvm-ffi", directory=Path("/nonexistent"))
+    CHANGES[what](monkeypatch)
+    after = disk_cache.Entry(KEY, PARAMS, "tvm-ffi", directory=Path("/nonexistent"))
+    assert after.description != before.description
+    assert after.name != before.name and after.prefix != before.prefix
+
+
+def test_the_key_changes_with_the_variant_and_call(fixed_key_inputs):
+    def name(key=KEY, params=PARAMS, call="tvm-ffi"):
+        return disk_cache.Entry(key, params, call, directory=Path("/nonexistent")).name
+
+    base = name()
+    assert name() == base  # deterministic
+    others = [name(key=KEY[:1] + ((128, 64),) + KEY[2:]), name(key=KEY[:-2] + ("cooperative", "tvm-ffi")),
+              name(key=KEY[:-1] + (("b", None, True), "tvm-ffi")), name(params=(("bn", 128), ("epi_cols", 64))),
+              name(call="python")]
+    assert len({base, *others}) == 1 + len(others)
+
+
+def test_tvm_ffi_version_counts_only_for_its_call(fixed_key_inputs, monkeypatch):
+    before = disk_cache.Entry(KEY, PARAMS, "python", directory=Path("/x")).name
+    CHANGES["tvm-ffi version"](monkeypatch)
+    assert disk_cache.Entry(KEY, PARAMS, "python", directory=Path("/x")).name == before
+
+
+def test_source_digest_covers_every_kernel_source(tmp_path):
+    for f in disk_cache.KERNEL_SOURCES.glob("*.py"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    first = disk_cache.source_digest(tmp_path)
+    assert first == disk_cache.source_digest(disk_cache.KERNEL_SOURCES)  # the same bytes, the same digest
+    gemm = tmp_path / "gemm_sm90.py"
+    gemm.write_bytes(gemm.read_bytes() + b"\n# one more line\n")
+    edited = disk_cache.source_digest.__wrapped__(tmp_path)
+    assert edited != first
+    (tmp_path / "helper.py").write_text("X = 1\n")  # a new module of the kernels
+    assert disk_cache.source_digest.__wrapped__(tmp_path) not in (first, edited)
+
+
+@needs_dsl
+def test_kernel_parameters_in_the_key_follow_the_kernel_module(monkeypatch):
+    """A kernel built differently under the same variant key (a module constant changed at run
+    time, as a test may) gets other parameters, so it never loads another's code."""
+    from te_offload_ops.kernels import api, gemm_sm90
+
+    import torch
+
+    args = (torch.bfloat16, 512, 256, 4, False, "srelu", (128, 128))
+    variant = dict(cluster_n=2, schedule="pingpong")
+    narrow = api._kernel_params(api._make_kernel(*args, **variant))
+    monkeypatch.setattr(gemm_sm90, "_EPI_COLS_TWO_OUTPUTS", 64)
+    wide = api._kernel_params(api._make_kernel(*args, **variant))
+    assert dict(narrow)["epi_cols"] == 32 and dict(wide)["epi_cols"] == 64
+    assert all(isinstance(v, (bool, int, float, str, type(None), tuple)) for _, v in narrow)
+
+
+# -- the file -----------------------------------------------------------------------------------------
+
+def _blob(payload=b"\x7fELF" + bytes(range(256)) * 40, key="the key", call="tvm-ffi", prefix="teo_gemm_x"):
+    return encode(key, call, prefix, payload), payload
+
+
+def test_an_entry_round_trips():
+    blob, payload = _blob()
+    header, got = decode(blob, "the key")
+    assert got == payload and header["call"] == "tvm-ffi" and header["prefix"] == "teo_gemm_x"
+
+
+def _flip(blob: bytes, at: int) -> bytes:
+    return blob[:at] + bytes([blob[at] ^ 0x01]) + blob[at + 1:]
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda b: b[: len(b) // 2], "truncated"),
+    (lambda b: b + b"\0", "padded"),
+    (lambda b: _flip(b, len(b) - 10), "checksum mismatch"),
+    (lambda b: b"GARBAGE!" + b[8:], "no header"),
+    (lambda b: b[:5], "no header"),
+    (lambda b: b"", "no header"),
+    (lambda b: b[:12] + b"{not json" + b[21:], "unreadable header"),
+])
+def test_damaged_entries_are_refused(damage, why):
+    blob, _ = _blob()
+    with pytest.raises(BadEntry, match=why):
+        decode(damage(blob), "the key")
+
+
+def test_an_entry_of_another_key_is_refused():
+    blob, _ = _blob(key="another kernel")
+    with pytest.raises(BadEntry, match="its key differs"):
+        decode(blob, "the key")
+
+
+def test_write_is_atomic_and_leaves_no_temporaries(tmp_path, monkeypatch):
+    path = tmp_path / "e.kernel"
+    disk_cache.write_atomic(path, b"first")
+    assert path.read_bytes() == b"first"
+    assert oct(path.stat().st_mode & 0o777) == oct(disk_cache._file_mode())  # not mkstemp's 0600
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(disk_cache.os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        disk_cache.write_atomic(path, b"second")
+    assert path.read_bytes() == b"first"  # the old entry, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.kernel"]  # the temporary is gone
+
+
+_WRITER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from te_offload_ops.kernels.disk_cache import encode, write_atomic
+    path, me, rounds = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    for i in range(rounds):
+        payload = bytes([(me * 31 + i) % 256]) * (1 << 20) + i.to_bytes(4, "little")  # 1 MiB, distinct
+        write_atomic(path, encode("the key", "tvm-ffi", "teo_gemm_x", payload))
+""")
+
+
+def test_many_writers_at_once_readers_see_whole_entries(tmp_path):
+    """Four processes write the same entry over and over (1 MiB each time) while this one reads it
+    as fast as it can: every read is a whole entry of one writer (or, before the first, none)."""
+    path = tmp_path / "e.kernel"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(w), "60"], env=env)
+               for w in range(4)]
+    reads = bad = 0
+    try:
+        while any(w.poll() is None for w in writers):
+            try:
+                blob = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            reads += 1
+            try:
+                decode(blob, "the key")
+            except BadEntry:
+                bad += 1
+    finally:
+        for w in writers:
+            w.wait(timeout=120)
+    assert [w.returncode for w in writers] == [0] * 4
+    assert reads > 0 and bad == 0, (reads, bad)
+    decode(path.read_bytes(), "the key")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.kernel"]
+
+
+# -- entries of one kernel (no compile) ---------------------------------------------------------------
+
+@pytest.fixture
+def entry(tmp_path, fixed_key_inputs):
+    return disk_cache.Entry(KEY, PARAMS, "tvm-ffi", directory=tmp_path / "cache")
+
+
+def test_a_missing_entry_loads_nothing_and_says_nothing(entry, caplog):
+    with caplog.at_level(logging.INFO, logger=disk_cache.__name__):
+        assert entry.load() is None
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize("damage", ["torn", "foreign", "other key", "refused by the DSL"])
+def test_a_bad_entry_costs_one_warning_line(entry, caplog, monkeypatch, damage):
+    blob = encode(entry.description, "tvm-ffi", entry.prefix, b"object bytes")
+    entry.directory.mkdir(parents=True)
+    entry.path.write_bytes({"torn": blob[:-3], "foreign": b"\x7fELF" + blob,
+                            "other key": encode("another", "tvm-ffi", entry.prefix, b"object bytes"),
+                            "refused by the DSL": blob}[damage])
+
+    def refuse(payload, call, prefix):
+        raise RuntimeError("Incompatible version: 9.9\nmore detail")
+
+    monkeypatch.setattr(disk_cache, "load_object", refuse)
+    with caplog.at_level(logging.INFO, logger=disk_cache.__name__):
+        assert entry.load() is None
+    assert len(caplog.records) == 1 and caplog.records[0].levelno == logging.WARNING
+    line = caplog.records[0].getMessage()
+    assert "\n" not in line and str(entry.path) in line and "compiling the kernel again" in line
+
+
+def test_an_unusable_directory_costs_one_warning_per_process(tmp_path, fixed_key_inputs, caplog, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setattr(disk_cache, "_WARNED_DIRS", set())
+    with caplog.at_level(logging.INFO, logger=disk_cache.__name__):
+        for params in (PARAMS, PARAMS[:1]):
+            e = disk_cache.Entry(KEY, params, "tvm-ffi", directory=blocker / "cache")
+            with e.claim():
+                assert e.load() is None
+            e.store(object())
+    assert len(caplog.records) == 1 and "is not usable" in caplog.records[0].getMessage()
+
+
+def test_a_store_removes_temporaries_that_dead_writers_left(entry, monkeypatch):
+    """A writer killed mid-write leaves its temporary file; the next store of the entry removes it
+    once it is old, and leaves a young one (a live writer's) alone."""
+    entry.directory.mkdir(parents=True)
+    old, young = (entry.directory / f".{entry.name}.{tag}.tmp" for tag in ("dead", "live"))
+    for f in (old, young):
+        f.write_bytes(b"half an entry")
+    os.utime(old, (time.time() - 2 * disk_cache.ORPHAN_AGE_S,) * 2)
+    monkeypatch.setattr(disk_cache, "export_object", lambda compiled, call, prefix: b"object bytes")
+    entry.store("compiled")
+    assert entry.path.exists() and not old.exists() and young.exists()
+
+
+def test_a_failed_export_costs_one_warning_and_no_file(entry, caplog):
+    with caplog.at_level(logging.INFO, logger=disk_cache.__name__):
+        entry.store(object())  # not a compiled kernel: the export raises
+    assert len(caplog.records) == 1 and "could not write kernel cache entry" in caplog.records[0].getMessage()
+    assert not entry.path.exists()
+
+
+# -- real kernels, process to process (sm_90a, no GPU) ------------------------------------------------
+
+_RUN = textwrap.dedent("""
+    import json, logging, sys
+    logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(name)s: %(message)s")
+    import torch
+    from te_offload_ops.kernels import api
+    kern, compiled = api.get_kernel(torch.bfloat16, 256, 128, 2, b_n_major=False, epilogue="srelu")
+    print("RESULT " + json.dumps({"compiled": len(api.compile_times()), "loaded": len(api.load_times()),
+                                  "type": type(compiled).__name__, "callable": callable(compiled),
+                                  "call": kern.call, "n_tiles": kern.n_tiles}))
+""")
+
+
+def _run(cache: Path, **env) -> tuple[dict, list[str]]:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "CUTE_DSL_ARCH": "sm_90a", "TEO_KERNEL_CACHE": "1",
+            "TEO_KERNEL_CACHE_DIR": str(cache), **env}
+    proc = subprocess.run([sys.executable, "-c", _RUN], capture_output=True, text=True, env=full, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    logs = [ln for ln in proc.stderr.splitlines() if ln.startswith("LOG ")]
+    return result, logs
+
+
+def _entries(cache: Path) -> list[Path]:
+    return sorted(cache.glob("*" + disk_cache.SUFFIX))
+
+
+@needs_dsl
+@pytest.mark.parametrize("call", ["tvm-ffi", "python"])
+def test_a_kernel_compiled_in_one_process_loads_in_the_next(tmp_path, call):
+    if call == "tvm-ffi" and importlib.util.find_spec("tvm_ffi") is None:
+        pytest.skip("apache-tvm-ffi is not installed")
+    cache = tmp_path / "cache"
+    t0 = time.perf_counter()
+    first, logs = _run(cache, TEO_KERNEL_CALL=call)
+    assert (first["compiled"], first["loaded"], first["call"]) == (1, 0, call) and logs == []
+    [path] = _entries(cache)
+    second, logs = _run(cache, TEO_KERNEL_CALL=call)
+    assert (second["compiled"], second["loaded"], second["call"]) == (0, 1, call) and logs == []
+    assert second["callable"] and second["n_tiles"] == first["n_tiles"]
+    assert second["type"] == ("Function" if call == "tvm-ffi" else first["type"])
+    assert _entries(cache) == [path]
+    print(f"{call}: two processes in {time.perf_counter() - t0:.1f} s")
+
+
+@needs_dsl
+def test_a_corrupt_entry_is_compiled_again_with_one_warning_and_replaced(tmp_path):
+    cache = tmp_path / "cache"
+    _run(cache)
+    [path] = _entries(cache)
+    good = path.read_bytes()
+    path.write_bytes(_flip(good, len(good) - 100))  # one bit of the object
+    result, logs = _run(cache)
+    assert (result["compiled"], result["loaded"]) == (1, 0)
+    assert len(logs) == 1 and "WARNING" in logs[0] and "checksum mismatch" in logs[0] and str(path) in logs[0]
+    decode(path.read_bytes(), json.loads(good[12:12 + int.from_bytes(good[8:12], "little")])["key"])
+    result, logs = _run(cache)  # the replacement loads
+    assert (result["compiled"], result["loaded"]) == (0, 1) and logs == []
+
+
+@needs_dsl
+def test_the_switch_turns_the_disk_off(tmp_path):
+    cache = tmp_path / "cache"
+    result, logs = _run(cache, TEO_KERNEL_CACHE="0")
+    assert (result["compiled"], result["loaded"]) == (1, 0) and logs == [] and not cache.exists()
+
+
+@needs_dsl
+def test_processes_starting_together_compile_a_variant_once(tmp_path):
+    """Two processes want the same kernel at once: one compiles it, the other waits and loads it."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUTE_DSL_ARCH="sm_90a", TEO_KERNEL_CACHE="1",
+               TEO_KERNEL_CACHE_DIR=str(cache))
+    procs = [subprocess.Popen([sys.executable, "-c", _RUN], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for _ in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:]))
+    assert sorted((r["compiled"], r["loaded"]) for r in results) == [(0, 1), (1, 0)]
+    assert len(_entries(cache)) == 1
+
+
+# -- warm-up ------------------------------------------------------------------------------------------
+
+def test_the_fused_mlp_variants(monkeypatch):
+    from te_offload_ops.kernels import api, mlp_variants
+
+    for env in (api.WGRAD_BACKEND_ENV, api.MAIN_GRAD_ADD_ENV, api.SCHEDULE_ENV):
+        monkeypatch.delenv(env, raising=False)
+    te = mlp_variants(8, 1024, 512)
+    assert [v.label for v in te] == ["fc1 forward + SReLU", "fc2 forward", "fc2 dgrad + dSReLU", "fc1 dgrad",
+                                     "fc2 wgrad", "fc1 wgrad"]
+    assert all(v.kwargs.get("b_layout", (None, False)) == (None, False) for v in te)
+    assert [(v.kwargs["n"], v.kwargs["k"], v.kwargs.get("wgrad_m")) for v in te] == [
+        (512, 1024, None), (1024, 512, None), (512, 1024, None), (1024, 512, None), (512, 0, 1024), (1024, 0, 512)]
+    mg = mlp_variants(8, 1024, 512, main_grad=True, weight_layout="megatron")
+    assert all(v.kwargs["b_layout"] == (None, True) for v in mg[:4])  # the DDP buffer: experts last first
+    ways = [(v.kwargs["epilogue"], v.kwargs["schedule"], v.kwargs["slot_stride"]) for v in mg[4:]]
+    assert ways == [("tma_f32", None, 1024 * 512), ("acc_f32", None, None), ("acc_f32", "cooperative", None)] * 2
+    # a token count picks one way, as the op would at run time
+    many = mlp_variants(8, 1024, 512, main_grad=True, tokens=8 * 4096)
+    assert [v.kwargs["epilogue"] for v in many[4:]] == ["tma_f32", "tma_f32"]
+    padded = mlp_variants(8, 1024, 512, main_grad=True, weight_layout="megatron", expert_stride=1024 * 512 + 64,
+                          tokens=8 * 4096)
+    assert padded[0].kwargs["b_layout"] == (1024 * 512 + 64, True) and padded[4].kwargs["slot_stride"] == 1024 * 512 + 64
+    assert [v.kwargs["epilogue"] for v in mlp_variants(8, 1024, 512, main_grad=True, overwrite_main_grad=True)[4:]] \
+        == ["store_f32", "store_f32"]
+    monkeypatch.setenv(api.WGRAD_BACKEND_ENV, "torch")
+    assert len(mlp_variants(8, 1024, 512)) == 4  # torch's grouped mm does the wgrads
+    for bad, said in ((dict(hidden_size=1020), "multiples of 8"), (dict(weight_layout="fsdp"), "weight_layout"),
+                      (dict(num_experts=0), "num_experts"), (dict(tokens=0), "tokens")):
+        kw = {"num_experts": 8, "hidden_size": 1024, "ffn_hidden_size": 512, **bad}
+        with pytest.raises(ValueError, match=said):
+            mlp_variants(**kw)
+
+
+def _warmup(cache: Path, *args: str, **env) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "CUTE_DSL_ARCH": "sm_90a", "TEO_KERNEL_CACHE": "1",
+            "TEO_KERNEL_CACHE_DIR": str(cache), **env}
+    return subprocess.run([sys.executable, "-m", "te_offload_ops.kernels.warmup", *args], capture_output=True,
+                          text=True, env=full, timeout=900)
+
+
+@needs_dsl
+def test_warm_up_command_compiles_then_loads_every_variant(tmp_path):
+    cache = tmp_path / "cache"
+    args = ("--num-experts", "4", "--hidden-size", "128", "--ffn-hidden-size", "64", "--expert-model-parallel-size", "2")
+    first = _warmup(cache, *args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    lines = [ln for ln in first.stdout.splitlines() if ln.startswith("[")]
+    assert len(lines) == 6 and all(": compiled in " in ln and ", 2 experts," in ln for ln in lines), first.stdout
+    assert "6 kernels in" in first.stdout and "6 compiled and written" in first.stdout
+    assert len(_entries(cache)) == 6
+    second = _warmup(cache, *args)
+    assert second.returncode == 0, second.stderr[-3000:]
+    lines = [ln for ln in second.stdout.splitlines() if ln.startswith("[")]
+    assert len(lines) == 6 and all(": loaded in " in ln for ln in lines), second.stdout
+    assert "0 compiled and written, 6 already in" in second.stdout
+
+
+@pytest.mark.parametrize("args, env, said", [
+    (["--num-experts", "6", "--hidden-size", "128", "--ffn-hidden-size", "64", "--expert-model-parallel-size", "4"],
+     {}, "is not a multiple of --expert-model-parallel-size=4"),
+    (["--num-experts", "4", "--hidden-size", "0", "--ffn-hidden-size", "64"], {}, "--hidden-size must be positive"),
+    (["--num-experts", "4", "--hidden-size", "130", "--ffn-hidden-size", "64"], {}, "multiples of 8"),
+    (["--num-experts", "4", "--hidden-size", "128", "--ffn-hidden-size", "64", "--overwrite-main-grad"], {},
+     "--overwrite-main-grad goes with --main-grad"),
+    (["--num-experts", "4", "--hidden-size", "128", "--ffn-hidden-size", "64"], {"TEO_KERNEL_CACHE": "0"},
+     "the disk cache is off"),
+    (["--num-experts", "4", "--hidden-size", "128", "--ffn-hidden-size", "64"], {"TEO_KERNEL_CACHE": "yes"},
+     "TEO_KERNEL_CACHE must be 1"),
+])
+def test_warm_up_command_refuses_bad_arguments_clearly(tmp_path, args, env, said):
+    proc = _warmup(tmp_path / "cache", *args, **env)
+    assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "cache").exists()
