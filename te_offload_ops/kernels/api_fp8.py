@@ -10,6 +10,7 @@ kernels share the cache of :mod:`.api` (so :func:`.api.compile_times` and
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -90,7 +91,18 @@ def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None):
         with api._LOCK:
             hit = api._CACHE.get(key)
             if hit is None:
-                kern, compiled, secs = _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call)
+                try:
+                    kern, compiled, secs = _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call)
+                except Exception as exc:
+                    if call != "tvm-ffi" or os.environ.get(api.CALL_ENV):
+                        raise
+                    # as api.get_kernel does: an apache-tvm-ffi the DSL cannot use falls back to the
+                    # Python executor for good (a broken kernel raises here again)
+                    kern, compiled, secs = _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, "python")
+                    api._TVM_FFI_FAILED.append(repr(exc)[:300])
+                    api._log.warning("the TVM-FFI kernel call path failed to compile (%s); using the "
+                                     "CuTe DSL's Python executor", api._TVM_FFI_FAILED[-1])
+                    key = key[:-1] + ("python",)
                 api._COMPILE_SECONDS[key] = secs
                 api._log.info("compiled grouped FP8 GEMM %s in %.2f s", key, secs)
                 kern.cache_key = key

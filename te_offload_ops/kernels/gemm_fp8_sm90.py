@@ -73,7 +73,7 @@ from .gemm_sm90 import _CONSUMER_REGS, _PRODUCER_REGS, _THREADS, _WG, GroupedGem
 
 SCALE_BLOCK = 128  # Float8BlockScaling's block length (1 x 128 and 128 x 128)
 _BK = SCALE_BLOCK  # one k-tile per scale block: the promotion happens once per k-tile
-TILE_NS = (64, 128, 192)  # a warpgroup holds tmp and acc, 2 * BN / 2 fp32 registers a thread
+TILE_NS = (64, 128, 192)  # tmp and acc stay in registers: BN fp32 registers a consumer thread
 
 
 class GroupedGemmFp8Sm90(GroupedGemmSm90):
@@ -349,7 +349,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         sa_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
         thr_cp = self._staging_copy().get_slice(etid)
         cp_id = thr_cp.partition_S(cute.make_identity_tensor((bm, self.epi_cols)))
-        unused = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)  # plain epilogue: no probs
+        no_probs = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)  # the plain epilogue reads none
 
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tile = cluster
@@ -412,7 +412,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 sb0 = sb0_next
                 sb1 = sb1_next
 
-            self._epilogue(etid, cwg, n_blk, row0, rows_here, cols_here, acc, unused, [], thr_mma, c_id,
+            self._epilogue(etid, cwg, n_blk, row0, rows_here, cols_here, acc, no_probs, [], thr_mma, c_id,
                            thr_cp, cp_id, st, m_c, m_c, m_c, m_c)
             tile = tile + num_clusters
 
