@@ -53,7 +53,7 @@ handling, cluster pairs and staged, predicated epilogue this class inherits): wa
 warp issues TMA loads of A, B and the A scales into a ``stages``-deep pipeline and runs ahead
 across tiles; warpgroups 1 and 2 each own 64 rows of the 128 x BN tile (cooperative). Tiles may
 start mid-matrix (rows are not aligned to 128 per expert): rows of the next expert are read into
-the tile but every store is predicated on ``row < off[e+1]`` and ``col < N``; since the scales
+the tile but every store is predicated on ``row < off[e+1]`` and ``col < N``; as the scales
 multiply whole rows, a foreign row (or a padding scale past T) never touches a kept row. With
 ``cluster_n == 2`` two CTAs on neighbouring n-blocks of one m-block share the A tile by TMA
 multicast (each loads its own 512 bytes of A scales).
