@@ -1,5 +1,4 @@
-"""Hopper (sm_90a) grouped-GEMM kernels (CuTe DSL) for the fused SReLU MoE MLP, and a grouped FP8
-GEMM with Transformer Engine's block scaling.
+"""Hopper (sm_90a) grouped-GEMM kernels (CuTe DSL) for the fused SReLU MoE MLP.
 
 Importing this package does not import the CuTe DSL; it is imported on the
 first kernel call (or by :func:`get_kernel`). Compiled kernels are kept on disk
@@ -26,18 +25,15 @@ from .api import (
     unavailable_reasons,
     wgrad_backend,
 )
-from .api_fp8 import compile_variant_fp8, grouped_gemm_fp8_blockwise, pick_tile_fp8
 
 __all__ = [
     "clear_cache",
     "compile_times",
     "compile_variant",
-    "compile_variant_fp8",
     "dsrelu_bwd_bytes",
     "get_kernel",
     "grouped_gemm",
     "grouped_gemm_dsrelu_bwd",
-    "grouped_gemm_fp8_blockwise",
     "grouped_gemm_srelu_fwd",
     "grouped_wgrad",
     "grouped_wgrad_main_grad",
@@ -47,7 +43,6 @@ __all__ = [
     "main_grad_way",
     "mlp_variants",
     "pick_schedule",
-    "pick_tile_fp8",
     "pick_tile",
     "unavailable_reasons",
     "warm_up",
