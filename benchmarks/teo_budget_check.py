@@ -27,7 +27,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+sys.path.insert(0, str(HERE))
 
 from bench_common import cuda_problem, file_stem, refuse, utc_now, write_reports  # noqa: E402
 from timing import active_bytes, median  # noqa: E402

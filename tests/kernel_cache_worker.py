@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from engines import Config, forward_plan, linears, make_inputs, make_stack, relay_expert_weights, run_step
+from mlp_steps import Config, forward_plan, linears, make_inputs, make_stack, relay_expert_weights, run_step
 
 SHAPE = dict(experts=4, hidden=256, ffn=384, splits=(0, 700, 1329, 19))  # one expert without tokens
 

@@ -14,7 +14,7 @@ from mlp_steps import Config, attach_main_grads, forward_plan, make_inputs, make
 
 
 def main(out_path: str, engine: str, *flags: str) -> None:
-    # TEO_TEST_MEGATRON: comma-separated keys of engines.MEGATRON_KWARGS (e.g. "main_grad,delay")
+    # TEO_TEST_MEGATRON: comma-separated keys of mlp_steps.MEGATRON_KWARGS (e.g. "main_grad,delay")
     megatron = tuple(filter(None, os.environ.get("TEO_TEST_MEGATRON", "").split(",")))
     # TEO_TEST_RECIPE: a key of mlp_steps.RECIPES (the forward runs under that recipe)
     recipe = os.environ.get("TEO_TEST_RECIPE") or None
@@ -22,11 +22,15 @@ def main(out_path: str, engine: str, *flags: str) -> None:
     splits = os.environ.get("TEO_TEST_SPLITS")
     extra = {"splits": tuple(int(n) for n in splits.split(","))} if splits else {}
     cfg = Config(offload=tuple(f == "1" for f in flags), megatron=megatron, recipe=recipe, **extra)
-    stack = make_stack(cfg)
-    if "main_grad" in megatron:
-        attach_main_grads(stack)
     inputs = make_inputs(cfg)
-    runs = {name: run_step(stack, inputs, name) for name in ("none", engine)}
+    runs = {}
+    for name in ("none", engine):
+        # a stack of its own per run, built alike (same seed): a recipe's state (delayed scaling's
+        # amax history) moves with each step, so a second step on one stack would differ anyway
+        stack = make_stack(cfg)
+        if "main_grad" in megatron:
+            attach_main_grads(stack)
+        runs[name] = run_step(stack, inputs, name)
     results = {name: {"out": r["out"].cpu(), "grads": {k: None if v is None else v.cpu() for k, v in r["grads"].items()},
                        "moved": {"|".join(k): n for k, n in r["moved"].items()},
                        "entries": [dataclasses.astuple(e) for e in r["recorder"].entries]}
