@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -387,10 +388,13 @@ def worker(args) -> int:
 
     install_wgrad_accum_standin()
     ep = args.worker_ep
-    rank, world = init_parallel(ep, args.seed, timeout_minutes=3)
-    result = {"rank": rank, "world": world, "gpu": torch.cuda.get_device_name(), "job": args.worker_job}
-    ok = True
+    rank = int(os.environ.get("RANK", "0"))
+    result = {"rank": rank, "job": args.worker_job}
+    ok, started = True, False
     try:
+        rank, result["world"] = init_parallel(ep, args.seed, timeout_minutes=3)
+        started = True
+        result["gpu"] = torch.cuda.get_device_name()
         weights, result["weights_digest"] = reference_weights(args.shape, ep)
         if args.worker_job == "time":
             result["row"] = time_variant(args, rank, weights)
@@ -403,9 +407,10 @@ def worker(args) -> int:
         result.update(error=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc())
         print(f"rank {rank}: {result['error']}\n{result['traceback']}", flush=True)
     (args.worker_out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
-    if ok:
-        torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    if started:
+        if ok:
+            torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0 if ok else 1
 
 

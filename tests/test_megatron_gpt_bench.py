@@ -334,6 +334,16 @@ def test_the_launcher_runs_a_job_per_variant_and_ep_then_numerics_and_cap_trials
     assert "cap 60 GiB: ours+teo at micro-batch 5: fits, step 100.0 ms" in out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the worker's failure path without a GPU")
+def test_a_worker_that_cannot_start_writes_why_and_exits_non_zero(tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCH / "megatron_gpt.py"), "--worker-ep", "1", "--worker-out",
+                           str(tmp_path), "--worker-job", "numerics"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    found = json.loads((tmp_path / "rank0.json").read_text())
+    assert found["rank"] == 0 and found["job"] == "numerics" and "RuntimeError" in found["error"]
+    assert mgj.failure({"per_rank": [found], "rc": 1, "timed_out": False}, 1) == found["error"]
+
+
 # -- the overlap analysis -------------------------------------------------------------------------
 
 
