@@ -43,7 +43,6 @@ trial a job of its own); the numerics bounds (megatron_gpt_numerics.checks). ``-
 per offloading variant, two steps under torch.profiler and where the offload copies meet NCCL's
 kernels and the dispatcher's copies (``benchmarks/comm_copy_overlap.py``). Writes
 megatron_gpt_<GPU>.{json,md,png} into ``--out`` (the report: ``benchmarks/megatron_gpt_report.py``).
-The default run (EP 1 and 2, four variants, numerics) takes about 4 minutes on two H100s.
 """
 
 from __future__ import annotations
@@ -130,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also profile two steps of each offloading variant: offload copies against NCCL kernels")
     p.add_argument("--trace-dir", type=Path, default=None, help="keep the profiled chrome traces here (gzipped)")
     p.add_argument("--no-numerics", action="store_true",
-                   help="skip the first-step numerics of ours against stock (one job per EP, about 30 s)")
+                   help="skip the first-step numerics of ours against stock (one job per EP)")
     p.add_argument("--job-timeout", type=float, default=300.0,
                    help="seconds one job (a variant at one EP, a numerics job, a cap trial) may run before it is "
                         "stopped (default 300)")
