@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """Megatron-Core GPT-MoE training steps: stock TE experts against ours, Megatron's offloading
-against teo, at expert parallelism 1 and 2.
+against teo, at expert parallelism 1 and 2; and ours' first-step numerics against stock.
 
 The model (``benchmarks/megatron_gpt_model.py``): Megatron's GPTModel from its Transformer Engine
 layer spec, every layer an MoE layer (squared-ReLU experts on TE's op fuser, alltoall dispatcher,
 fused permute), bf16, Megatron's DDP (fp32 grads, overlapped reduce) with the distributed Adam,
 trained by ``get_forward_backward_func()`` over the micro-batches, then ``optimizer.step()``;
 random tokens. Defaults: 4 layers, H=2048, 16 heads, 16 experts top-4, F=1408, vocab 32768,
-2 micro-batches x 4 x 2048 tokens per rank. Each EP setting runs in its own processes
-(``torchrun --nproc-per-node EP`` of this script with ``--worker-ep``), the variants one after
-another from the same weights. Variants (``--variants``):
+2 micro-batches x 4 x 2048 tokens per rank. Every variant at every EP runs as a job of its own
+processes (``torchrun --nproc-per-node EP`` of this script; ``benchmarks/megatron_gpt_jobs.py``),
+so no variant's memory, hooks or global state reach another; each starts from the same weights
+(a stock model's, initialised from ``--seed``). Variants (``--variants``):
 
 * ``stock``: Megatron's TEGroupedMLP on TE's op fuser (TE's ops; on Hopper in bf16 they run unfused);
 * ``ours``: ``use_te_offload_ops`` (the fused Hopper op);
@@ -19,22 +20,29 @@ another from the same weights. Variants (``--variants``):
   (``use_teo_offload(scope="experts")``: what Megatron's choice moves), ``--teo-budget-gib`` its budget;
 * ``ours+teo-layer``: whole transformer layers 1..L-1 under teo (``scope="layer"``);
 * ``stock+megatron``: stock under Megatron's "fused_group_mlp" offloading (the only choice its
-  op-fuser path takes; not in the default: where it fails on the GPU the process ends);
+  op-fuser path takes; not in the default);
 * a ``+kdtoh`` suffix on an offloading variant adds ``use_kernel_dtoh`` (the dispatcher's split
   sizes to the host by kernel, past the copy engine's queue of offload copies).
 
-Targets checked: ours at EP=2 at least 1.7x stock's step with grads within 3e-2 of stock's;
-each offloading variant at EP=2 within 3% of ours' step; teo freeing at least what Megatron's
-offloading frees at no more step time, and fitting more tokens under a cap (predicted from the
-peaks, and measured with ``--cap-gib``).
-
 Per variant and EP: median step time (the slowest rank's), tokens/s over all ranks, peak memory
-allocated (and above the floor held between steps: weights, grads, optimizer state), bytes
-offloaded per step per rank, the first step's loss and grads against stock's (same weights and
-tokens), and the targets below (megatron_gpt_report.targets). ``--profile`` adds, per offloading variant, two steps under
-torch.profiler and where the offload copies meet NCCL's kernels and the dispatcher's copies
-(``benchmarks/comm_copy_overlap.py``). Writes megatron_gpt_<GPU>.{json,md,png} into ``--out``
-(the report: ``benchmarks/megatron_gpt_report.py``).
+allocated, the floor held between steps (weights, grads, optimizer state) and the peak above it,
+memory freed against ours (ours' peak above its floor less the variant's), bytes offloaded per
+step per rank, and the first step's loss (offloading variants: equal to ours' bitwise).
+
+Then, per EP, one numerics job (``benchmarks/megatron_gpt_numerics.py``; ``--no-numerics`` skips
+it): the first step of ours against stock from the same weights and tokens, with routing set
+apart: the first MoE layer's input and routing (the same, bitwise), stock's routing replayed into
+ours (our kernels' rounding alone), each with its own routing against a noise floor measured as
+stock with noise of ours' size on every MoE layer's output, and per layer the tokens routed
+otherwise.
+
+Targets checked: ours at EP=2 at least 1.7x stock's step; each offloading variant at EP=2 within
+3% of ours' step; teo freeing at least what Megatron's offloading frees at no more step time, and
+fitting more tokens under a cap (predicted from the peaks, and measured with ``--cap-gib``, each
+trial a job of its own); the numerics bounds (megatron_gpt_numerics.checks). ``--profile`` adds,
+per offloading variant, two steps under torch.profiler and where the offload copies meet NCCL's
+kernels and the dispatcher's copies (``benchmarks/comm_copy_overlap.py``). Writes
+megatron_gpt_<GPU>.{json,md,png} into ``--out`` (the report: ``benchmarks/megatron_gpt_report.py``).
 """
 
 from __future__ import annotations
@@ -42,8 +50,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,12 +63,14 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
 from bench_common import file_stem, refuse, utc_now, write_reports  # noqa: E402
+import megatron_gpt_jobs as jobs  # noqa: E402
 from megatron_gpt_model import EXPERT_OFFLOAD_CHOICES, GPTShape, Variant, worker_env  # noqa: E402
-from megatron_gpt_report import add_comparisons, cap_targets, chart, markdown, merge_ranks, targets  # noqa: E402
+from megatron_gpt_report import add_comparisons, cap_targets, chart, markdown, merge_variant, targets  # noqa: E402
 
 BASE_VARIANTS = ("stock", "ours", "ours+megatron", "ours+teo", "ours+teo-layer", "stock+megatron")
 KERNEL_DTOH_SUFFIX = "+kdtoh"
-DEFAULT_VARIANTS = "stock,ours,ours+megatron,ours+teo,ours+teo+kdtoh"
+DEFAULT_VARIANTS = "stock,ours,ours+megatron,ours+teo"
+JOBS = ("time", "numerics", "cap")  # what one job of a worker does
 
 
 def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=None) -> Variant:
@@ -118,9 +128,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="also profile two steps of each offloading variant: offload copies against NCCL kernels")
     p.add_argument("--trace-dir", type=Path, default=None, help="keep the profiled chrome traces here (gzipped)")
+    p.add_argument("--no-numerics", action="store_true",
+                   help="skip the first-step numerics of ours against stock (one job per EP)")
+    p.add_argument("--job-timeout", type=float, default=300.0,
+                   help="seconds one job (a variant at one EP, a numerics job, a cap trial) may run before it is "
+                        "stopped (default 300)")
+    p.add_argument("--logs", type=Path, default=None,
+                   help="keep every job's whole output here (default: a failing job's last lines are printed)")
     p.add_argument("--out", type=Path, default=HERE / "results", help="folder for JSON, markdown, PNG")
-    p.add_argument("--worker-ep", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    # set by the launcher for a worker: one job at one EP
+    p.add_argument("--worker-ep", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-job", choices=JOBS, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-variant", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-micro-batch", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what the workers are launched with
     for name in ("layers", "hidden", "heads", "ffn", "experts", "topk", "seq", "micro_batch", "microbatches",
@@ -133,6 +154,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--layers must be at least 2: the offloading variants offload layers 1..L-1")
     if args.teo_budget_gib is not None and args.teo_budget_gib <= 0:
         p.error("--teo-budget-gib must be positive")
+    if args.job_timeout <= 0:
+        p.error("--job-timeout must be positive")
+    if args.worker_ep is not None:  # a worker's arguments come from job_argv
+        needs = {"time": ("worker_variant",), "cap": ("worker_variant", "worker_micro_batch"), "numerics": ()}
+        missing = [n for n in ("worker_out", "worker_job", *needs.get(args.worker_job, ())) if getattr(args, n) is None]
+        if missing:
+            p.error(f"a worker needs {', '.join('--' + n.replace('_', '-') for n in missing)}")
+        if args.worker_job == "cap" and args.cap_gib is None:
+            p.error("a cap trial needs --cap-gib")
     try:
         args.ep = sorted({int(x) for x in args.ep.split(",") if x.strip()})
     except ValueError:
@@ -201,19 +231,16 @@ def problem(max_ep: int) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------
-# One rank of one EP setting (the worker)
+# One rank of one job (the worker)
 
 
-START = time.monotonic()
-
-
-def log(rank: int, text: str) -> None:
-    """A progress line from rank 0, with the seconds since this process started."""
+def say(rank: int, text: str) -> None:
     if rank == 0:
-        print(f"[{time.monotonic() - START:6.0f} s] {text}", flush=True)
+        jobs.progress(text)
 
 
-def measure(args, name: str, ep: int, rank: int, weights: dict, stock_grads: dict | None) -> dict:
+def time_variant(args, rank: int, weights: dict) -> dict:
+    """``--worker-variant`` timed: warm-up steps, then ``--iters`` timed ones; peak and floor."""
     import torch
 
     from megatron_gpt_model import (
@@ -223,13 +250,12 @@ def measure(args, name: str, ep: int, rank: int, weights: dict, stock_grads: dic
         experts_path,
         make_config,
         random_batches,
-        release,
         train_step,
         wrap_for_training,
     )
     from te_offload_ops.megatron import use_kernel_dtoh
 
-    shape = args.shape
+    shape, ep, name = args.shape, args.worker_ep, args.worker_variant
     v = variant_for(name, shape.layers, args.offload_modules, args.teo_budget_gib)
     config = make_config(shape, v, ep)
     model = build_gpt(shape, config, v.ours, weights)
@@ -238,19 +264,12 @@ def measure(args, name: str, ep: int, rank: int, weights: dict, stock_grads: dic
     kdtoh = use_kernel_dtoh() if v.kernel_dtoh else None
     data = [random_batches(shape, seed=args.seed + i + 1000 * rank) for i in range(2)]
     megatron = MegatronOffloadCounter() if v.offload_modules else contextlib.nullcontext()
-    first = {}
-
-    def read_grads(ddp_model):
-        if not first:
-            first.update({n: p.main_grad.detach().to("cpu", torch.bfloat16)
-                          for n, p in ddp_model.module.named_parameters()})
-
     try:
         with megatron:
-            first_loss = train_step(ddp, optimizer, shape, data[0], after_backward=read_grads)
+            first_loss = train_step(ddp, optimizer, shape, data[0])
             for i in range(1, args.warmup):
                 train_step(ddp, optimizer, shape, data[i % 2])
-            log(rank, f"  [ep={ep}] {name}: {args.warmup} warmup steps done ({experts_path(model)})")
+            say(rank, f"{args.warmup} warm-up steps done ({experts_path(model)})")
             torch.cuda.synchronize()
             floor = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -265,27 +284,18 @@ def measure(args, name: str, ep: int, rank: int, weights: dict, stock_grads: dic
             peak = torch.cuda.max_memory_allocated()
             moved = ((teo.counter.total if teo is not None else 0) - moved0[0]
                      + getattr(megatron, "bytes", 0) - moved0[1]) / args.iters
-            profile = profile_steps(args, name, ep, rank, ddp, optimizer, data) if args.profile and offloads(v) else None
+            profile = None
+            if args.profile and offloads(v):
+                profile = profile_steps(args, name, ep, rank, ddp, optimizer, data)
     finally:
         if kdtoh is not None:
             kdtoh.remove()
         if teo is not None:
             teo.remove()
-    row = {"variant": name, "ep": ep, "rank": rank, "experts_path": experts_path(model),
-           "step_ms": statistics.median(times), "step_ms_min": min(times), "step_ms_max": max(times),
-           "floor_GiB": floor / 2**30, "peak_GiB": peak / 2**30, "peak_above_floor_GiB": (peak - floor) / 2**30,
-           "offloaded_MiB_per_step": moved / 2**20, "first_loss": first_loss, "profile": profile}
-    if stock_grads is not None:
-        errs = {n: rel_err(first[n], g) for n, g in stock_grads.items() if n in first}
-        worst = max(errs, key=errs.get) if errs else None
-        row.update(grad_max_rel_err=errs.get(worst), grad_worst=worst, grads_compared=len(errs))
-    del ddp, optimizer, model, teo
-    release(config)
-    return row if name != "stock" else {**row, "_grads": first}
-
-
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+    return {"variant": name, "ep": ep, "rank": rank, "experts_path": experts_path(model),
+            "step_ms": statistics.median(times), "step_ms_min": min(times), "step_ms_max": max(times),
+            "floor_GiB": floor / 2**30, "peak_GiB": peak / 2**30, "peak_above_floor_GiB": (peak - floor) / 2**30,
+            "offloaded_MiB_per_step": moved / 2**20, "first_loss": first_loss, "profile": profile}
 
 
 def profile_steps(args, name, ep, rank, ddp, optimizer, data) -> dict:
@@ -312,29 +322,29 @@ def profile_steps(args, name, ep, rank, ddp, optimizer, data) -> dict:
         with gzip.open(args.trace_dir / stem, "wt") as f:
             f.write(text)
     summary = analyze(json.loads(text)["traceEvents"], steps=steps)
-    log(rank, f"  [ep={ep}] {name}: profile: NCCL {summary['nccl_ms']:.1f} ms/step, offload copies "
-              f"{summary['offload_d2h_ms']:.1f} d2h + {summary['offload_h2d_ms']:.1f} h2d ms, beside NCCL "
-              f"{summary['overlap_ms']:.1f} ms; dispatcher copies waited {summary['small_d2h']['wait_ms']:.2f} ms "
-              f"({summary['small_d2h']['wait_behind_offload_ms']:.2f} behind offload copies)")
+    say(rank, f"profile: NCCL {summary['nccl_ms']:.1f} ms/step, offload copies {summary['offload_d2h_ms']:.1f} d2h + "
+              f"{summary['offload_h2d_ms']:.1f} h2d ms, beside NCCL {summary['overlap_ms']:.1f} ms; dispatcher copies "
+              f"waited {summary['small_d2h']['wait_ms']:.2f} ms ({summary['small_d2h']['wait_behind_offload_ms']:.2f} "
+              "behind offload copies)")
     return summary
 
 
-def fits(args, name: str, micro_batch: int, weights: dict) -> dict | None:
-    """A few steps of ``name`` at ``micro_batch`` under the memory cap set by the caller: its step
-    time, or None where it ran out of memory."""
+def cap_trial(args, weights: dict) -> dict:
+    """``--worker-variant`` at ``--worker-micro-batch`` sequences per micro-batch under ``--cap-gib``
+    (the allocator limited to it): three steps' best time and the peak, or fits False where it ran
+    out of memory."""
     import torch
 
-    from megatron_gpt_model import apply_teo, build_gpt, make_config, random_batches, release, train_step
-    from megatron_gpt_model import wrap_for_training
-    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
-        FineGrainedActivationOffloadingInterface as off,
-    )
+    from megatron_gpt_model import apply_teo, build_gpt, make_config, random_batches, train_step, wrap_for_training
 
-    shape = replace(args.shape, micro_batch=micro_batch)
+    name, mb = args.worker_variant, args.worker_micro_batch
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+    shape = replace(args.shape, micro_batch=mb)
     v = variant_for(name, shape.layers, args.offload_modules, args.teo_budget_gib)
-    config = make_config(shape, v, 1)
-    model = ddp = optimizer = teo = None
+    found = {"variant": name, "micro_batch": mb, "fits": False}
     try:
+        config = make_config(shape, v, 1)
         model = build_gpt(shape, config, v.ours, weights)
         teo = apply_teo(model, v)
         ddp, optimizer = wrap_for_training(model, config)
@@ -346,134 +356,171 @@ def fits(args, name: str, micro_batch: int, weights: dict) -> dict | None:
             train_step(ddp, optimizer, shape, data)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
-        return {"step_ms": min(times[1:]), "peak_GiB": torch.cuda.max_memory_allocated() / 2**30}
-    except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
-        if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower() \
-                or "ALLOC_FAILED" in str(exc):
-            return None
-        raise
-    finally:
         if teo is not None:
             teo.remove()
-        off.reset_instance()  # Megatron's offload manager may hold a step cut short
-        del model, ddp, optimizer, teo
-        release(config)
-        torch.cuda.reset_peak_memory_stats()
+        found.update(fits=True, step_ms=min(times[1:]), peak_GiB=torch.cuda.max_memory_allocated() / 2**30)
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+        text = str(exc)
+        if not (isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in text.lower()
+                or "ALLOC_FAILED" in text):
+            raise
+        found["oom"] = text.splitlines()[0][:200] if text else type(exc).__name__
+    return found
 
 
-def cap_search(args, weights: dict) -> list[dict]:
-    """Per --cap-variants: the most sequences per micro-batch that fit under --cap-gib, trying
-    --micro-batch upward until one does not fit."""
-    import torch
+def numerics_job(args, rank: int, weights: dict) -> dict:
+    from megatron_gpt_model import random_batches
+    from megatron_gpt_numerics import measure
 
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
-    rows = []
-    try:
-        for name in args.cap_variants:
-            best = None
-            for mb in range(args.micro_batch, args.cap_max_micro_batch + 1):
-                got = fits(args, name, mb, weights)
-                print(f"  [cap {args.cap_gib:g} GiB] {name}: micro-batch {mb} "
-                      + ("does not fit" if got is None else f"fits, step {got['step_ms']:.1f} ms"), flush=True)
-                if got is None:
-                    break
-                best = {"micro_batch": mb, **got}
-            tokens = None if best is None else args.shape.microbatches * best["micro_batch"] * args.shape.seq
-            rows.append({"variant": name, "cap_GiB": args.cap_gib, "best": best, "tokens_per_step": tokens,
-                         "tokens_per_s": None if best is None else tokens / (best["step_ms"] * 1e-3),
-                         "hit_max": best is not None and best["micro_batch"] == args.cap_max_micro_batch})
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
-    return rows
+    batches = random_batches(args.shape, seed=args.seed + 1000 * rank)  # the time jobs' first step
+    return measure(args.shape, args.worker_ep, weights, batches, seed=args.seed, log=lambda text: say(rank, text))
 
 
 def worker(args) -> int:
+    """One rank of one job: writes ``rank<r>.json`` into ``--worker-out`` (its result, or the error);
+    exits non-zero on an error, so torchrun stops the other ranks rather than leave them waiting."""
+    import traceback
+
     import torch
 
-    from megatron_gpt_model import (
-        build_gpt,
-        cpu_state,
-        init_parallel,
-        install_wgrad_accum_standin,
-        make_config,
-        release,
-    )
+    from megatron_gpt_model import init_parallel, install_wgrad_accum_standin, reference_weights
 
     install_wgrad_accum_standin()
     ep = args.worker_ep
-    rank, world = init_parallel(ep, args.seed, timeout_minutes=3)  # a rank that fails ends the others' waits
-    shape = args.shape
-    log(rank, f"[ep={ep}] {world} rank(s) on {torch.cuda.get_device_name()}: L={shape.layers} H={shape.hidden} "
-              f"E={shape.experts} top-{shape.topk} F={shape.ffn}, {shape.microbatches} x {shape.micro_batch} x "
-              f"{shape.seq} tokens per rank")
-    config = make_config(shape, Variant(ours=False), ep)
-    weights = cpu_state(build_gpt(shape, config, ours=False))
-    release(config)
-    rows, stock_grads = [], None
-    out = args.worker_out / f"rank{rank}.json"
-    for i, name in enumerate(args.variants, 1):
-        log(rank, f"[ep={ep}] [{i}/{len(args.variants)}] {name} ...")
-        try:
-            row = measure(args, name, ep, rank, weights, stock_grads)
-        except Exception as exc:  # noqa: BLE001 (a variant that fails is reported, the others still run)
-            import traceback
-
-            row = {"variant": name, "ep": ep, "rank": rank, "error": f"{type(exc).__name__}: {exc}",
-                   "traceback": traceback.format_exc()}
-            print(f"[ep={ep}] rank {rank} {name} failed: {row['error']}", flush=True)
-        if "_grads" in row:
-            stock_grads = row.pop("_grads")
-        rows.append(row)
-        out.write_text(json.dumps({"rank": rank, "world": world, "gpu": torch.cuda.get_device_name(), "rows": rows},
-                                  indent=1))
-        if "error" not in row:
-            log(rank, f"[ep={ep}] [{i}/{len(args.variants)}] {name:22s} step {row['step_ms']:7.1f} ms  peak "
-                      f"{row['peak_GiB']:5.2f} GiB  offloaded {row['offloaded_MiB_per_step']:6.0f} MiB/step")
-    if args.cap_gib is not None and ep == 1:
-        cap = cap_search(args, weights)
-        out.write_text(json.dumps({"rank": rank, "world": world, "gpu": torch.cuda.get_device_name(), "rows": rows,
-                                   "cap": cap}, indent=1))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    return 0
+    rank = int(os.environ.get("RANK", "0"))
+    result = {"rank": rank, "job": args.worker_job}
+    ok, started = True, False
+    try:
+        rank, result["world"] = init_parallel(ep, args.seed, timeout_minutes=3)
+        started = True
+        result["gpu"] = torch.cuda.get_device_name()
+        weights, result["weights_digest"] = reference_weights(args.shape, ep)
+        if args.worker_job == "time":
+            result["row"] = time_variant(args, rank, weights)
+        elif args.worker_job == "cap":
+            result["cap"] = cap_trial(args, weights)
+        else:
+            result["numerics"] = numerics_job(args, rank, weights)
+    except Exception as exc:  # noqa: BLE001 (reported in the result; the launcher goes on with the next job)
+        ok = False
+        result.update(error=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc())
+        print(f"rank {rank}: {result['error']}\n{result['traceback']}", flush=True)
+    (args.worker_out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
+    if started:
+        if ok:
+            torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return 0 if ok else 1
 
 
 # ------------------------------------------------------------------------------------------------
-# The launcher: one torchrun per EP setting, then the report
+# The launcher: one job per variant and EP (then numerics, cap trials), then the report
 
 
-def worker_command(args, ep: int, out: Path) -> list[str]:
-    """torchrun of this script as the worker for ``ep`` ranks, with the same settings."""
-    argv = list(args.argv)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ep}",
-            str(Path(__file__).resolve()), *argv, "--worker-ep", str(ep), "--worker-out", str(out)]
+START = time.monotonic()
+
+
+def log(text: str) -> None:
+    """A progress line with the seconds since the launcher started."""
+    print(f"[{time.monotonic() - START:6.0f} s] {text}", flush=True)
+
+
+def job_argv(args, ep: int, out: Path, job: str, variant: str | None = None, micro_batch: int | None = None) -> list:
+    """The worker's arguments: the launcher's own, then which job at which EP."""
+    argv = [*args.argv, "--worker-ep", str(ep), "--worker-out", str(out), "--worker-job", job]
+    if variant is not None:
+        argv += ["--worker-variant", variant]
+    if micro_batch is not None:
+        argv += ["--worker-micro-batch", str(micro_batch)]
+    return argv
+
+
+def run_job(args, ep: int, label: str, job: str, **what) -> dict:
+    """One job in its own processes; its progress lines under ``label``. Returns jobs.run's dict
+    with ``failure`` (None where every rank wrote a result)."""
+    stem = "_".join(["ep" + str(ep), job, *(str(v).replace("+", "_") for v in what.values())])
+    env = worker_env()
+    if job == "numerics":  # bitwise comparisons need TE's deterministic kernels
+        env["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
+    if args.logs is not None:
+        args.logs.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = jobs.command(Path(__file__).resolve(), job_argv(args, ep, Path(tmp), job, **what), ep)
+        found = jobs.run(cmd, Path(tmp), env=env, cwd=HERE.parent, timeout=args.job_timeout,
+                         show=lambda text: log(f"    {label}: {text}"),
+                         log_path=None if args.logs is None else args.logs / f"{stem}.log")
+    found["failure"] = jobs.failure(found, ep)
+    if found["failure"] is not None:
+        log(f"{label} failed: {found['failure']}; its output ends:\n{found['tail']}")
+    return found
+
+
+def cap_search(args) -> list:
+    """Per --cap-variants at EP=1: the most sequences per micro-batch that fit under --cap-gib,
+    trying --micro-batch upward until one does not fit (each trial a job of its own)."""
+    rows = []
+    for name in args.cap_variants:
+        best, error = None, None
+        for mb in range(args.micro_batch, args.cap_max_micro_batch + 1):
+            label = f"cap {args.cap_gib:g} GiB: {name} at micro-batch {mb}"
+            job = run_job(args, 1, label, "cap", variant=name, micro_batch=mb)
+            if job["failure"] is not None:
+                error = job["failure"]
+                break
+            got = job["per_rank"][0]["cap"]
+            log(f"{label}: " + (f"fits, step {got['step_ms']:.1f} ms, peak {got['peak_GiB']:.2f} GiB" if got["fits"]
+                                else "does not fit"))
+            if not got["fits"]:
+                break
+            best = {"micro_batch": mb, "step_ms": got["step_ms"], "peak_GiB": got["peak_GiB"]}
+        tokens = None if best is None else args.shape.microbatches * best["micro_batch"] * args.shape.seq
+        rows.append({"variant": name, "cap_GiB": args.cap_gib, "best": best, "tokens_per_step": tokens,
+                     "tokens_per_s": None if best is None else tokens / (best["step_ms"] * 1e-3),
+                     "hit_max": best is not None and best["micro_batch"] == args.cap_max_micro_batch,
+                     **({"error": error} if error else {})})
+    return rows
 
 
 def launch(args) -> int:
     import torch
     import transformer_engine
 
+    from megatron_gpt_numerics import checks, merge_ranks as merge_numerics
     from te_offload_ops.megatron import installed_version
 
-    rows, gpu, cap = [], None, None  # the GPU's name comes from the workers: this process makes no CUDA context
+    s = args.shape
+    per_ep = len(args.variants) + (0 if args.no_numerics else 1)
+    log(f"L={s.layers} H={s.hidden} E={s.experts} top-{s.topk} F={s.ffn}, {s.microbatches} x {s.micro_batch} x "
+        f"{s.seq} tokens per rank; {per_ep * len(args.ep)} jobs, each in processes of its own: per EP in "
+        f"{args.ep}, the variants {', '.join(args.variants)}" + ("" if args.no_numerics else ", then the numerics")
+        + ("; then the cap trials at EP=1" if args.cap_gib is not None else ""))
+    rows, numerics, cap, gpus = [], {}, None, []  # the GPU's name comes from the workers
     for ep in args.ep:
-        with tempfile.TemporaryDirectory() as tmp:
-            log(0, f"== EP={ep}: torchrun --nproc-per-node {ep} ({len(args.variants)} variants"
-                   + (f", then the cap search over {len(args.cap_variants)}" if args.cap_gib and ep == 1 else "")
-                   + ")")
-            proc = subprocess.run(worker_command(args, ep, Path(tmp)), env=worker_env(), cwd=HERE.parent)
-            files = sorted(Path(tmp).glob("rank*.json"))
-            per_rank = [json.loads(f.read_text()) for f in files]
-        gpu = gpu or next((r["gpu"] for r in per_rank), None)
-        cap = cap or next((r["cap"] for r in per_rank if r.get("cap")), None)
-        if proc.returncode != 0:
-            log(0, f"== EP={ep}: the workers ended with exit status {proc.returncode}")
-        if len(per_rank) < ep:
-            rows.append({"variant": "(all)", "ep": ep, "error": f"{len(per_rank)} of {ep} ranks wrote results "
-                                                               f"(exit status {proc.returncode})"})
-        rows += merge_ranks(per_rank) if per_rank else []
+        for i, name in enumerate(args.variants, 1):
+            label = f"EP={ep} [{i}/{len(args.variants)}] {name}"
+            log(f"{label} ...")
+            job = run_job(args, ep, label, "time", variant=name)
+            gpus += [r["gpu"] for r in job["per_rank"] if "gpu" in r]
+            row = merge_variant(job["per_rank"], ep, name, job["failure"])
+            rows.append(row)
+            if "error" not in row:
+                log(f"{label}: step {row['step_ms']:.1f} ms, peak {row['peak_GiB']:.2f} GiB "
+                    f"({row['peak_above_floor_GiB']:.2f} above the floor of {row['floor_GiB']:.2f}), offloaded "
+                    f"{row['offloaded_MiB_per_step']:.0f} MiB/step ({job['seconds']:.0f} s)")
+        if not args.no_numerics:
+            label = f"EP={ep} numerics"
+            log(f"{label} ...")
+            job = run_job(args, ep, label, "numerics")
+            gpus += [r["gpu"] for r in job["per_rank"] if "gpu" in r]
+            merged = {"error": job["failure"]} if job["failure"] else merge_numerics([r["numerics"] for r in
+                                                                                     job["per_rank"]])
+            numerics[str(ep)] = merged
+            found = checks(merged, ep)
+            log(f"{label}: {sum(bool(c['met']) for c in found)} of {len(found)} bounds met ({job['seconds']:.0f} s)")
+        if args.cap_gib is not None and ep == 1:
+            cap = cap_search(args)
     add_comparisons(rows, args.shape.tokens_per_step)
+    gpu = gpus[0] if gpus else "unknown GPU"
     result = {
         "benchmark": "megatron_gpt", "gpu": gpu,
         "date": utc_now(),
@@ -483,15 +530,19 @@ def launch(args) -> int:
                                                           "seq", "micro_batch", "microbatches", "vocab")},
                    "ep": args.ep, "variants": args.variants, "offload_modules": list(args.offload_modules),
                    "teo_budget_gib": args.teo_budget_gib, "warmup": args.warmup, "iters": args.iters,
-                   "profile": args.profile, "cap_gib": args.cap_gib, "cap_max_micro_batch": args.cap_max_micro_batch},
-        "rows": rows, "cap": cap,
+                   "seed": args.seed, "profile": args.profile, "numerics": not args.no_numerics,
+                   "cap_gib": args.cap_gib, "cap_max_micro_batch": args.cap_max_micro_batch},
+        "rows": rows, "numerics": numerics, "cap": cap,
     }
-    result["targets"] = targets(rows) + cap_targets(cap)
-    result["gpu"] = gpu = gpu or "unknown GPU"
+    result["targets"] = (targets(rows) + [dict(target=c["check"], value=c["value"], met=c["met"])
+                                          for ep, merged in numerics.items() for c in checks(merged, int(ep))]
+                         + cap_targets(cap))
     suffixes = () if args.ep == [1, 2] else ("ep" + "-".join(map(str, args.ep)),)
     paths = write_reports(args.out, file_stem("megatron_gpt", gpu, *suffixes), result, markdown, chart)
-    print("wrote " + ", ".join(str(p) for p in paths))
-    return 0 if all("error" not in r for r in rows) else 1
+    log("wrote " + ", ".join(str(p) for p in paths))
+    failed = [r for r in rows if "error" in r] + [m for m in numerics.values() if "error" in m] \
+        + [c for c in cap or [] if "error" in c]
+    return 0 if not failed else 1
 
 
 def main(argv=None) -> int:

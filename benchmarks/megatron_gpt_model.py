@@ -215,9 +215,26 @@ def cpu_state(model) -> dict:
     return {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in model.state_dict().items()}
 
 
-def wrap_for_training(model, config, *, lr: float = 1e-4):
+def reference_weights(shape: GPTShape, ep: int) -> tuple[dict, float]:
+    """The weights every variant starts from: a stock GPTModel's, initialised from the seed
+    :func:`init_parallel` set (so alike in every process with the same seed and EP), on the host;
+    and their digest (the sum of every weight, in fp64) to tell processes' weights apart."""
+    import torch
+
+    config = make_config(shape, Variant(ours=False), ep)
+    model = build_gpt(shape, config, ours=False)
+    digest = float(sum(p.detach().double().sum() for p in model.parameters()))
+    weights = cpu_state(model)
+    del model
+    release(config)
+    torch.cuda.reset_peak_memory_stats()
+    return weights, digest
+
+
+def wrap_for_training(model, config, *, lr: float = 1e-4, optimizer: bool = True):
     """Megatron's DDP (fp32 grads, overlapped reduce) and distributed Adam; sets the config hooks
-    Megatron's training loop sets. Returns (ddp_model, optimizer)."""
+    Megatron's training loop sets. Returns (ddp_model, optimizer); the optimizer is None where
+    ``optimizer`` is False (grads only: no fp32 main weights or Adam state allocated)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -231,10 +248,11 @@ def wrap_for_training(model, config, *, lr: float = 1e-4):
     config.no_sync_func = ddp.no_sync
     config.grad_sync_func = ddp.start_grad_sync
     config.finalize_model_grads_func = finalize_model_grads
+    if not optimizer:
+        return ddp, None
     opt_config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, bf16=True,
                                  params_dtype=config.params_dtype, use_distributed_optimizer=True, clip_grad=1.0)
-    optimizer = get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False)
-    return ddp, optimizer
+    return ddp, get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False)
 
 
 def release(config) -> None:
@@ -292,20 +310,22 @@ def forward_step(data_iterator: Iterator, model, return_schedule_plan: bool = Fa
 def train_step(ddp, optimizer, shape: GPTShape, batches: list[dict], *, step_optimizer: bool = True,
                after_backward=None) -> float:
     """One Megatron training step (zeroed grads, forward/backward over the micro-batches, grads
-    reduced, then the optimizer unless ``step_optimizer`` is False); the mean loss of the step.
-    ``after_backward(ddp)`` runs between the backward and the optimizer (e.g. to read grads)."""
+    reduced, then the optimizer unless ``step_optimizer`` is False or ``optimizer`` None); the mean
+    loss of the step. ``after_backward(ddp)`` runs between the backward and the optimizer (e.g. to
+    read grads)."""
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     ddp.zero_grad_buffer()
-    optimizer.zero_grad()
+    if optimizer is not None:
+        optimizer.zero_grad()
     losses = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
         num_microbatches=len(batches), seq_length=shape.seq, micro_batch_size=shape.micro_batch,
         decoder_seq_length=shape.seq, forward_only=False)
     if after_backward is not None:
         after_backward(ddp)
-    if step_optimizer:
+    if step_optimizer and optimizer is not None:
         optimizer.step()
     return float(torch.stack([d["lm loss"] for d in losses]).mean())
 

@@ -2,7 +2,7 @@
 
 Run by the test as ``torchrun --nproc-per-node 2 tests/megatron_ep_worker.py --out DIR``. Each
 case builds stock and our experts from the same weights, runs them, and writes what it measured
-(relative errors, bitwise equalities, bytes moved, forward plans; or the error) to
+(relative errors, bitwise equalities, routing flips, bytes moved, forward plans; or the error) to
 ``DIR/rank<r>.json`` after every case; the test asserts on those files. Cases:
 
 * ``moe_layer/<choice>``: Megatron's MoELayer (router, alltoall dispatcher, experts) at EP=2 with
@@ -10,9 +10,12 @@ case builds stock and our experts from the same weights, runs them, and writes w
   fused_group_mlp) against stock experts without offloading (Megatron's op-fuser path refuses
   expert_fc1 and moe_act) and against ours without offloading (bitwise): outputs, input and
   router grads, experts' main_grads over two micro-batches.
-* ``ep_overlap``: a GPTModel trained by Megatron's schedule with ``overlap_moe_expert_parallel_comm``
+* ``numerics``: a GPTModel's first training step, ours against stock with routing set apart
+  (``benchmarks/megatron_gpt_numerics.py``: the first MoE layer's input and routing, stock's
+  routing replayed into ours, each with its own routing against a measured noise floor).
+* ``ep_overlap``: the GPTModel trained by Megatron's schedule with ``overlap_moe_expert_parallel_comm``
   and ``delay_wgrad_compute`` (the 1F1B A2A-overlap schedule, expert wgrads deferred to
-  ``backward_dw``) on our fused experts, against stock experts and ours on the plain schedule.
+  ``backward_dw``) on our fused experts, against ours on the plain schedule.
 * ``teo``: the same GPTModel on the plain schedule under ``use_teo_offload`` (whole layers; routed
   experts with a memory budget) against no offloading: losses and grads bitwise.
 """
@@ -38,16 +41,17 @@ from megatron_gpt_model import (  # noqa: E402
     Variant,
     apply_teo,
     build_gpt,
-    cpu_state,
     experts_path,
     init_parallel,
     install_wgrad_accum_standin,
     make_config,
     random_batches,
+    reference_weights,
     release,
     train_step,
     wrap_for_training,
 )
+from megatron_gpt_numerics import compare, measure, summary  # noqa: E402
 
 install_wgrad_accum_standin()
 
@@ -55,33 +59,8 @@ EP = 2
 MOE = dict(experts=8, hidden=1024, ffn=768, seq=1024, batch=2, topk=2)
 GPT = GPTShape(layers=2, hidden=1024, heads=8, ffn=768, experts=8, topk=2, seq=1024, micro_batch=2,
                microbatches=2, vocab=4096)
-CASES = ("moe_layer", "teo", "ep_overlap")  # stock on the EP-overlap schedule runs last: a CUDA error there ends the process
-
-
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
-def compare(a: dict, b: dict) -> dict:
-    """Per key: relative error and bitwise equality of ``a`` against ``b`` (same keys)."""
-    import torch
-
-    out = {}
-    for k in b:
-        if a.get(k) is None or b[k] is None or a[k].shape != b[k].shape:
-            out[k] = {"rel_err": None, "equal": False, "missing": True}
-        else:
-            out[k] = {"rel_err": rel_err(a[k], b[k]), "equal": bool(torch.equal(a[k], b[k]))}
-    return out
-
-
-def summary(comparison: dict) -> dict:
-    """The worst relative error over the keys, the key it came from, and whether every key is equal."""
-    if not comparison:
-        return {"max_rel_err": None, "worst": None, "all_equal": False, "keys": 0}
-    worst = max(comparison.items(), key=lambda kv: float("inf") if kv[1]["rel_err"] is None else kv[1]["rel_err"])
-    return {"max_rel_err": worst[1]["rel_err"], "worst": worst[0], "all_equal": all(v["equal"] for v in comparison.values()),
-            "keys": len(comparison)}
+# stock on the EP-overlap schedule runs last: a CUDA error there ends the process
+CASES = ("moe_layer", "numerics", "teo", "ep_overlap")
 
 
 # -- Megatron's MoE layer at EP=2 ----------------------------------------------------------------
@@ -250,29 +229,23 @@ def loss_errors(a: list, b: list) -> list:
     return [abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b)]
 
 
-def reference_weights() -> dict:
-    config = make_config(GPT, Variant(ours=False), EP)
-    model = build_gpt(GPT, config, ours=False)
-    weights = cpu_state(model)
-    del model
-    release(config)
-    return weights
+def case_numerics(rank: int) -> dict:
+    weights, _ = reference_weights(GPT, EP)
+    batches = random_batches(GPT, seed=7 + 1000 * rank)
+    try:
+        return {"numerics": measure(GPT, EP, weights, batches, seed=11)}
+    except Exception:  # noqa: BLE001
+        return {"numerics": {"error": traceback.format_exc()}}
 
 
 def case_ep_overlap(rank: int) -> dict:
-    weights = reference_weights()
+    weights, _ = reference_weights(GPT, EP)
     results = {}
-    stock_plain = train(Variant(ours=False), weights, 3)
     ours_plain = train(Variant(ours=True), weights, 3)
-    results["ep_overlap/ours_plain_vs_stock"] = {
-        "grads": summary(compare(ours_plain["grads"], stock_plain["grads"])),
-        "loss_rel_err": loss_errors(ours_plain["losses"], stock_plain["losses"]), "plan": ours_plain["plan"]}
     try:
         ours = train(Variant(ours=True, ep_overlap=True), weights, 3)
         results["ep_overlap/ours"] = {
-            "vs_stock_plain": summary(compare(ours["grads"], stock_plain["grads"])),
             "vs_ours_plain": summary(compare(ours["grads"], ours_plain["grads"])),
-            "loss_rel_err_vs_stock_plain": loss_errors(ours["losses"], stock_plain["losses"]),
             "loss_rel_err_vs_ours_plain": loss_errors(ours["losses"], ours_plain["losses"]),
             "expert_grads_nonzero": all(bool(g.abs().sum() > 0) for n, g in ours["grads"].items() if ".experts." in n),
             "expert_grads": sum(1 for n in ours["grads"] if ".experts." in n),
@@ -281,7 +254,7 @@ def case_ep_overlap(rank: int) -> dict:
         results["ep_overlap/ours"] = {"error": traceback.format_exc()}
     try:  # Megatron's stock experts on the same schedule, for the record
         stock = train(Variant(ours=False, ep_overlap=True), weights, 3)
-        results["ep_overlap/stock"] = {"loss_rel_err_vs_stock_plain": loss_errors(stock["losses"], stock_plain["losses"]),
+        results["ep_overlap/stock"] = {"loss_rel_err_vs_ours_plain": loss_errors(stock["losses"], ours_plain["losses"]),
                                        "plan": stock["plan"]}
     except Exception:  # noqa: BLE001
         results["ep_overlap/stock"] = {"error": traceback.format_exc()}
@@ -289,7 +262,7 @@ def case_ep_overlap(rank: int) -> dict:
 
 
 def case_teo(rank: int) -> dict:
-    weights = reference_weights()
+    weights, _ = reference_weights(GPT, EP)
     base = train(Variant(ours=True), weights, 2)
     results = {}
     for name, variant in {"teo/layer": Variant(ours=True, teo_scope="layer"),
@@ -304,7 +277,7 @@ def case_teo(rank: int) -> dict:
     return results
 
 
-CASE_FUNCS = {"moe_layer": case_moe_layer, "ep_overlap": case_ep_overlap, "teo": case_teo}
+CASE_FUNCS = {"moe_layer": case_moe_layer, "numerics": case_numerics, "ep_overlap": case_ep_overlap, "teo": case_teo}
 
 
 def main(argv=None) -> int:

@@ -33,8 +33,8 @@ def test_every_benchmark_script_is_kept_run_or_an_experiment_with_a_line():
     kept = {"moe_step.py", "moe_model.py", "moe_step_report.py", "moe_step_combine.py", "step_profile.py",
             "bench_common.py", "timing.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
             "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py", "megatron_gpt.py",
-            "megatron_gpt_model.py", "megatron_gpt_report.py", "comm_copy_overlap.py", "teo_budget_check.py",
-            "first_step.py"}
+            "megatron_gpt_model.py", "megatron_gpt_report.py", "megatron_gpt_jobs.py", "megatron_gpt_numerics.py",
+            "comm_copy_overlap.py", "teo_budget_check.py", "first_step.py"}
     assert {p.name for p in BENCH.glob("*.py")} == kept
     readme = (BENCH / "experiments" / "README.md").read_text()
     for script in (BENCH / "experiments").glob("*.py"):

@@ -4,8 +4,11 @@ dispatcher's split sizes by kernel, and the no-GPU paths of the multi-GPU and FP
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -18,6 +21,7 @@ sys.path.insert(0, str(BENCH))
 
 import comm_copy_overlap as cco  # noqa: E402
 import megatron_gpt as mg  # noqa: E402
+import megatron_gpt_jobs as mgj  # noqa: E402
 import megatron_gpt_model as mgm  # noqa: E402
 import megatron_gpt_report as mgr  # noqa: E402
 
@@ -53,6 +57,12 @@ def test_variant_names_map_to_what_each_runs():
     (["--cap-gib", "0"], "--cap-gib must be positive"),
     (["--cap-gib", "60", "--cap-variants", "ours,odd"], "--cap-variants: unknown variant 'odd'"),
     (["--cap-max-micro-batch", "2"], "--cap-max-micro-batch must be at least --micro-batch"),
+    (["--job-timeout", "0"], "--job-timeout must be positive"),
+    (["--worker-ep", "1"], "a worker needs --worker-out, --worker-job"),
+    (["--worker-ep", "1", "--worker-out", "/tmp", "--worker-job", "time"], "a worker needs --worker-variant"),
+    (["--worker-ep", "1", "--worker-out", "/tmp", "--worker-job", "cap", "--worker-variant", "ours",
+      "--worker-micro-batch", "4"], "a cap trial needs --cap-gib"),
+    (["--worker-ep", "1", "--worker-out", "/tmp", "--worker-job", "bench"], "invalid choice: 'bench'"),
 ])
 def test_bad_arguments_are_refused_with_the_reason(argv, said, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -60,14 +70,23 @@ def test_bad_arguments_are_refused_with_the_reason(argv, said, capsys):
     assert exc.value.code == 2 and said in capsys.readouterr().err
 
 
-def test_each_ep_runs_as_a_torchrun_of_the_script_with_the_same_settings(tmp_path):
-    args = mg.parse_args(["--layers", "3", "--ep", "2", "--variants", "stock,ours"])
-    assert args.ep == [2] and args.shape.layers == 3 and args.shape.tokens_per_step == 2 * 4 * 2048
-    cmd = mg.worker_command(args, 2, tmp_path)
+def test_each_job_runs_in_processes_of_its_own_with_the_same_settings(tmp_path):
+    args = mg.parse_args(["--layers", "3", "--ep", "1,2", "--variants", "stock,ours"])
+    assert args.ep == [1, 2] and args.shape.layers == 3 and args.shape.tokens_per_step == 2 * 4 * 2048
+    script = Path(mg.__file__).resolve()
+    argv = mg.job_argv(args, 2, tmp_path, "time", variant="ours")
+    cmd = mgj.command(script, argv, 2)
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"] and "--nproc-per-node=2" in cmd
-    assert cmd[cmd.index("--layers") + 1] == "3" and cmd[-4:] == ["--worker-ep", "2", "--worker-out", str(tmp_path)]
-    worker = mg.parse_args(cmd[cmd.index(str(Path(mg.__file__).resolve())) + 1:])
-    assert worker.worker_ep == 2 and worker.variants == ["stock", "ours"]
+    assert cmd[cmd.index("--layers") + 1] == "3"
+    assert cmd[-8:] == ["--worker-ep", "2", "--worker-out", str(tmp_path), "--worker-job", "time", "--worker-variant",
+                        "ours"]
+    worker = mg.parse_args(cmd[cmd.index(str(script)) + 1:])
+    assert (worker.worker_ep, worker.worker_job, worker.worker_variant) == (2, "time", "ours")
+    one = mgj.command(script, mg.job_argv(args, 1, tmp_path, "numerics"), 1)
+    assert one[:2] == [sys.executable, str(script)]  # one rank: no torchrun
+    assert mg.parse_args(one[2:]).worker_job == "numerics"
+    cap = mg.parse_args(["--cap-gib", "60", *mg.job_argv(args, 1, tmp_path, "cap", variant="ours+teo", micro_batch=6)])
+    assert (cap.worker_variant, cap.worker_micro_batch, cap.cap_gib) == ("ours+teo", 6, 60.0)
 
 
 def test_the_ranks_environment_keeps_nvlink_multicast_off():
@@ -87,33 +106,33 @@ def test_shapes_are_checked_for_the_expert_parallelism():
 # -- results across ranks and the report ---------------------------------------------------------
 
 
-def _row(variant, ep, step, peak, floor=4.0, moved=0.0, loss=10.0, grad=None, rank=0, **extra):
+def _row(variant, ep, step, peak, floor=4.0, moved=0.0, loss=10.0, rank=0, **extra):
     return {"variant": variant, "ep": ep, "rank": rank, "experts_path": "x", "step_ms": step, "step_ms_min": step,
             "step_ms_max": step, "floor_GiB": floor, "peak_GiB": peak, "peak_above_floor_GiB": peak - floor,
-            "offloaded_MiB_per_step": moved, "first_loss": loss, "grad_max_rel_err": grad,
-            "grad_worst": None if grad is None else "w", "profile": None, **extra}
+            "offloaded_MiB_per_step": moved, "first_loss": loss, "profile": None, **extra}
 
 
-def test_ranks_merge_to_the_slowest_step_the_largest_peak_and_any_error():
-    r0 = {"rows": [_row("stock", 2, 200.0, 8.0), _row("ours", 2, 110.0, 7.0, grad=0.01),
-                   _row("ours+teo", 2, 112.0, 6.0, moved=300)]}
-    r1 = {"rows": [_row("stock", 2, 210.0, 7.5, rank=1), _row("ours", 2, 105.0, 7.2, grad=0.02, rank=1),
-                   {"variant": "ours+teo", "ep": 2, "rank": 1, "error": "RuntimeError: boom"}]}
-    stock, ours, teo = mgr.merge_ranks([r0, r1])
+def _job(*rows, digest=1.5):
+    return [{"rank": r["rank"], "row": r, "weights_digest": digest} for r in rows]
+
+
+def test_a_jobs_ranks_merge_to_the_slowest_step_the_largest_peak_and_every_loss():
+    stock = mgr.merge_variant(_job(_row("stock", 2, 200.0, 8.0, loss=10.0), _row("stock", 2, 210.0, 7.5, rank=1,
+                                                                                    loss=10.2)), 2, "stock")
     assert stock["step_ms"] == 210.0 and stock["peak_GiB"] == 8.0 and stock["ranks"] == 2 and "rank" not in stock
-    assert ours["grad_max_rel_err"] == 0.02 and ours["step_ms"] == 110.0
-    assert teo == {"variant": "ours+teo", "ep": 2, "error": "RuntimeError: boom"}
-    (missing,) = mgr.merge_ranks([{"rows": [_row("ours", 1, 1.0, 5.0)]}, {"rows": []}])
-    assert "missing on a rank" in missing["error"]
+    assert stock["first_losses"] == [10.0, 10.2] and stock["first_loss"] == pytest.approx(10.1)
+    assert stock["weights_digest"] == [1.5, 1.5] and stock["profile_per_rank"] is None
+    failed = mgr.merge_variant(_job(_row("ours", 2, 1.0, 5.0)), 2, "ours", "1 of 2 ranks wrote results")
+    assert failed == {"variant": "ours", "ep": 2, "error": "1 of 2 ranks wrote results"}
+    assert "no rank" in mgr.merge_variant([], 1, "ours")["error"]
 
 
-def _rows():
-    rows = [_row("stock", 2, 200.0, 8.0), _row("ours", 2, 110.0, 7.0, loss=10.01, grad=0.01),
-            _row("ours+megatron", 2, 115.0, 6.5, moved=400, grad=0.01),
-            _row("ours+teo", 2, 112.0, 6.0, moved=400, grad=0.01),
-            _row("ours", 1, 90.0, 7.0, grad=0.05)]
-    for r in rows:
-        r["ranks"] = r["ep"]
+def _rows(ep2_digest=1.5):
+    rows = [mgr.merge_variant(_job(_row("stock", 2, 200.0, 8.0), digest=ep2_digest), 2, "stock"),
+            mgr.merge_variant(_job(_row("ours", 2, 110.0, 7.0, loss=10.01)), 2, "ours"),
+            mgr.merge_variant(_job(_row("ours+megatron", 2, 115.0, 6.5, moved=400, loss=10.01)), 2, "ours+megatron"),
+            mgr.merge_variant(_job(_row("ours+teo", 2, 112.0, 6.2, floor=4.2, moved=400, loss=10.02)), 2, "ours+teo"),
+            mgr.merge_variant(_job(_row("ours", 1, 90.0, 7.0)), 1, "ours")]
     return rows
 
 
@@ -121,19 +140,31 @@ def test_comparisons_and_targets_are_computed_per_ep():
     rows = _rows()
     mgr.add_comparisons(rows, tokens_per_rank=16384)
     stock, ours, megatron, teo, ours1 = rows
-    assert ours["speedup_vs_stock"] == pytest.approx(200 / 110) and ours["tokens_per_s"] == pytest.approx(2 * 16384 / 0.11)
+    assert ours["speedup_vs_stock"] == pytest.approx(200 / 110) and ours["tokens_per_s"] == pytest.approx(16384 / 0.11)
+    # freed: ours' 3.0 GiB above its floor less teo's 2.0 above its own (higher) floor
     assert teo["step_vs_ours"] == pytest.approx(112 / 110) and teo["freed_vs_ours_GiB"] == pytest.approx(1.0)
+    assert megatron["freed_vs_ours_GiB"] == pytest.approx(0.5)
     assert ours["loss_rel_err_vs_stock"] == pytest.approx(0.001)
-    assert teo["tokens_under_ours_peak_x"] == pytest.approx(3.0 / 2.0)  # room 7-4 over 6-4 per step
+    assert megatron["loss_equal_to_ours"] is True and teo["loss_equal_to_ours"] is False
+    assert ours["loss_equal_to_ours"] is None and stock["loss_equal_to_ours"] is None
+    assert teo["tokens_under_ours_peak_x"] == pytest.approx((7.0 - 4.2) / 2.0)  # room under ours' peak over its own
     assert ours["tokens_under_ours_peak_x"] == pytest.approx(1.0) and ours1["speedup_vs_stock"] is None
     found = {t["target"]: t for t in mgr.targets(rows)}
     assert found["ours at EP=2 >= 1.7x stock's step"]["met"] is True
-    assert found["ours' grads within 0.03 of stock's (EP=2)"]["met"] is True
-    assert found["ours' grads within 0.03 of stock's (EP=1)"]["met"] is False
     assert found["ours+megatron at EP=2 costs <= 3% over ours"]["met"] is False  # 1.045
     assert found["ours+teo at EP=2 costs <= 3% over ours"]["met"] is True  # 1.018
     assert found["ours+teo frees >= ours+megatron at no more cost (EP=2)"]["met"] is True
     assert found["ours+teo fits more tokens than ours+megatron under ours' peak (EP=2, predicted)"]["met"] is True
+    assert found["ours+megatron's first loss equals ours' bitwise (EP=2)"]["met"] is True
+    assert found["ours+teo's first loss equals ours' bitwise (EP=2)"]["met"] is False
+
+
+def test_losses_are_compared_only_between_jobs_from_the_same_weights():
+    rows = _rows(ep2_digest=2.5)  # stock's job started from other weights
+    mgr.add_comparisons(rows, tokens_per_rank=16384)
+    stock, ours = rows[:2]
+    assert stock["loss_rel_err_vs_stock"] == 0.0 and ours["loss_rel_err_vs_stock"] is None
+    assert ours["speedup_vs_stock"] == pytest.approx(200 / 110)  # times compare all the same
 
 
 def test_tokens_under_the_cap_compare_each_teo_variant_with_megatrons_offloading():
@@ -143,7 +174,8 @@ def test_tokens_under_the_cap_compare_each_teo_variant_with_megatrons_offloading
         return {"variant": name, "cap_GiB": 60.0, "best": best, "tokens_per_step": tokens,
                 "tokens_per_s": None if mb is None else tokens / (step * 1e-3), "hit_max": mb == 8}
 
-    cap = [cap_row("ours", 4), cap_row("ours+megatron", 5), cap_row("ours+teo", 6), cap_row("ours+teo-layer", None)]
+    cap = [cap_row("ours", 4), cap_row("ours+megatron", 5), cap_row("ours+teo", 6), cap_row("ours+teo-layer", None),
+           {**cap_row("ours+teo+kdtoh", None), "error": "RuntimeError: boom"}]
     found = {t["target"]: t for t in mgr.cap_targets(cap)}
     assert found["ours+teo fits more tokens than ours+megatron under 60 GiB (EP=1)"]["met"] is True
     assert found["ours+teo-layer fits more tokens than ours+megatron under 60 GiB (EP=1)"]["met"] is False
@@ -158,22 +190,158 @@ def test_tokens_under_the_cap_compare_each_teo_variant_with_megatrons_offloading
               "rows": rows, "cap": cap, "targets": []}
     text = mgr.markdown(result)
     assert "Under a 60 GiB cap (EP=1" in text and "| ours+teo | 6 | 24576 | 100.0 | 245,760 | 50.00 |" in text
-    assert "| ours+teo-layer | none fits |" in text
+    assert "| ours+teo-layer | none fits |" in text and "| ours+teo+kdtoh | failed: RuntimeError: boom |" in text
 
 
-def test_the_report_has_a_full_line_per_row_and_marks_failures():
+def _numerics_rank(flips_ours=(0, 30, 60)):
+    runs = ("stock_replay", "ours", "noise", "ours_replay", "noise_replay")
+    errs = {"stock_replay": 0.0, "ours": 0.2, "noise": 0.15, "ours_replay": 0.012, "noise_replay": 0.006}
+    return {"tokens": [16384] * 3, "moe0_input_equal": True, "moe0_output_rel_err": 5.1e-3,
+            "noise_rel_achieved": 5.3e-3,
+            "flips": {r: list(flips_ours) if r == "ours" else [0, 20, 40] if r == "noise" else [0, 0, 0] for r in runs},
+            "losses": {}, "loss_rel_err": {r: 0.0 if r == "stock_replay" else 4e-5 for r in runs},
+            "grads": {r: {"max_rel_err": e, "worst": "decoder.layers.2.mlp.experts.linear_fc1.weight3",
+                          "all_equal": r == "stock_replay", "keys": 120} for r, e in errs.items()}}
+
+
+def test_the_report_has_a_full_line_per_row_the_numerics_and_marks_failures():
+    import megatron_gpt_numerics as mn
+
     rows = _rows() + [{"variant": "stock+megatron", "ep": 1, "error": "CUDA error: an illegal memory access"}]
     mgr.add_comparisons(rows, 16384)
+    numerics = {"1": {"error": "2 of 1 ranks wrote results"},
+                "2": mn.merge_ranks([_numerics_rank(), _numerics_rank(flips_ours=(0, 34, 50))])}
     result = {"gpu": "NVIDIA H100", "date": "today", "versions": {"megatron-core": "0.19.2",
                                                                    "transformer-engine": "2.20.2", "torch": "2.11"},
               "config": {"layers": 4, "hidden": 2048, "heads": 16, "experts": 16, "topk": 4, "ffn": 1408,
                          "vocab": 32768, "microbatches": 2, "micro_batch": 4, "seq": 2048, "iters": 8, "warmup": 3},
-              "rows": rows, "targets": mgr.targets(rows)}
+              "rows": rows, "numerics": numerics, "targets": mgr.targets(rows)}
     lines = mgr.markdown(result).splitlines()
-    body = [line for line in lines if line.startswith("| 2 |") or line.startswith("| 1 |")]
+    head = lines.index("| " + " | ".join(h for h, _, _ in mgr.COLUMNS) + " |")
+    body = lines[head + 2:lines.index("", head)]
     assert len(body) == 6 and all(line.count("|") == len(mgr.COLUMNS) + 1 for line in body)
     assert any("failed: CUDA error: an illegal memory access" in line for line in body)
     assert "| ours at EP=2 >= 1.7x stock's step | 1.82 | yes |" in lines
+    # per EP: what matched, ours' and the floor's worst errors; per layer: tokens routed otherwise
+    assert "| 1 | failed: 2 of 1 ranks wrote results |" + " |" * 7 in lines
+    assert ("| 2 | yes, 0 tokens routed otherwise | 5.10e-03 | 5.30e-03 | bitwise equal | 4.0e-05 | 1.20e-02 / "
+            "6.00e-03 | 2.00e-01 / 1.50e-01 | decoder.layers.2.mlp.experts.linear_fc1.weight3 |") in lines
+    assert "| 2 | 2 | 32768 | 110 (0.34%) | 80 (0.24%) | 0 |" in lines
+
+
+# -- jobs in processes of their own ---------------------------------------------------------------
+
+
+def _script(tmp_path, body: str) -> Path:
+    path = tmp_path / "standin.py"
+    path.write_text("import json, subprocess, sys, time\nfrom pathlib import Path\nout = Path(sys.argv[1])\n" + body)
+    return path
+
+
+def test_a_job_shows_its_progress_lines_keeps_its_output_and_reads_every_rank_in_order(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    script = _script(tmp_path, """
+print("a warning nobody needs to see")
+print("[progress] 3 warm-up steps done", flush=True)
+for r in (10, 0, 2):
+    (out / f"rank{r}.json").write_text(json.dumps({"rank": r, "row": {"step_ms": r}}))
+(out / "rank11.json").write_text("{not json")
+print("done")
+""")
+    shown = []
+    job = mgj.run(mgj.command(script, [str(out)], 1), out, env=dict(os.environ), cwd=tmp_path, timeout=60,
+                  show=shown.append, log_path=tmp_path / "job.log")
+    assert shown == ["3 warm-up steps done"] and job["rc"] == 0 and not job["timed_out"]
+    assert [r["rank"] for r in job["per_rank"]] == [0, 2, 10, 11] and "unreadable" in job["per_rank"][3]["error"]
+    assert "a warning nobody needs to see" in job["tail"] and "done" in (tmp_path / "job.log").read_text()
+    assert mgj.failure(job, 4) == job["per_rank"][3]["error"]
+    assert mgj.failure({**job, "per_rank": job["per_rank"][:3]}, 3) is None
+    assert mgj.failure({**job, "per_rank": job["per_rank"][:3]}, 5) == "3 of 5 ranks wrote results (exit status 0)"
+    assert mgj.failure({**job, "per_rank": job["per_rank"][:1], "rc": 1}, 1) == \
+        "the processes ended with exit status 1"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def test_a_job_past_its_time_limit_is_stopped_with_its_child_processes(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    script = _script(tmp_path, """
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+(out.parent / "child.pid").write_text(str(child.pid))
+print("[progress] waiting", flush=True)
+time.sleep(120)
+""")
+    t0 = time.monotonic()
+    job = mgj.run(mgj.command(script, [str(out)], 1), out, env=dict(os.environ), cwd=tmp_path, timeout=3,
+                  show=lambda text: None)
+    assert job["timed_out"] and time.monotonic() - t0 < 30
+    assert mgj.failure(job, 2).startswith("ran past the time limit and was stopped (0 of 2 ranks")
+    pid = int((tmp_path / "child.pid").read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(pid)
+
+
+def test_the_launcher_runs_a_job_per_variant_and_ep_then_numerics_and_cap_trials_and_reports(tmp_path, monkeypatch,
+                                                                                              capsys):
+    calls = []
+
+    def fake_job(args, ep, label, job, variant=None, micro_batch=None):
+        calls.append((ep, job, variant, micro_batch))
+        base = {"rc": 0, "seconds": 1.0, "timed_out": False, "tail": "", "failure": None}
+        if job == "time" and variant == "ours+teo" and ep == 2:
+            return {**base, "per_rank": [], "rc": 1, "failure": "0 of 2 ranks wrote results (exit status 1)"}
+        if job == "time":
+            peak = {"stock": 9.0, "ours": 8.0, "ours+megatron": 7.0, "ours+teo": 6.5}[variant]
+            return {**base, "per_rank": [{"rank": r, "gpu": "NVIDIA H100 80GB HBM3", "weights_digest": 1.0,
+                                          "row": _row(variant, ep, 100.0 + r, peak, rank=r)} for r in range(ep)]}
+        if job == "numerics":
+            return {**base, "per_rank": [{"rank": r, "gpu": "NVIDIA H100 80GB HBM3", "numerics": _numerics_rank()}
+                                         for r in range(ep)]}
+        fits = micro_batch <= {"ours": 4, "ours+megatron": 4, "ours+teo": 5}[variant]
+        found = {"variant": variant, "micro_batch": micro_batch, "fits": fits}
+        if fits:
+            found.update(step_ms=100.0, peak_GiB=50.0)
+        return {**base, "per_rank": [{"rank": 0, "gpu": "NVIDIA H100 80GB HBM3", "cap": found}]}
+
+    monkeypatch.setattr(mg, "run_job", fake_job)
+    monkeypatch.setattr(mg, "problem", lambda max_ep: None)
+    rc = mg.main(["--out", str(tmp_path), "--cap-gib", "60", "--cap-max-micro-batch", "5"])
+    assert rc == 1  # the failed variant
+    variants = ["stock", "ours", "ours+megatron", "ours+teo"]
+    assert calls[:5] == [(1, "time", v, None) for v in variants] + [(1, "numerics", None, None)]
+    assert calls[5:11] == [(1, "cap", "ours", 4), (1, "cap", "ours", 5), (1, "cap", "ours+megatron", 4),
+                           (1, "cap", "ours+megatron", 5), (1, "cap", "ours+teo", 4), (1, "cap", "ours+teo", 5)]
+    assert calls[11:] == [(2, "time", v, None) for v in variants] + [(2, "numerics", None, None)]
+    result = json.loads((tmp_path / "megatron_gpt_NVIDIA_H100_80GB_HBM3.json").read_text())
+    assert [(r["ep"], r["variant"], "error" in r) for r in result["rows"]] == \
+        [(1, v, False) for v in variants] + [(2, v, v == "ours+teo") for v in variants]
+    assert result["rows"][2]["freed_vs_ours_GiB"] == pytest.approx(1.0) and result["numerics"]["2"]["ranks"] == 2
+    targets = {t["target"]: t["met"] for t in result["targets"]}
+    assert targets["ours' grads with its own routing within max(0.03, 3x noise floor) of stock's (EP=2)"] is True
+    assert targets["ours+teo fits more tokens than ours+megatron under 60 GiB (EP=1)"] is True
+    assert [c["best"]["micro_batch"] for c in result["cap"]] == [4, 4, 5]
+    out = capsys.readouterr().out
+    assert "EP=2 [4/4] ours+teo ..." in out and "EP=1 numerics: 5 of 5 bounds met" in out
+    assert "cap 60 GiB: ours+teo at micro-batch 5: fits, step 100.0 ms" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the worker's failure path without a GPU")
+def test_a_worker_that_cannot_start_writes_why_and_exits_non_zero(tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCH / "megatron_gpt.py"), "--worker-ep", "1", "--worker-out",
+                           str(tmp_path), "--worker-job", "numerics"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    found = json.loads((tmp_path / "rank0.json").read_text())
+    assert found["rank"] == 0 and found["job"] == "numerics" and "RuntimeError" in found["error"]
+    assert mgj.failure({"per_rank": [found], "rc": 1, "timed_out": False}, 1) == found["error"]
 
 
 # -- the overlap analysis -------------------------------------------------------------------------
