@@ -439,6 +439,7 @@ def _cluster_slots(device_index: int, cluster_size: int) -> int:
     sms = _sm_count(device_index)
     if cluster_size <= 2:
         return sms // cluster_size * cluster_size
+    dsl.load()
     from cutlass.utils import HardwareInfo
 
     with _LOCK, torch.cuda.device(device_index):  # the query compiles and loads a probe kernel

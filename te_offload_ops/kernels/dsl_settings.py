@@ -83,7 +83,11 @@ def _gpu():
 
     if not torch.cuda.is_available():
         return None
-    return {"device 0": list(torch.cuda.get_device_capability(0)), "driver": _driver_version()}
+    try:
+        capability = list(torch.cuda.get_device_capability(0))
+    except Exception as exc:  # a GPU torch sees but cannot query: a context of its own
+        capability = f"unreadable ({exc.__class__.__name__})"
+    return {"device 0": capability, "driver": _driver_version()}
 
 
 def context() -> dict:
