@@ -5,8 +5,7 @@ The key of an entry holds the DSL's compile settings; such a process recalls the
 directory for its context (what a process that imported the DSL there left), and launches each
 kernel from its plan (the parameters ``gemm_plan`` derives in plain Python, equal to the kernel
 object's). A new context, a stale record, an entry without a shared object (no C compiler where it
-was compiled) or one whose shared object does not load all still work, importing the DSL as
-before. GPU execution (the same bits as the compiling process): test_kernel_cache_gpu.py."""
+was compiled) or one whose shared object does not load all still work, importing the DSL. GPU execution (the same bits as the compiling process): test_kernel_cache_gpu.py."""
 
 from __future__ import annotations
 
@@ -173,7 +172,7 @@ def test_a_stale_record_of_the_settings_costs_a_compile_and_is_corrected(tmp_pat
     warned = _warnings(logs)
     assert len(warned) == 1 and "settings differ from those recalled" in warned[0], logs
     assert json.loads(memo.read_text())["settings"] == true_settings
-    assert len(list(cache.glob("*" + disk_cache.SUFFIX))) == 1  # stored under its true key, as before
+    assert len(list(cache.glob("*" + disk_cache.SUFFIX))) == 1  # stored under its true key: the first process's entry
     third, logs = _one(cache)
     assert (third["compiled"], third["loaded"], third["dsl"]) == (0, 1, False) and _warnings(logs) == []
 

@@ -16,11 +16,13 @@ kept in its memory only).
 
 An entry's file name is a hash of its key, which names everything that changes the code: the
 kernel sources (every ``kernels/*.py``), the variant (the in-memory cache key and the parameters
-its plan derives, :mod:`.gemm_plan`), the call convention, the DSL's version and its compile settings
-(GPU architecture among them), apache-tvm-ffi's version where it is called through it, this
-package's version and the host's architecture. The file holds the key itself, the length and
-SHA-256 of the object and of the shared object, so a torn, truncated, foreign or colliding file is told apart from a good one; such a
-file costs one warning and a compile, and the compiled kernel replaces it.
+its plan derives, :mod:`.gemm_plan`), the call convention, the DSL's version and its compile
+settings (GPU architecture among them), apache-tvm-ffi's version where it is called through it,
+this package's version and the host's architecture. The file holds the key itself and the length
+and SHA-256 of the object and of the shared object, so a torn, truncated, foreign or colliding
+file is told apart from a good one; such a file costs one warning and a compile, and the compiled
+kernel replaces it. A shared object that does not load (a run path gone, a scratch directory
+mounted without exec) costs an INFO line, and the object is loaded through the DSL.
 
 Many processes at once (the ranks of a job): entries are written to a temporary file in the same
 directory and renamed over the entry (``os.replace``), so a reader sees a whole entry or none; and

@@ -9,7 +9,7 @@ variables, GPU 0's architecture and the CUDA driver's version (which pick the ar
 flavour where no variable does). A process that imports the DSL writes the settings it reads into
 the cache directory under a hash of those inputs (a *context*); a later process of the same
 context reads them back there instead of importing the DSL. A context the directory does not
-know yet costs one import of the DSL, as before.
+know yet costs its first process the DSL's import.
 """
 
 from __future__ import annotations

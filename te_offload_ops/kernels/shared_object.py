@@ -6,7 +6,7 @@ from the DSL's runtime library and TVM-FFI's; the DSL's documented way to use it
 link it into a shared object against those two (``python -m cutlass.cute.export.aot_config``).
 That takes the system's C compiler driver ($CC, else ``cc``, ``gcc`` or ``clang``), tens of
 milliseconds; where there is none, entries keep the object alone and later processes load it
-through the DSL, as before.
+through the DSL.
 """
 
 from __future__ import annotations
