@@ -5,7 +5,8 @@ The key of an entry holds the DSL's compile settings; such a process recalls the
 directory for its context (what a process that imported the DSL there left), and launches each
 kernel from its plan (the parameters ``gemm_plan`` derives in plain Python, equal to the kernel
 object's). A new context, a stale record, an entry without a shared object (no C compiler where it
-was compiled) or one whose shared object does not load all still work, importing the DSL. GPU execution (the same bits as the compiling process): test_kernel_cache_gpu.py."""
+was compiled) or one whose shared object does not load all still work, importing the DSL. GPU
+execution (the same bits as the compiling process): test_kernel_cache_gpu.py."""
 
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .gemm_plan import _BK, _TMA_COLS, _WG, EPILOGUES, MAIN_GRAD_EPILOGUES, GemmPlan
+from .gemm_plan import _TMA_COLS, _WG, EPILOGUES, MAIN_GRAD_EPILOGUES, GemmPlan
 
 _THREADS = 3 * _WG  # producer warpgroup + two consumer warpgroups
 _PRODUCER_REGS = 40  # the TMA warp needs few registers ...
