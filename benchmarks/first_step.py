@@ -16,6 +16,13 @@ stack of MoE transformer layers (attention, router, permutation, the grouped MLP
 modes interleaved (cold, warm, stock, ...), each a fresh cache directory for cold; medians over rounds.
 The target: a warm cache's first step within 1 s of stock's. Writes ``first_step_<GPU>.{json,md,png}``
 into ``--out``.
+
+Where the time goes, per process: the imports (torch, Transformer Engine, this package) before the
+workload is built; in the first step, the CuTe DSL's import (where the process imported it: to
+compile, or to load an entry the disk cache holds without a shared object), the kernels' compiles
+or loads, and their first launches (host time of the launch that loads a kernel onto the GPU).
+``--profile`` adds one more process per workload and mode under cProfile (the first step only),
+its functions by cumulative time in ``first_step_<GPU>_profile_<workload>_<mode>.txt``.
 """
 
 from __future__ import annotations
@@ -54,7 +61,10 @@ def parse_args(argv=None):
     p.add_argument("--layers", "-L", type=int, default=4, help="MoE transformer layers (model)")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence; one sequence a step")
     p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--profile", action="store_true",
+                   help="one more process per workload and mode with its first step under cProfile")
     p.add_argument("--child", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
+    p.add_argument("--profile-to", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name in ("rounds", "experts", "topk", "hidden", "ffn", "heads", "layers", "seq"):
         if getattr(args, name) <= 0:
@@ -122,35 +132,64 @@ def _build(args, workload: str, mode: str):
     return step, (lambda: "stock TE ops" if mode == "stock" else compute_path(stack))
 
 
+PROFILE_LINES = 60  # functions listed per profile, by cumulative time
+
+
+def _profiled(step, path: Path):
+    """``step`` under cProfile, its statistics written to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    def run():
+        profile = cProfile.Profile()
+        profile.runcall(step)
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(PROFILE_LINES)
+        path.write_text(text.getvalue())
+
+    return run
+
+
 def child(args) -> int:
     started = time.time()
     workload, mode = args.child
     import torch
+    import transformer_engine.pytorch  # noqa: F401
 
+    import te_offload_ops  # noqa: F401
     from te_offload_ops.kernels import api
 
+    imported = time.time()
     step, path = _build(args, workload, mode)
     torch.cuda.synchronize()
     built = time.time()
-    times = [wall_ms(step, 1) / 1e3 for _ in range(2)]  # the first step, then the second
+    first = _profiled(step, args.profile_to) if args.profile_to else step
+    times = [wall_ms(fn, 1) / 1e3 for fn in (first, step)]  # the first step, then the second
+    launched = float(os.environ["TEO_BENCH_LAUNCHED"])
     print("RESULT " + json.dumps({
         "workload": workload, "mode": mode, "first_step_s": times[0], "second_step_s": times[1],
-        "start_to_built_s": built - float(os.environ["TEO_BENCH_LAUNCHED"]),
-        "process_s": time.time() - float(os.environ["TEO_BENCH_LAUNCHED"]), "in_process_setup_s": built - started,
+        "start_to_built_s": built - launched, "imports_s": imported - started,
+        "process_s": time.time() - launched, "in_process_setup_s": built - started,
         "path": path(), "compiled": len(api.compile_times()), "compile_s": sum(api.compile_times().values()),
-        "loaded": len(api.load_times()), "load_s": sum(api.load_times().values())}), flush=True)
+        "loaded": len(api.load_times()), "load_s": sum(api.load_times().values()),
+        "loaded_by": sorted(set(api.loaded_by().values())), "dsl_imported": "cutlass" in sys.modules,
+        "dsl_import_s": api.dsl_import_seconds(), "first_launch_s": sum(api.first_launch_times().values())}),
+        flush=True)
     return 0
 
 
 # -- the parent: processes, report --------------------------------------------------------------------
 
-def _run(args, workload: str, mode: str, cache: Path) -> dict:
+def _run(args, workload: str, mode: str, cache: Path, profile_to: Path | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]),
            "TEO_KERNEL_CACHE": "0" if mode == "off" else "1", "TEO_KERNEL_CACHE_DIR": str(cache),
            "TEO_BENCH_LAUNCHED": repr(time.time())}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", workload, mode,
            "--experts", str(args.experts), "--topk", str(args.topk), "--hidden", str(args.hidden),
            "--ffn", str(args.ffn), "--heads", str(args.heads), "--layers", str(args.layers), "--seq", str(args.seq)]
+    if profile_to is not None:
+        cmd += ["--profile-to", str(profile_to)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{workload}/{mode} failed:\n{proc.stderr[-3000:]}")
@@ -166,9 +205,12 @@ def summarize(runs: list[dict], workloads, modes) -> list[dict]:
             if not mine:
                 continue
             row = {"workload": w, "mode": m, "runs": len(mine)}
-            for k in ("first_step_s", "second_step_s", "process_s", "compiled", "loaded", "compile_s", "load_s"):
+            for k in ("first_step_s", "second_step_s", "process_s", "imports_s", "compiled", "loaded", "compile_s",
+                      "load_s", "dsl_import_s", "first_launch_s"):
                 row[k] = median(r[k] for r in mine)
             row["paths"] = sorted({r["path"] for r in mine})
+            row["loaded_by"] = sorted({by for r in mine for by in r["loaded_by"]})
+            row["dsl_imported"] = sum(bool(r["dsl_imported"]) for r in mine)
             if stock and m != "stock":
                 row["vs_stock_s"] = row["first_step_s"] - median(stock)
             rows.append(row)
@@ -181,14 +223,19 @@ def markdown(result: dict) -> str:
              f"mlp: {s['experts']} experts, H={s['hidden']}, F={s['ffn']}, {s['seq'] * s['topk']} routed rows "
              f"(bf16); model: {s['layers']} MoE layers of that MLP with {s['heads']}-head attention, top-{s['topk']} "
              f"routing, one sequence of {s['seq']} tokens. Medians over {s['rounds']} process(es) per row. "
-             f"Target: warm within {TARGET_S:.0f} s of stock's first step.", "",
-             "| workload | mode | first step (s) | vs stock (s) | second step (s) | kernels compiled | "
-             "compile (s) | kernels loaded | load (s) | process start to 2nd step done (s) | path |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             f"Target: warm within {TARGET_S:.0f} s of stock's first step. Imports: torch, Transformer Engine and "
+             f"this package, before the workload is built. In the first step: the CuTe DSL's import (processes "
+             f"that imported it / runs), compiles or loads (and how loaded), the kernels' first launches.", "",
+             "| workload | mode | first step (s) | vs stock (s) | second step (s) | imports (s) | DSL import (s) | "
+             "kernels compiled | compile (s) | kernels loaded | load (s) | loaded by | first launches (s) | "
+             "process start to 2nd step done (s) | path |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for r in result["summary"]:
         vs = f"{r['vs_stock_s']:+.2f}" if "vs_stock_s" in r else ""
         lines.append(f"| {r['workload']} | {r['mode']} | {r['first_step_s']:.2f} | {vs} | {r['second_step_s']:.3f} | "
+                     f"{r['imports_s']:.2f} | {r['dsl_import_s']:.2f} ({r['dsl_imported']}/{r['runs']}) | "
                      f"{r['compiled']:.0f} | {r['compile_s']:.2f} | {r['loaded']:.0f} | {r['load_s']:.3f} | "
+                     f"{', '.join(r['loaded_by']) or '-'} | {r['first_launch_s']:.3f} | "
                      f"{r['process_s']:.1f} | {', '.join(r['paths'])} |")
     verdicts = [f"{r['workload']}: warm {r['vs_stock_s']:+.2f} s vs stock: "
                 f"{'meets' if r['vs_stock_s'] <= TARGET_S else 'misses'} the target"
@@ -260,14 +307,26 @@ def main(argv=None) -> int:
             runs.append(run)
             print(f"[{i}/{len(plan)}] round {r + 1} {w} {m}: first step {run['first_step_s']:.2f} s "
                   f"({run['compiled']} compiled in {run['compile_s']:.1f} s, {run['loaded']} loaded in "
-                  f"{run['load_s'] * 1e3:.0f} ms), second {run['second_step_s'] * 1e3:.1f} ms, "
-                  f"path {run['path']}, process {run['process_s']:.1f} s", flush=True)
+                  f"{run['load_s'] * 1e3:.0f} ms by {', '.join(run['loaded_by']) or '-'}, DSL import "
+                  f"{run['dsl_import_s']:.2f} s, first launches {run['first_launch_s'] * 1e3:.0f} ms), second "
+                  f"{run['second_step_s'] * 1e3:.1f} ms, imports {run['imports_s']:.1f} s, path {run['path']}, "
+                  f"process {run['process_s']:.1f} s", flush=True)
+        profiles = []
+        if args.profile:  # after the timed rounds: the last round's caches are warm
+            stem = file_stem("first_step", gpu, "profile")
+            args.out.mkdir(parents=True, exist_ok=True)
+            for w in args.workloads:
+                for m in (m for m in order if m != "cold"):
+                    out = args.out / f"{stem}_{w}_{m}.txt"
+                    print(f"profiling {w} {m} -> {out}", flush=True)
+                    _run(args, w, m, Path(tmp) / f"round{args.rounds - 1}-{w}", profile_to=out)
+                    profiles.append(str(out))
     result = {"benchmark": "first_step", "gpu": gpu, "date": utc_now(),
               "command": "python benchmarks/first_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "versions": {d: _version(d) for d in ("torch", "transformer-engine", "nvidia-cutlass-dsl")},
               "settings": {k: getattr(args, k) for k in ("experts", "topk", "hidden", "ffn", "heads", "layers",
                                                           "seq", "rounds", "workloads", "modes")},
-              "runs": runs, "summary": summarize(runs, args.workloads, order),
+              "runs": runs, "summary": summarize(runs, args.workloads, order), "profiles": profiles,
               "wall_s": time.time() - t_start}
     paths = write_reports(args.out, file_stem("first_step", gpu), result, markdown, chart)
     print(f"wrote {', '.join(str(p) for p in paths)} ({result['wall_s']:.0f} s)")

@@ -1,6 +1,7 @@
 """One forward and backward of a fused SReLU grouped MLP in a process of its own, for
 test_kernel_cache_gpu.py: saves its outputs and gradients (``--out``, torch.save) and prints which
-kernels it compiled and which it loaded from the disk cache ($TEO_KERNEL_CACHE_DIR).
+kernels it compiled and which it loaded from the disk cache ($TEO_KERNEL_CACHE_DIR), how it
+loaded them, and whether the process imported the CuTe DSL.
 
     python tests/kernel_cache_worker.py --layout te|megatron [--main-grad] --out FILE
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -53,7 +55,9 @@ def main() -> None:
                 "grads": {name: g.cpu() for name, g in result["grads"].items() if g is not None}}, args.out)
     print("RESULT " + json.dumps({"plan": forward_plan(stack[0]), "tokens": cfg.tokens,
                                   "compiled": sorted(map(repr, api.compile_times())),
-                                  "loaded": sorted(map(repr, api.load_times()))}))
+                                  "loaded": sorted(map(repr, api.load_times())),
+                                  "loaded_by": sorted(set(api.loaded_by().values())),
+                                  "dsl_imported": "cutlass" in sys.modules}))
 
 
 if __name__ == "__main__":

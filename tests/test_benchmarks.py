@@ -241,8 +241,10 @@ def test_first_step_report_compares_each_mode_with_stock(tmp_path):
 
     def run(w, m, first, compiled=0, loaded=0):
         return {"workload": w, "mode": m, "first_step_s": first, "second_step_s": 0.02, "process_s": first + 8,
-                "compiled": compiled, "compile_s": 1.5 * compiled, "loaded": loaded, "load_s": 0.003 * loaded,
-                "path": "stock TE ops" if m == "stock" else "fused"}
+                "imports_s": 6.0, "compiled": compiled, "compile_s": 1.5 * compiled, "loaded": loaded,
+                "load_s": 0.003 * loaded, "loaded_by": ["shared object"] if loaded else [],
+                "dsl_imported": bool(compiled), "dsl_import_s": 0.9 if compiled else 0.0,
+                "first_launch_s": 0.01 * (compiled + loaded), "path": "stock TE ops" if m == "stock" else "fused"}
 
     runs = [run("mlp", "cold", 10.0, compiled=6), run("mlp", "warm", 1.4, loaded=6), run("mlp", "stock", 1.0),
             run("mlp", "cold", 12.0, compiled=6), run("mlp", "warm", 1.6, loaded=6), run("mlp", "stock", 1.2),
@@ -259,3 +261,6 @@ def test_first_step_report_compares_each_mode_with_stock(tmp_path):
     assert "mlp: warm +0.40 s vs stock: meets the target" in text
     assert "model: warm +2.00 s vs stock: misses the target" in text
     assert text.count("\n| ") == 1 + 6  # header and one row per (workload, mode)
+    assert by["mlp", "cold"]["dsl_imported"] == 2 and by["mlp", "warm"]["dsl_imported"] == 0
+    assert by["mlp", "warm"]["loaded_by"] == ["shared object"] and by["mlp", "stock"]["loaded_by"] == []
+    assert "| mlp | warm | 1.50 | +0.40 | 0.020 | 6.00 | 0.00 (0/2) | 0 | 0.00 | 6 | 0.018 | shared object | " in text

@@ -64,7 +64,7 @@ PARAMS = (("bn", 128), ("epi_cols", 32), ("stages", 7))
 def fixed_key_inputs(monkeypatch):
     """The key's environment parts pinned, so each test below changes exactly one."""
     monkeypatch.setattr(disk_cache, "source_digest", lambda: "s" * 64)
-    monkeypatch.setattr(disk_cache, "dsl_settings", lambda: "arch='sm_90a';lineinfo=False;")
+    monkeypatch.setattr(disk_cache, "dsl_settings", lambda directory: "arch='sm_90a';lineinfo=False;")
     monkeypatch.setattr(disk_cache, "_version", lambda dist: {"apache-tvm-ffi": "0.1"}.get(dist, "4.8.1"))
     monkeypatch.setattr(disk_cache, "_package_version", lambda: "0.1.0")
     monkeypatch.setattr(disk_cache.platform, "machine", lambda: "x86_64")
@@ -72,8 +72,8 @@ def fixed_key_inputs(monkeypatch):
 
 CHANGES = {
     "kernel sources": lambda mp: mp.setattr(disk_cache, "source_digest", lambda: "t" * 64),
-    "gpu arch": lambda mp: mp.setattr(disk_cache, "dsl_settings", lambda: "arch='sm_100a';lineinfo=False;"),
-    "dsl compile setting": lambda mp: mp.setattr(disk_cache, "dsl_settings", lambda: "arch='sm_90a';lineinfo=True;"),
+    "gpu arch": lambda mp: mp.setattr(disk_cache, "dsl_settings", lambda d: "arch='sm_100a';lineinfo=False;"),
+    "dsl compile setting": lambda mp: mp.setattr(disk_cache, "dsl_settings", lambda d: "arch='sm_90a';lineinfo=True;"),
     "dsl version": lambda mp: mp.setattr(disk_cache, "_version",
                                          lambda d: {"apache-tvm-ffi": "0.1"}.get(d, "4.9.0")),
     "tvm-ffi version": lambda mp: mp.setattr(disk_cache, "_version",
@@ -124,32 +124,41 @@ def test_source_digest_covers_every_kernel_source(tmp_path):
 
 
 @needs_dsl
-def test_kernel_parameters_in_the_key_follow_the_kernel_module(monkeypatch):
+def test_kernel_parameters_in_the_key_follow_the_plan_module(monkeypatch):
     """A kernel built differently under the same variant key (a module constant changed at run
-    time, as a test may) gets other parameters, so it never loads another's code."""
-    from te_offload_ops.kernels import api, gemm_sm90
+    time, as a test may) gets other parameters, so it never loads another's code; the plan a
+    loading process derives without the DSL and the compiled kernel object agree."""
+    from te_offload_ops.kernels import api, gemm_plan
 
     import torch
 
     args = (torch.bfloat16, 512, 256, 4, False, "srelu", (128, 128))
     variant = dict(cluster_n=2, schedule="pingpong")
     narrow = api._kernel_params(api._make_kernel(*args, **variant))
-    monkeypatch.setattr(gemm_sm90, "_EPI_COLS_TWO_OUTPUTS", 64)
+    assert api._kernel_params(api._make_plan(*args, **variant)) == narrow
+    monkeypatch.setattr(gemm_plan, "_EPI_COLS_TWO_OUTPUTS", 64)
     wide = api._kernel_params(api._make_kernel(*args, **variant))
+    assert api._kernel_params(api._make_plan(*args, **variant)) == wide
     assert dict(narrow)["epi_cols"] == 32 and dict(wide)["epi_cols"] == 64
     assert all(isinstance(v, (bool, int, float, str, type(None), tuple)) for _, v in narrow)
 
 
 # -- the file -----------------------------------------------------------------------------------------
 
-def _blob(payload=b"\x7fELF" + bytes(range(256)) * 40, key="the key", call="tvm-ffi", prefix="teo_gemm_x"):
-    return encode(key, call, prefix, payload), payload
+SHARED = b"\x7fELF shared" + bytes(range(255, -1, -1)) * 30
+
+
+def _blob(payload=b"\x7fELF" + bytes(range(256)) * 40, key="the key", call="tvm-ffi", prefix="teo_gemm_x",
+          shared=SHARED):
+    return encode(key, call, prefix, payload, shared), payload
 
 
 def test_an_entry_round_trips():
     blob, payload = _blob()
-    header, got = decode(blob, "the key")
-    assert got == payload and header["call"] == "tvm-ffi" and header["prefix"] == "teo_gemm_x"
+    header, got, shared = decode(blob, "the key")
+    assert got == payload and shared == SHARED and header["call"] == "tvm-ffi" and header["prefix"] == "teo_gemm_x"
+    header, got, shared = decode(_blob(shared=None)[0], "the key")  # no shared object: the object alone
+    assert got == payload and shared is None
 
 
 def _flip(blob: bytes, at: int) -> bytes:
@@ -159,7 +168,8 @@ def _flip(blob: bytes, at: int) -> bytes:
 @pytest.mark.parametrize("damage, why", [
     (lambda b: b[: len(b) // 2], "truncated"),
     (lambda b: b + b"\0", "padded"),
-    (lambda b: _flip(b, len(b) - 10), "checksum mismatch"),
+    (lambda b: _flip(b, len(b) - 10), "checksum mismatch"),  # in the shared object
+    (lambda b: _flip(b, len(b) - len(SHARED) - 10), "checksum mismatch"),  # in the object
     (lambda b: b"GARBAGE!" + b[8:], "no header"),
     (lambda b: b[:5], "no header"),
     (lambda b: b"", "no header"),
@@ -247,7 +257,7 @@ def test_a_missing_entry_loads_nothing_and_says_nothing(entry, caplog):
 
 @pytest.mark.parametrize("damage", ["torn", "foreign", "other key", "refused by the DSL"])
 def test_a_bad_entry_costs_one_warning_line(entry, caplog, monkeypatch, damage):
-    blob = encode(entry.description, "tvm-ffi", entry.prefix, b"object bytes")
+    blob = encode(entry.description, "tvm-ffi", entry.prefix, b"object bytes")  # no shared object
     entry.directory.mkdir(parents=True)
     entry.path.write_bytes({"torn": blob[:-3], "foreign": b"\x7fELF" + blob,
                             "other key": encode("another", "tvm-ffi", entry.prefix, b"object bytes"),

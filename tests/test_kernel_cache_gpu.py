@@ -3,7 +3,9 @@
 Process A runs one forward and backward of the fused SReLU MLP with an empty cache directory (it
 compiles every kernel and writes it); process B runs the same step on the same directory: it
 compiles nothing, loads every kernel A compiled, and its outputs and gradients equal A's bit for
-bit. The warm-up command, given the shapes, leaves nothing for the step to compile."""
+bit. Called through TVM-FFI where A could link shared objects (a C compiler), B loads them without
+ever importing the CuTe DSL. The warm-up command, given the shapes, leaves nothing for the step to
+compile."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from conftest import requires_sm90
+from te_offload_ops.kernels import shared_object
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "kernel_cache_worker.py"
@@ -60,6 +63,10 @@ def test_a_second_process_loads_every_kernel_and_gives_the_same_bits(tmp_path, s
     b = _step(cache, tmp_path / "b.pt", layout, main_grad, call)
     assert b["compiled"] == [] and b["loaded"] == a["compiled"], b
     assert a["warnings"] == [] and b["warnings"] == []
+    if call is None and shared_object.compiler() is not None:  # TVM-FFI, shared objects linked by A
+        assert b["loaded_by"] == ["shared object"] and not b["dsl_imported"], b
+    if call == "python":  # the DSL's executor: loaded through the DSL
+        assert b["loaded_by"] == ["CuTe DSL"] and b["dsl_imported"], b
     ra, rb = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert torch.equal(ra["out"], rb["out"])
     assert ra["grads"].keys() == rb["grads"].keys() and len(ra["grads"]) > 2

@@ -369,7 +369,7 @@ def test_cluster_pairs_with_odd_n_blocks_match_single_cta(monkeypatch, kind, sch
 def test_fused_epilogue_chunk_widths_give_the_same_bits(monkeypatch, schedule):
     """The two-output epilogues stage 32 columns at a time by default; 64-column chunks only
     change the staging, so every output (z, act, dz, dprobs, act) must be bit-identical."""
-    from te_offload_ops.kernels import api, gemm_sm90, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd
+    from te_offload_ops.kernels import api, gemm_plan, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd
 
     splits = [300, 0, 517, 131]
     n, k = 1856, 384
@@ -387,7 +387,7 @@ def test_fused_epilogue_chunk_widths_give_the_same_bits(monkeypatch, schedule):
 
     try:
         narrow = run(32)
-        monkeypatch.setattr(gemm_sm90, "_EPI_COLS_TWO_OUTPUTS", 64)
+        monkeypatch.setattr(gemm_plan, "_EPI_COLS_TWO_OUTPUTS", 64)
         wide = run(64)
     finally:
         api.clear_cache()  # no 64-column kernels left behind for later tests

@@ -3,7 +3,8 @@
 Two stages, because TE's fuser decides a fusion once per recipe and caches it:
 
 * :func:`static_blockers` at fusion time: the GPU, the recipe, the ops and their settings, and
-  the switch ``TEO_FUSED_SRELU_MLP=0``, and whether the CuTe DSL kernels import.
+  the switch ``TEO_FUSED_SRELU_MLP=0``, and whether the CuTe DSL kernels import (or load from the
+  disk cache without the DSL).
 * :func:`runtime_blockers` at each forward: inputs TE accepts that the kernels do not take (another
   dtype, a quantized input). The fused op then runs the three ops unfused and records why.
 
@@ -30,11 +31,14 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 @functools.lru_cache(maxsize=1)
 def kernel_problem() -> Optional[str]:
-    """Why the CuTe DSL kernels cannot run in this process, or None. Imports them on first use."""
+    """Why the CuTe DSL kernels cannot run in this process, or None. Imports the DSL to tell, unless
+    a process of this context did and the kernels load without it (:func:`kernels.loads_without_dsl`)."""
     try:
         from .. import kernels
     except ImportError as exc:
         return f"the CuTe DSL kernels do not import: {exc}"
+    if kernels.loads_without_dsl():
+        return None
     reasons = kernels.unavailable_reasons()
     return "; ".join(reasons) if reasons else None
 

@@ -1,15 +1,18 @@
 """Hopper (sm_90a) grouped-GEMM kernels (CuTe DSL) for the fused SReLU MoE MLP.
 
-Importing this package does not import the CuTe DSL; it is imported on the
-first kernel call (or by :func:`get_kernel`). Compiled kernels are kept on disk
-(:mod:`.disk_cache`) and loaded by later processes; :mod:`.warmup` fills the cache ahead of a job.
+Importing this package does not import the CuTe DSL; a kernel call imports it where it compiles
+the kernel (or calls it through the DSL's Python executor). Compiled kernels are kept on disk
+(:mod:`.disk_cache`) and loaded by later processes, through TVM-FFI without the DSL where the cache
+holds them as shared objects; :mod:`.warmup` fills the cache ahead of a job.
 """
 
 from .api import (
     clear_cache,
     compile_times,
     compile_variant,
+    dsl_import_seconds,
     dsrelu_bwd_bytes,
+    first_launch_times,
     get_kernel,
     grouped_gemm,
     grouped_gemm_dsrelu_bwd,
@@ -18,6 +21,8 @@ from .api import (
     grouped_wgrad_main_grad,
     kernel_call_convention,
     load_times,
+    loaded_by,
+    loads_without_dsl,
     main_grad_add,
     main_grad_way,
     pick_schedule,
@@ -30,7 +35,9 @@ __all__ = [
     "clear_cache",
     "compile_times",
     "compile_variant",
+    "dsl_import_seconds",
     "dsrelu_bwd_bytes",
+    "first_launch_times",
     "get_kernel",
     "grouped_gemm",
     "grouped_gemm_dsrelu_bwd",
@@ -39,6 +46,8 @@ __all__ = [
     "grouped_wgrad_main_grad",
     "kernel_call_convention",
     "load_times",
+    "loaded_by",
+    "loads_without_dsl",
     "main_grad_add",
     "main_grad_way",
     "mlp_variants",

@@ -7,7 +7,8 @@ stream.  Compiled kernels are cached per
 the main_grad slot stride (``tma`` add) or the weights' layout (padded or reversed experts) before
 the call convention where they differ from the default; the first call of a key in a process loads
 it from the disk cache (:mod:`.disk_cache`, see :func:`load_times`) or compiles it (see
-:func:`compile_times`) and writes it there.
+:func:`compile_times`) and writes it there. A TVM-FFI kernel loaded from a shared object is
+launched from its plan (:mod:`.gemm_plan`): such a process never imports the CuTe DSL.
 """
 
 from __future__ import annotations
@@ -21,18 +22,21 @@ import time
 import torch
 
 from ..capture import GraphCaptureError, capturing, warm_up_hint
-from . import disk_cache
+from . import disk_cache, dsl, dsl_settings
+from .gemm_plan import MAIN_GRAD_EPILOGUES, GemmPlan
 
 _log = logging.getLogger(__name__)
 
 _CACHE: dict = {}
 _COMPILE_SECONDS: dict = {}
 _LOAD_SECONDS: dict = {}
+_LOADED_BY: dict = {}
+_FIRST_LAUNCH_SECONDS: dict = {}
 _LOCK = threading.Lock()
 
+
 def _cutlass():
-    import cutlass
-    import cutlass.cute as cute
+    cutlass, cute = dsl.load()
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     return cutlass, cute, make_ptr, make_fake_stream
@@ -53,6 +57,25 @@ def unavailable_reasons() -> list[str]:
     except Exception as exc:
         reasons.append(f"cuda-python driver bindings do not import: {exc}")
     return reasons
+
+
+def loads_without_dsl() -> bool:
+    """Whether this process may take the kernels' availability as given without importing the
+    CuTe DSL: kernels are called through TVM-FFI (installed), the disk cache is on, the DSL is
+    installed, and the cache directory holds the DSL's settings for this process's context, which
+    only a process of this context that imported the DSL leaves there. Kernels the cache holds
+    as shared objects then load without the DSL; any other is compiled, importing it (as it did
+    there)."""
+    try:
+        if not disk_cache.enabled() or kernel_call_convention() != "tvm-ffi":
+            return False
+    except (ValueError, RuntimeError):  # a bad setting: the full check (and the call) will say so
+        return False
+    import importlib.util
+
+    if importlib.util.find_spec("cutlass") is None:
+        return False
+    return dsl_settings.recall(disk_cache.cache_dir()) is not None
 
 
 CALL_ENV = "TEO_KERNEL_CALL"  # "tvm-ffi" or "python": how compiled kernels are called
@@ -104,7 +127,6 @@ _DEFAULT_SCHEDULE = {"plain": "pingpong", "srelu": "pingpong", "dsrelu": "pingpo
                      # the fp32 main_grad add is epilogue work worth hiding (measured: pingpong
                      # 1.093x / 1.075x the plain fused op with rmw / red, cooperative 1.108x / 1.084x)
                      "wgrad_main_grad": "pingpong"}
-_MAIN_GRAD_EPILOGUES = ("acc_f32", "red_f32", "tma_f32", "store_f32")  # gemm_sm90.MAIN_GRAD_EPILOGUES, without the DSL import
 
 
 def pick_schedule(epilogue: str, wgrad: bool = False, schedule: str | None = None, tile=None) -> str:
@@ -112,7 +134,7 @@ def pick_schedule(epilogue: str, wgrad: bool = False, schedule: str | None = Non
     the latter two give way to cooperative for a given tile wider than pingpong's 128 columns."""
     choice = schedule
     if not choice:  # a preference (env or default) yields to a tile too wide for pingpong
-        kind = "wgrad_main_grad" if epilogue in _MAIN_GRAD_EPILOGUES else "wgrad" if wgrad else epilogue
+        kind = "wgrad_main_grad" if epilogue in MAIN_GRAD_EPILOGUES else "wgrad" if wgrad else epilogue
         choice = os.environ.get(SCHEDULE_ENV) or _DEFAULT_SCHEDULE[kind]
         if choice == "pingpong" and tile is not None and tile[1] > 128:
             choice = "cooperative"
@@ -166,29 +188,48 @@ def pick_cluster_m(wgrad_m, n: int, tile, cluster_n: int) -> int:
     return 2 if -(-n // tile[1]) >= 2 else 1
 
 
-def _make_kernel(dtype: torch.dtype, n: int, k: int, e: int, b_n_major: bool, epilogue: str, tile, *,
-                 cluster_n: int = 1, wgrad_m: int | None = None, schedule: str = "cooperative",
-                 epi_cols: int | None = None, kernel_class=None, slot_stride: int | None = None,
-                 b_layout: tuple = (None, False), cluster_m: int = 1):
-    """The kernel object of one variant (its parameters; nothing compiled)."""
-    from .gemm_sm90 import GroupedGemmSm90
-
-    return (kernel_class or GroupedGemmSm90)(
-        _cutlass_dtype(dtype), n, k, e, b_n_major=b_n_major, epilogue=epilogue, tile_mn=tile, cluster_n=cluster_n,
-        wgrad_m=wgrad_m, schedule=schedule, epi_cols=epi_cols,
+def _variant_kwargs(b_n_major: bool, epilogue: str, tile, cluster_n: int, wgrad_m, schedule: str, epi_cols,
+                    slot_stride, b_layout: tuple, cluster_m: int) -> dict:
+    return dict(
+        b_n_major=b_n_major, epilogue=epilogue, tile_mn=tile, cluster_n=cluster_n, wgrad_m=wgrad_m,
+        schedule=schedule, epi_cols=epi_cols,
         **({"cluster_m": cluster_m} if cluster_m != 1 else {}),
         **({"slot_stride": slot_stride} if slot_stride is not None else {}),
         **({"b_stride": b_layout[0], "b_reversed": b_layout[1]} if b_layout != (None, False) else {}),
     )
 
 
+def _make_kernel(dtype: torch.dtype, n: int, k: int, e: int, b_n_major: bool, epilogue: str, tile, *,
+                 cluster_n: int = 1, wgrad_m: int | None = None, schedule: str = "cooperative",
+                 epi_cols: int | None = None, kernel_class=None, slot_stride: int | None = None,
+                 b_layout: tuple = (None, False), cluster_m: int = 1):
+    """The kernel object of one variant (its plan and code; nothing compiled). Imports the DSL."""
+    cutlass_dtype = _cutlass_dtype(dtype)
+    from .gemm_sm90 import GroupedGemmSm90
+
+    return (kernel_class or GroupedGemmSm90)(
+        cutlass_dtype, n, k, e, **_variant_kwargs(b_n_major, epilogue, tile, cluster_n, wgrad_m, schedule, epi_cols,
+                                                  slot_stride, b_layout, cluster_m))
+
+
+def _make_plan(dtype: torch.dtype, n: int, k: int, e: int, b_n_major: bool, epilogue: str, tile, *,
+               cluster_n: int = 1, wgrad_m: int | None = None, schedule: str = "cooperative",
+               slot_stride: int | None = None, b_layout: tuple = (None, False), cluster_m: int = 1) -> GemmPlan:
+    """The plan of one variant, as its kernel object derives it, without the DSL."""
+    if dtype not in _DTYPES:
+        raise TypeError(f"grouped GEMM supports bf16 and fp16, got {dtype}")
+    return GemmPlan(dtype.itemsize, n, k, e, **_variant_kwargs(b_n_major, epilogue, tile, cluster_n, wgrad_m,
+                                                               schedule, None, slot_stride, b_layout, cluster_m))
+
+
 _RUNTIME_ATTRS = ("call", "launched", "cache_key")  # set on a kernel object after it is built
 
 
 def _kernel_params(kern) -> tuple:
-    """A kernel object's plain parameters (tile, stages, epilogue chunking, ...), for the disk
-    cache's key: what the kernel's constructor derives, so a variant built differently (a
-    constant of the kernel module changed at run time, say) never loads another's code."""
+    """A plan's plain parameters (tile, stages, epilogue chunking, ...), for the disk cache's key:
+    what :class:`~.gemm_plan.GemmPlan` derives (a kernel object is a plan), so a variant built
+    differently (a constant of the plan module changed at run time, say) never loads another's
+    code."""
     plain = (bool, int, float, str, type(None))
     return tuple(sorted(
         (name, value) for name, value in vars(kern).items()
@@ -204,7 +245,6 @@ def _compile(
     cluster_m: int = 1,
 ):
     cutlass, cute, make_ptr, make_fake_stream = _cutlass()
-    from .gemm_sm90 import MAIN_GRAD_EPILOGUES
 
     dt = _cutlass_dtype(dtype)
     kern = _make_kernel(dtype, n, k, e, b_n_major, epilogue, tile, cluster_n=cluster_n, wgrad_m=wgrad_m,
@@ -310,17 +350,23 @@ def _load_or_compile(key: tuple, call: str, args: tuple, variant: dict):
     that several want at once; the others load what it wrote."""
     if not disk_cache.enabled():
         return _compile_now(key, call, args, variant)
-    kern = _make_kernel(*args, **variant)
-    entry = disk_cache.Entry(key, _kernel_params(kern), call)
+    plan = _make_plan(*args, **variant)
+    entry = disk_cache.Entry(key, _kernel_params(plan), call)
     with entry.claim():
         compiled = entry.load()
         if compiled is None:
             kern, compiled = _compile_now(key, call, args, variant)
-            entry.store(compiled)
+            # the key again, with the settings the DSL states now that it is imported: where those
+            # recalled for this context were stale, the kernel goes under its true key
+            disk_cache.Entry(key, _kernel_params(kern), call).store(compiled)
             return kern, compiled
+    # the TVM-FFI launch needs the plan alone; the Python executor's, the DSL's types as well
+    kern = plan if call == "tvm-ffi" else _make_kernel(*args, **variant)
     kern.call = call  # how _launch passes the arguments
     _LOAD_SECONDS[key] = disk_cache.LOADED[entry.name]
-    _log.info("loaded grouped GEMM %s from %s in %.3f s", key, entry.path, _LOAD_SECONDS[key])
+    _LOADED_BY[key] = disk_cache.LOADED_BY[entry.name]
+    _log.info("loaded grouped GEMM %s from %s (%s) in %.3f s", key, entry.path, _LOADED_BY[key],
+              _LOAD_SECONDS[key])
     return kern, compiled
 
 
@@ -346,12 +392,31 @@ def load_times() -> dict:
     return dict(_LOAD_SECONDS)
 
 
+def loaded_by() -> dict:
+    """{cache key: "shared object" (through tvm_ffi, no DSL) or "CuTe DSL"} for every kernel this
+    process loaded from the disk cache."""
+    return dict(_LOADED_BY)
+
+
+def first_launch_times() -> dict:
+    """{cache key: host seconds} of the first launch of each kernel this process launched: the
+    launch that loads the kernel's code onto the GPU."""
+    return dict(_FIRST_LAUNCH_SECONDS)
+
+
+def dsl_import_seconds() -> float:
+    """Seconds this process spent importing the CuTe DSL for the kernels (0.0: it did not)."""
+    return dsl.import_seconds()
+
+
 def clear_cache() -> None:
     """Forget the kernels of this process (the disk cache stays: see :mod:`.disk_cache`)."""
     with _LOCK:
         _CACHE.clear()
         _COMPILE_SECONDS.clear()
         _LOAD_SECONDS.clear()
+        _LOADED_BY.clear()
+        _FIRST_LAUNCH_SECONDS.clear()
 
 
 def _aligned(t: torch.Tensor, align: int = 16) -> torch.Tensor:
@@ -374,6 +439,7 @@ def _cluster_slots(device_index: int, cluster_size: int) -> int:
     sms = _sm_count(device_index)
     if cluster_size <= 2:
         return sms // cluster_size * cluster_size
+    dsl.load()
     from cutlass.utils import HardwareInfo
 
     with _LOCK, torch.cuda.device(device_index):  # the query compiles and loads a probe kernel
@@ -425,7 +491,16 @@ def _launch_now(kern, compiled, tensors, num_tokens):
     num_ctas = min(_cluster_slots(tensors[0][0].device.index, cn), -(-tile_bound // cn) * cn)
     # the capturing stream when a graph is captured: the launch becomes a node of the graph
     stream = torch.cuda.current_stream().cuda_stream
+    if getattr(kern, "launched", False):
+        _call(kern, compiled, tensors, num_tokens, num_ctas, stream)
+        return
     kern.launched = True
+    t0 = time.perf_counter()
+    _call(kern, compiled, tensors, num_tokens, num_ctas, stream)
+    _FIRST_LAUNCH_SECONDS[getattr(kern, "cache_key", None) or type(kern).__name__] = time.perf_counter() - t0
+
+
+def _call(kern, compiled, tensors, num_tokens: int, num_ctas: int, stream: int) -> None:
     if getattr(kern, "call", "python") == "tvm-ffi":  # addresses, ints and the stream handle
         compiled(*(t.data_ptr() for t, _ in tensors), num_tokens, num_ctas, stream)
         return

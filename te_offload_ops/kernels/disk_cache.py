@@ -3,21 +3,26 @@
 An entry is one kernel variant as the CuTe DSL exports it ahead of time: a host object file with
 the kernel's cubin inside (``export_to_c`` for the TVM-FFI call convention, ``dump_to_object`` for
 the DSL's Python executor), loaded back by ``cutlass.cute.runtime.load_module`` in milliseconds
-where tracing and compiling it takes seconds. The DSL's own file cache is no substitute:
-``cute.compile`` turns it off, and its key is a hash of the traced IR, so even a hit would trace
-the kernel's Python again.
+where tracing and compiling it takes seconds. A TVM-FFI entry also holds that object linked into
+a shared object where the compiling process could link it (:mod:`.shared_object`): later
+processes load it with ``tvm_ffi.load_module`` and never import the DSL (about a second of their
+start), given its settings for their context (:mod:`.dsl_settings`). The DSL's own file cache is
+no substitute: ``cute.compile`` turns it off, and its key is a hash of the traced IR, so even a
+hit would trace the kernel's Python again.
 
 Where: ``$TEO_KERNEL_CACHE_DIR``, else ``${XDG_CACHE_HOME:-~/.cache}/te_offload_ops/kernels``;
 ``TEO_KERNEL_CACHE=0`` turns the disk cache off (kernels are then compiled in every process and
 kept in its memory only).
 
 An entry's file name is a hash of its key, which names everything that changes the code: the
-kernel sources (every ``kernels/*.py``), the variant (the in-memory cache key and the kernel
-object's derived parameters), the call convention, the DSL's version and its compile settings
-(GPU architecture among them), apache-tvm-ffi's version where it is called through it, this
-package's version and the host's architecture. The file holds the key itself, the object's length
-and SHA-256, so a torn, truncated, foreign or colliding file is told apart from a good one; such a
-file costs one warning and a compile, and the compiled kernel replaces it.
+kernel sources (every ``kernels/*.py``), the variant (the in-memory cache key and the parameters
+its plan derives, :mod:`.gemm_plan`), the call convention, the DSL's version and its compile
+settings (GPU architecture among them), apache-tvm-ffi's version where it is called through it,
+this package's version and the host's architecture. The file holds the key itself and the length
+and SHA-256 of the object and of the shared object, so a torn, truncated, foreign or colliding
+file is told apart from a good one; such a file costs one warning and a compile, and the compiled
+kernel replaces it. A shared object that does not load (a run path gone, a scratch directory
+mounted without exec) costs an INFO line, and the object is loaded through the DSL.
 
 Many processes at once (the ranks of a job): entries are written to a temporary file in the same
 directory and renamed over the entry (``os.replace``), so a reader sees a whole entry or none; and
@@ -41,11 +46,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import dsl, dsl_settings as settings_memo, shared_object
+from .atomic_file import file_mode as _file_mode, write_atomic  # noqa: F401  (_file_mode: tests)
+
 _log = logging.getLogger(__name__)
 
 CACHE_ENV = "TEO_KERNEL_CACHE"  # "0": no disk cache
 CACHE_DIR_ENV = "TEO_KERNEL_CACHE_DIR"
-FORMAT = 1  # of the entry file below; a change gives every key a new name
+FORMAT = 2  # of the entry file below; a change gives every key a new name
 MAGIC = b"TEOKERNL"
 SUFFIX = ".kernel"
 _HEADER_LEN = struct.Struct("<I")
@@ -55,6 +63,9 @@ ORPHAN_AGE_S = 3600.0  # a temporary file this old was left by a writer that die
 # what this process did, for warm-up reports and tests: file name -> seconds
 LOADED: dict[str, float] = {}
 STORED: dict[str, float] = {}
+# file name -> how it was loaded: through tvm_ffi from the shared object, or through the DSL
+LOADED_BY: dict[str, str] = {}
+BY_SHARED_OBJECT, BY_DSL = "shared object", "CuTe DSL"
 _WARNED_DIRS: set = set()
 
 
@@ -99,6 +110,7 @@ def source_digest(directory: Path = KERNEL_SOURCES) -> str:
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=None)
 def _version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
@@ -113,16 +125,16 @@ def _package_version() -> str:
     return __version__
 
 
-def dsl_settings() -> str:
+def dsl_settings(directory: Path) -> str:
     """The DSL's own statement of the settings that change what it compiles (the GPU architecture,
     line info, assertions, compiler options, its libraries, ...), as its in-memory JIT cache keys
-    them; read per call, since the environment may change between compiles."""
-    from cutlass.cutlass_dsl import CuTeDSL
+    them: read from the DSL where it is imported, else as a process of this context read them
+    (:mod:`.dsl_settings`, kept in ``directory``); per call, since the environment may change
+    between compiles."""
+    return settings_memo.current(directory)
 
-    return CuTeDSL._get_dsl().envar.cache_key_str()
 
-
-def describe(variant_key: tuple, kernel_params: tuple, call: str) -> str:
+def describe(variant_key: tuple, kernel_params: tuple, call: str, directory: Path) -> str:
     """The full key of one compiled kernel, as text (stored in the entry and compared on load)."""
     lines = [
         f"te_offload_ops kernel cache format {FORMAT}",
@@ -133,7 +145,7 @@ def describe(variant_key: tuple, kernel_params: tuple, call: str) -> str:
         f"call convention {call}",
         "nvidia-cutlass-dsl " + " ".join(_version(d) for d in (
             "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core")),
-        f"dsl settings {dsl_settings()}",
+        f"dsl settings {dsl_settings(directory)}",
         f"apache-tvm-ffi {_version('apache-tvm-ffi') if call == 'tvm-ffi' else 'unused'}",
         f"host {platform.system()} {platform.machine()}",
     ]
@@ -151,60 +163,39 @@ def symbol_prefix(name: str) -> str:
 
 # -- the file -----------------------------------------------------------------------------------------
 
-def encode(description: str, call: str, prefix: str, payload: bytes) -> bytes:
+def encode(description: str, call: str, prefix: str, payload: bytes, shared: bytes | None = None) -> bytes:
+    """An entry: the header (key, call, symbol, each part's length and SHA-256), the object, then
+    the shared object where there is one."""
+    shared = shared or b""
     header = json.dumps({"key": description, "call": call, "prefix": prefix, "bytes": len(payload),
-                         "sha256": hashlib.sha256(payload).hexdigest()}).encode()
-    return MAGIC + _HEADER_LEN.pack(len(header)) + header + payload
+                         "sha256": hashlib.sha256(payload).hexdigest(), "shared_bytes": len(shared),
+                         "shared_sha256": hashlib.sha256(shared).hexdigest()}).encode()
+    return MAGIC + _HEADER_LEN.pack(len(header)) + header + payload + shared
 
 
-def decode(blob: bytes, description: str) -> tuple[dict, bytes]:
-    """(header, object bytes) of an entry written for ``description``; raises BadEntry."""
+def decode(blob: bytes, description: str) -> tuple[dict, bytes, bytes | None]:
+    """(header, object bytes, shared-object bytes or None) of an entry written for
+    ``description``; raises BadEntry."""
     head = len(MAGIC) + _HEADER_LEN.size
     if len(blob) < head or not blob.startswith(MAGIC):
         raise BadEntry("not a kernel cache entry (no header)")
     (n,) = _HEADER_LEN.unpack_from(blob, len(MAGIC))
     try:
         header = json.loads(blob[head:head + n].decode())
-        payload = blob[head + n:]
         key, size, digest = header["key"], header["bytes"], header["sha256"]
+        shared_size, shared_digest = header["shared_bytes"], header["shared_sha256"]
+        body = blob[head + n:]
+        payload, shared = body[:size], body[size:]
     except (ValueError, KeyError, TypeError) as exc:
         raise BadEntry(f"unreadable header ({exc.__class__.__name__})") from None
     if key != description:
         raise BadEntry("written for another kernel or version (its key differs)")
-    if len(payload) != size:
-        raise BadEntry(f"truncated or padded: {len(payload)} object bytes, the header says {size}")
-    if hashlib.sha256(payload).hexdigest() != digest:
+    if len(body) != size + shared_size:
+        raise BadEntry(f"truncated or padded: {len(body)} bytes after the header, the header says "
+                       f"{size} + {shared_size}")
+    if hashlib.sha256(payload).hexdigest() != digest or hashlib.sha256(shared).hexdigest() != shared_digest:
         raise BadEntry("checksum mismatch")
-    return header, payload
-
-
-@functools.lru_cache(maxsize=1)
-def _file_mode() -> int:
-    """What ``open`` would give a new file under this process's umask (mkstemp gives 0600; a
-    cache directory shared by a group keeps working)."""
-    try:
-        with open("/proc/self/status") as f:
-            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        umask = 0o022
-    return 0o666 & ~umask
-
-
-def write_atomic(path: Path, blob: bytes) -> None:
-    """Write ``blob`` as ``path`` so that a reader sees the old file, the new one, or none: a
-    temporary file in the same directory, flushed to disk, renamed over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fchmod(f.fileno(), _file_mode())
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    return header, payload, (shared or None)
 
 
 @contextlib.contextmanager
@@ -239,9 +230,25 @@ def export_object(compiled, call: str, prefix: str) -> bytes:
     return compiled.dump_to_object(prefix)
 
 
+def link_shared(payload: bytes, prefix: str, name: str):
+    """The exported TVM-FFI object linked into a shared object that loads here (so it will load in
+    later processes of this install), or None (said once per process at INFO)."""
+    try:
+        shared = shared_object.link(payload, shared_object.runtime_libraries())
+        if shared is not None:
+            shared_object.load(shared, prefix, name)
+        return shared
+    except Exception as exc:
+        _log.info("kernel cache entry %s is kept without a shared object (%s: %s); later processes load it "
+                  "through the CuTe DSL", name, exc.__class__.__name__, _first_line(exc))
+        return None
+
+
 def load_object(payload: bytes, call: str, prefix: str):
-    """The callable of an exported object: a ``tvm_ffi.Function`` (TVM-FFI) or the DSL's
-    ``JitCompiledFunction`` (Python executor); each keeps its loaded module alive."""
+    """The callable of an exported object, loaded through the DSL: a ``tvm_ffi.Function``
+    (TVM-FFI) or the DSL's ``JitCompiledFunction`` (Python executor); each keeps its loaded
+    module alive."""
+    dsl.load()
     from cutlass.cute.runtime import load_module
 
     with _object_file(payload) as path:
@@ -256,9 +263,9 @@ class Entry:
 
     def __init__(self, variant_key: tuple, kernel_params: tuple, call: str, directory: Path | None = None):
         self.call = call
-        self.description = describe(variant_key, kernel_params, call)
-        self.name = file_name(self.description)
         self.directory = Path(directory) if directory is not None else cache_dir()
+        self.description = describe(variant_key, kernel_params, call, self.directory)
+        self.name = file_name(self.description)
         self.path = self.directory / self.name
         self.prefix = symbol_prefix(self.name)
 
@@ -323,16 +330,28 @@ class Entry:
         except OSError as exc:
             return self._reject(f"unreadable: {exc}")
         try:
-            header, payload = decode(blob, self.description)
+            header, payload, shared = decode(blob, self.description)
             if header.get("call") != self.call or header.get("prefix") != self.prefix:
                 raise BadEntry("written for another call convention or symbol")
+            if shared is not None and self.call != "tvm-ffi":
+                raise BadEntry("a shared object in an entry of the Python executor")
         except BadEntry as exc:
             return self._reject(str(exc))
-        try:
-            compiled = load_object(payload, self.call, self.prefix)
-        except Exception as exc:  # the DSL refused the object: treat it as any bad entry
-            return self._reject(f"the CuTe DSL could not load it: {exc.__class__.__name__}: {_first_line(exc)}")
+        compiled, by = None, BY_SHARED_OBJECT
+        if shared is not None:
+            try:
+                compiled = shared_object.load(shared, self.prefix, self.name)
+            except Exception as exc:  # the object itself may still load, through the DSL
+                _log.info("kernel cache entry %s: its shared object did not load (%s: %s); loading its object "
+                          "through the CuTe DSL", self.path, exc.__class__.__name__, _first_line(exc))
+        if compiled is None:
+            by = BY_DSL
+            try:
+                compiled = load_object(payload, self.call, self.prefix)
+            except Exception as exc:  # the DSL refused the object: treat it as any bad entry
+                return self._reject(f"the CuTe DSL could not load it: {exc.__class__.__name__}: {_first_line(exc)}")
         LOADED[self.name] = time.perf_counter() - t0
+        LOADED_BY[self.name] = by
         return compiled
 
     def _reject(self, why: str) -> None:
@@ -346,7 +365,8 @@ class Entry:
         t0 = time.perf_counter()
         try:
             payload = export_object(compiled, self.call, self.prefix)
-            write_atomic(self.path, encode(self.description, self.call, self.prefix, payload))
+            shared = link_shared(payload, self.prefix, self.name) if self.call == "tvm-ffi" else None
+            write_atomic(self.path, encode(self.description, self.call, self.prefix, payload, shared))
         except Exception as exc:
             _log.warning("could not write kernel cache entry %s (%s: %s); the kernel is used from memory",
                          self.path, exc.__class__.__name__, _first_line(exc))

@@ -1,0 +1,44 @@
+"""The CuTe DSL, imported where the kernels need it: to compile, to call through its Python
+executor, to load an entry that holds no shared object. Importing it costs about a second of a
+process's start, so every import of it in this package goes through :func:`load`, which times it
+(:func:`import_seconds`, for first-step reports)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+_SECONDS: list[float] = []
+_ENVIRONMENT: list[dict] = []  # the DSL's variables when load() imported it
+
+
+def imported() -> bool:
+    """Whether the DSL is in this process (imported by this package or by anyone else)."""
+    return "cutlass.cute" in sys.modules
+
+
+def load():
+    """(``cutlass``, ``cutlass.cute``), imported on first use."""
+    if not imported():
+        environment = {k: v for k, v in os.environ.items() if k.startswith("CUTE_DSL_")}
+        t0 = time.perf_counter()
+        import cutlass.cute  # noqa: F401
+
+        _SECONDS.append(time.perf_counter() - t0)
+        _ENVIRONMENT.append(dict(sorted(environment.items())))
+    import cutlass
+    import cutlass.cute as cute
+
+    return cutlass, cute
+
+
+def import_seconds() -> float:
+    """Seconds this process spent importing the DSL through :func:`load` (0.0: it did not)."""
+    return sum(_SECONDS)
+
+
+def environment_at_import():
+    """The ``CUTE_DSL_*`` variables as :func:`load` imported the DSL under them (it reads them
+    then); None where it did not import it."""
+    return _ENVIRONMENT[0] if _ENVIRONMENT else None
