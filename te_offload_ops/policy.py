@@ -36,6 +36,7 @@ __all__ = [
     "is_storage",
     "keep_reason",
     "mark_saved_tensors",
+    "engine_sees_saves",
     "save_for_backward",
 ]
 
@@ -197,7 +198,38 @@ def save_for_backward(
     ``owner`` is the op whose tensors these are (for tools that attribute saved tensors).
     """
     del owner
+    if not isinstance(offload, bool):
+        raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
     if capture.capturing():
         capture.check_offload_engine()
-    mark_saved_tensors(tensors, offload=offload, weights=weights)
+    if engine_sees_saves():
+        mark_saved_tensors(tensors, offload=offload, weights=weights)
     ctx.save_for_backward(*tensors)
+
+
+def engine_sees_saves() -> bool:
+    """Whether an offload engine sees the tensors saved now: TE's V1/V2 (their context is on) or a
+    saved-tensor-hooks engine (teo, Megatron's fine-grained offloading, activation checkpointing).
+
+    Engines read the marks when a tensor is saved, so where none is on the marks would go unread:
+    the ops skip them and their host time (under FP8, a dozen quantized storages per op and call).
+    """
+    if te_internals.is_cpu_offload_enabled():
+        return True
+    return _saved_tensors_hooks_on()
+
+
+def _saved_tensors_hooks_on() -> bool:
+    # torch keeps the stack of torch.autograd.graph.saved_tensors_hooks in C++ and exposes its top
+    # privately; where that call is missing or changed, assume a hook may be on (mark every save).
+    try:
+        top = torch._C._autograd._top_saved_tensors_default_hooks
+    except AttributeError:
+        return True
+    try:
+        return top(False) is not None
+    except TypeError:
+        try:
+            return top() is not None
+        except Exception:  # noqa: BLE001 (an unknown signature: mark, as before)
+            return True

@@ -1,5 +1,6 @@
 """CPU: op construction, signature parity with TE, repr, bad offload values, saved-tensor routing."""
 
+import contextlib
 import inspect
 
 import pytest
@@ -112,7 +113,9 @@ def _grouped_path_saved(op: teo.GroupedLinear):
     return [*meta, grouped_x, *ws], [grouped_x], ws
 
 
-def _run_fuser_forward(op, saved, monkeypatch, input_=None):
+def _run_fuser_forward(op, saved, monkeypatch, input_=None, engine=True):
+    """The op's forward with TE's compute stood in; ``engine``: under saved-tensor hooks, as a
+    hook engine (teo, Megatron's) runs it, so the policy's marks are made."""
     def te_fuser_forward(self, basic_op_ctxs, input_, **kwargs):  # stands in for TE's compute
         basic_op_ctxs[0].save_for_backward(*saved)
         return input_, [()]
@@ -121,8 +124,10 @@ def _run_fuser_forward(op, saved, monkeypatch, input_=None):
     ctx = OperationContext()
     x = torch.empty(0, op.in_features) if input_ is None else input_
     splits = torch.zeros(op.num_groups, dtype=torch.int64)  # the op's input checks see one per group
-    op.fuser_forward([ctx], x, basic_op_extra_inputs=[(splits,)],
-                     prev_op_grad_output_quantizer=None, next_op_input_quantizer=None, basic_op_kwargs=[{}])
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if engine else contextlib.nullcontext()
+    with hooks:
+        op.fuser_forward([ctx], x, basic_op_extra_inputs=[(splits,)],
+                         prev_op_grad_output_quantizer=None, next_op_input_quantizer=None, basic_op_kwargs=[{}])
     return ctx
 
 
@@ -199,6 +204,32 @@ def test_fp8_slices_are_saved_as_they_are_under_the_policy(offload, monkeypatch)
     for x in xs:  # data and scale-inverse follow the op's flag; weights stay
         assert all(getattr(t, KEEP_ATTR, False) == (not offload) for t in x.get_data_tensors() if t is not None)
     assert all(getattr(w, KEEP_ATTR, False) for w in ws)
+
+
+def test_marks_are_made_only_where_an_engine_sees_the_saves(monkeypatch):
+    """No engine on (no TE offload context, no saved-tensor hooks): the saves are not marked and
+    the op saves what TE saved; TE's context on, or a hook engine: marked."""
+    from te_offload_ops import policy, te_internals
+
+    op = teo.GroupedLinear(3, 16, 8, bias=False, device="cpu", offload=False)
+    saved, acts, ws = _split_path_saved(op)
+    assert not policy.engine_sees_saves()
+    ctx = _run_fuser_forward(op, list(saved), monkeypatch, engine=False)
+    assert not any(getattr(t, KEEP_ATTR, False) for t in [acts[0]._base, *ws])
+    assert ctx.to_save[5] is acts[0]._base  # the input buffer is still saved once
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert policy.engine_sees_saves()
+    monkeypatch.setattr(te_internals, "is_cpu_offload_enabled", lambda: True)
+    assert policy.engine_sees_saves()
+    _run_fuser_forward(op, list(saved), monkeypatch, engine=False)
+    assert all(getattr(t, KEEP_ATTR, False) for t in [acts[0]._base, *ws])
+
+
+def test_an_unknown_saved_tensor_hooks_api_counts_as_an_engine(monkeypatch):
+    from te_offload_ops import policy
+
+    monkeypatch.delattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+    assert policy.engine_sees_saves()
 
 
 def test_unknown_saved_layout_is_an_error_not_a_silent_offload():
