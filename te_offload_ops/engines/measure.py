@@ -64,9 +64,10 @@ def measure_budget(step: Callable[[Any, Callable], Any], *, num_layers: int, mod
 
     ``step(context, sync)`` runs one whole training step (forward, backward, optimizer) with the
     pair used as ``offload_context`` documents: ``with context: y = layer(x)`` then ``y = sync(y)``
-    per layer. It is called ``2 + 2 * warmup_steps + 2 * compare_steps`` times (a first step without
-    offload allocates what stays between steps); each is a real step of your training, so run it
-    on your first batches, with the shapes you train with, on the GPU you train on.
+    per layer. It is called ``3 + 3 * warmup_steps + 2 * compare_steps`` times (19 by default;
+    ``3 + 2 * warmup_steps`` with ``compare_steps=0``; a first step without offload allocates what
+    stays between steps); each is a real step of your training, so run it on your first batches,
+    with the shapes you train with, on the GPU you train on.
 
     The target peak is no offload's peak less ``freed`` (in (0, 1]) of the bytes teo's default
     schedule moves, plus ``slack_bytes`` (:func:`target_budget`). With ``compare_steps > 0`` the
