@@ -20,24 +20,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import gpu_skip_reason
+from megatron_skip import megatron_skip_reason
 from offload_spy import SaveRecorder
 from te_offload_ops.fused import explain_fusion
-from te_offload_ops.fused.selection import kernel_problem
-from te_offload_ops.megatron import require_megatron
 
-
-def _problem() -> str | None:
-    if (reason := gpu_skip_reason("sm_90")) is not None:
-        return reason
-    try:
-        require_megatron()
-    except ImportError as exc:
-        return str(exc)
-    return kernel_problem()
-
-
-pytestmark = pytest.mark.skipif(_problem() is not None, reason=_problem() or "")
+_SKIP = megatron_skip_reason()
+pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 
 EXPERTS, HIDDEN, FFN = 8, 1024, 768
 SEQ, BATCH, TOPK = 1024, 2, 2
