@@ -160,6 +160,22 @@ def test_measure_budget_refuses_what_it_cannot_measure(monkeypatch):
         measure_budget(_step, num_layers=1, model_layers=2)
 
 
+@pytest.mark.parametrize("change, error, match", [
+    ({"num_layers": 9}, ValueError, "need 0 <= num_layers <= model_layers and model_layers >= 1, got 9, 8"),
+    ({"model_layers": 0, "num_layers": 0}, ValueError, "model_layers >= 1"),
+    ({"num_layers": 7.0}, TypeError, "num_layers must be an int, got float"),
+    ({"freed": 0}, ValueError, r"freed must be a share of the moved bytes in \(0, 1\], got 0"),
+    ({"slack_bytes": 0.5}, TypeError, "slack_bytes must be an int, got float"),
+])
+def test_measure_budget_refuses_what_target_budget_would_before_running_a_step(monkeypatch, change, error, match):
+    cuda = _FakeCuda(monkeypatch)
+    made = _fake_contexts(monkeypatch, cuda, [0.0], {"none": 0, "default": 0, "budget": 0},
+                          {"none": 5000, "default": 4400, "budget": 0})
+    with pytest.raises(error, match=match):
+        measure_budget(_step, **{"num_layers": 7, "model_layers": 8, **change})
+    assert made == []  # refused before any step ran
+
+
 def test_advice_is_a_value_to_pass_on():
     advice = BudgetAdvice(None, 10, 1, 2, 3, reason="why")
     assert advice.options() == {} and advice.reason == "why"

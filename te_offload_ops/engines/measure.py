@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .contexts import offload_context
-from .teo.budget import target_budget
+from .teo.budget import check_target_options, target_budget
 
 __all__ = ["BudgetAdvice", "measure_budget"]
 
@@ -82,6 +82,7 @@ def measure_budget(step: Callable[[Any, Callable], Any], *, num_layers: int, mod
     for name, value in (("warmup_steps", warmup_steps), ("compare_steps", compare_steps)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    check_target_options(num_layers=num_layers, model_layers=model_layers, freed=freed, slack_bytes=slack_bytes)
     if not torch.cuda.is_available():
         raise RuntimeError("measure_budget measures GPU memory and needs a CUDA GPU (none is visible)")
     layers = {"num_layers": num_layers, "model_layers": model_layers}
