@@ -40,6 +40,12 @@ def test_bad_arguments_are_refused(kwargs, error, match):
         offload_context("teo", **kwargs)
 
 
+@pytest.mark.parametrize("engine", ["none", "teo"])
+def test_a_classify_that_is_not_a_function_is_refused_at_once(engine):
+    with pytest.raises(TypeError, match="classify must be a function of a tensor \\(or None\\), got str"):
+        offload_context(engine, num_layers=1, model_layers=2, classify="layer")
+
+
 def test_an_unknown_engine_is_refused_with_the_known_ones():
     with pytest.raises(ValueError, match=r"engine must be one of \('none', 'v2', 'v1', 'teo'\), got 'v3'"):
         offload_context("v3", num_layers=1, model_layers=2)
