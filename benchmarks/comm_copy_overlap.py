@@ -18,27 +18,12 @@ Pure functions over dicts: tested on synthetic events (tests/test_megatron_gpt_b
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
+
+from step_profile import length, union  # the step profile's interval arithmetic
 
 SMALL_COPY_BYTES = 1 << 20
 KERNEL_DTOH_NAME = "_splits_to_host"  # the Triton kernel of te_offload_ops.megatron.dispatch_sync
-
-
-def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Sorted, merged (start, end) intervals."""
-    merged: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if b <= a:
-            continue
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
-
-
-def length(intervals: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in intervals)
 
 
 def intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_common import cuda_problem, file_stem, pyplot, refuse, save_png, utc_now  # noqa: E402
+from bench_common import cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
 from timing import event_ms, interleaved, median  # noqa: E402
 
 RECIPES = ("none", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
@@ -211,10 +211,10 @@ def tflops_of(result, row) -> float:
     return tflops(argparse.Namespace(**result["args"]), row["ms"])
 
 
-def plot(result: dict, path: Path) -> None:
+def plot(result: dict, path: Path) -> bool:
     plt = pyplot()
     if plt is None:
-        return
+        return False
     rows = [r for r in result["rows"] if "error" not in r]
     recipes = [r for r in RECIPES if any(x["recipe"] == r for x in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -232,6 +232,8 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(f"Grouped MLP per recipe, {result['gpu']}, {result['date']}")
     fig.tight_layout()
     save_png(fig, path)
+    plt.close(fig)
+    return True
 
 
 def main(argv=None) -> int:
@@ -251,13 +253,8 @@ def main(argv=None) -> int:
               if k in ("experts", "tokens", "hidden", "ffn", "iters")},
               "command": "python benchmarks/fp8_recipes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "torch": torch.__version__, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / file_stem("fp8_recipes", gpu)
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    md = markdown(result)
-    stem.with_suffix(".md").write_text(md)
-    plot(result, stem.with_suffix(".png"))
-    print(md)
+    paths = write_reports(args.out, file_stem("fp8_recipes", gpu), result, markdown, plot)
+    print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 
 

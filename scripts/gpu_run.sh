@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh [--no-bench] [PYTEST ARGS...]
 #
 # prints the GPU, runs pytest on PYTEST ARGS (default: tests), then the main job's default run
-# (benchmarks/moe_step.py: about 5 minutes on one H100; MOE_STEP_ARGS adds options to it) unless
+# (benchmarks/moe_step.py: about 2 minutes on one H100; MOE_STEP_ARGS adds options to it) unless
 # --no-bench is given. Logs and results go under ${OUT:-gpu-out}: gpu.txt, pytest.log,
 # moe_step.log and results/ (moe_step_<GPU>_base.{json,md,png}). Python: $PYTHON, else .venv's,
 # else python3. Exit status: pytest's if it failed, else the benchmark's.

@@ -52,6 +52,7 @@ from megatron_gpt_model import (  # noqa: E402
     wrap_for_training,
 )
 from megatron_gpt_numerics import compare, measure, summary  # noqa: E402
+from megatron_offloading import megatron_offloading  # noqa: E402  (tests/, the script's own folder)
 
 install_wgrad_accum_standin()
 
@@ -96,32 +97,6 @@ def moe_layer(config, ours: bool, like=None):
     if like is not None:
         layer.load_state_dict(like.state_dict())
     return layer
-
-
-@contextlib.contextmanager
-def megatron_offloading(config, moved: list):
-    """Megatron's fine-grained offloading around one step of a bare layer; adds the bytes it
-    copies to the host to ``moved[0]``."""
-    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
-
-    off = fgo.FineGrainedActivationOffloadingInterface
-    real = fgo.ChunkOffloadHandler.offload
-
-    def counting(handler, src_tensor, *args, **kwargs):
-        moved[0] += src_tensor.numel() * src_tensor.element_size()
-        return real(handler, src_tensor, *args, **kwargs)
-
-    off.reset_instance()
-    fgo.ChunkOffloadHandler.offload = counting
-    try:
-        off.init_chunk_handler(pp_rank=0, vp_size=None, vp_stage=None,
-                               min_offloaded_tensor_size=config.min_offloaded_tensor_size,
-                               delta_offload_bytes_across_pp_ranks=0, activation_offload_fraction=1.0)
-        yield
-        off.reset()
-    finally:
-        fgo.ChunkOffloadHandler.offload = real
-        off.reset_instance()
 
 
 def moe_inputs(layer, rank: int):

@@ -40,6 +40,12 @@ def test_bad_arguments_are_refused(kwargs, error, match):
         offload_context("teo", **kwargs)
 
 
+@pytest.mark.parametrize("engine", ["none", "teo"])
+def test_a_classify_that_is_not_a_function_is_refused_at_once(engine):
+    with pytest.raises(TypeError, match="classify must be a function of a tensor \\(or None\\), got str"):
+        offload_context(engine, num_layers=1, model_layers=2, classify="layer")
+
+
 def test_an_unknown_engine_is_refused_with_the_known_ones():
     with pytest.raises(ValueError, match=r"engine must be one of \('none', 'v2', 'v1', 'teo'\), got 'v3'"):
         offload_context("v3", num_layers=1, model_layers=2)
@@ -158,6 +164,22 @@ def test_measure_budget_refuses_what_it_cannot_measure(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         measure_budget(_step, num_layers=1, model_layers=2)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    ({"num_layers": 9}, ValueError, "need 0 <= num_layers <= model_layers and model_layers >= 1, got 9, 8"),
+    ({"model_layers": 0, "num_layers": 0}, ValueError, "model_layers >= 1"),
+    ({"num_layers": 7.0}, TypeError, "num_layers must be an int, got float"),
+    ({"freed": 0}, ValueError, r"freed must be a share of the moved bytes in \(0, 1\], got 0"),
+    ({"slack_bytes": 0.5}, TypeError, "slack_bytes must be an int, got float"),
+])
+def test_measure_budget_refuses_what_target_budget_would_before_running_a_step(monkeypatch, change, error, match):
+    cuda = _FakeCuda(monkeypatch)
+    made = _fake_contexts(monkeypatch, cuda, [0.0], {"none": 0, "default": 0, "budget": 0},
+                          {"none": 5000, "default": 4400, "budget": 0})
+    with pytest.raises(error, match=match):
+        measure_budget(_step, **{"num_layers": 7, "model_layers": 8, **change})
+    assert made == []  # refused before any step ran
 
 
 def test_advice_is_a_value_to_pass_on():

@@ -426,6 +426,20 @@ def test_the_fused_mlp_variants(monkeypatch):
             mlp_variants(**kw)
 
 
+@pytest.mark.parametrize("bad, said", [
+    (dict(expert_stride=1024 * 512 + 0.5), r"expert_stride must be an integer .*got 524288.5"),
+    (dict(expert_stride=1024), "expert_stride must be an integer of at least hidden_size \\* ffn_hidden_size"),
+    (dict(num_experts=True), "num_experts must be a positive integer, got True"),
+    (dict(tokens=4096.0), "tokens must be a positive integer or None, got 4096.0"),
+])
+def test_the_fused_mlp_variants_refuse_counts_that_are_not_whole_numbers(bad, said):
+    from te_offload_ops.kernels import mlp_variants
+
+    kw = {"num_experts": 8, "hidden_size": 1024, "ffn_hidden_size": 512, "main_grad": True, **bad}
+    with pytest.raises(ValueError, match=said):
+        mlp_variants(**kw)
+
+
 def _warmup(cache: Path, *args: str, **env) -> subprocess.CompletedProcess:
     full = {**os.environ, "PYTHONPATH": str(ROOT), "CUTE_DSL_ARCH": "sm_90a", "TEO_KERNEL_CACHE": "1",
             "TEO_KERNEL_CACHE_DIR": str(cache), **env}

@@ -326,6 +326,17 @@ def test_the_dispatcher_function_use_kernel_dtoh_replaces_is_megatrons_and_comes
     assert token_dispatcher.maybe_move_tensor_to_cpu is original
 
 
+def test_use_kernel_dtoh_refuses_what_it_cannot_patch(monkeypatch):
+    import types
+
+    with pytest.raises(TypeError, match="maybe_move_tensor_to_cpu.*'fake_dispatcher' has no such function"):
+        teo_megatron.use_kernel_dtoh(types.ModuleType("fake_dispatcher"))
+    # Megatron's own dispatcher is patched only in the releases whose function it knows
+    monkeypatch.setattr(version_module, "installed_version", lambda: "0.18.0")
+    with pytest.raises(UnsupportedMegatronError, match="found megatron-core 0.18.0"):
+        teo_megatron.use_kernel_dtoh()
+
+
 # -- the benchmark -----------------------------------------------------------------------------
 
 

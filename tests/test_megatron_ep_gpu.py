@@ -20,9 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import gpu_skip_reason
+from megatron_skip import megatron_skip_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "megatron_ep_worker.py"
@@ -36,23 +35,8 @@ MODEL_REL_TOL = 3e-2  # every grad of a 2-layer GPTModel, ours on two schedules 
 LOSS_REL_TOL = 5e-3
 
 
-def _problem() -> str | None:
-    if torch.cuda.device_count() < RANKS:
-        return f"needs {RANKS} GPUs of one host, {torch.cuda.device_count()} visible"
-    if (reason := gpu_skip_reason("sm_90")) is not None:
-        return reason
-    from te_offload_ops.megatron import require_megatron
-
-    try:
-        require_megatron()
-    except ImportError as exc:
-        return str(exc)
-    from te_offload_ops.fused.selection import kernel_problem
-
-    return kernel_problem()
-
-
-pytestmark = pytest.mark.skipif(_problem() is not None, reason=_problem() or "")
+_SKIP = megatron_skip_reason(gpus=RANKS)
+pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import gpu_skip_reason
+from megatron_skip import megatron_skip_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -33,14 +33,8 @@ SETTINGS = [(fmt, recipe) for recipe in ("delayed", "tensorwise", "blockwise") f
 
 
 def _problem() -> str | None:
-    if (reason := gpu_skip_reason("sm_90")) is not None:
+    if (reason := megatron_skip_reason(kernels=False)) is not None:
         return reason
-    from te_offload_ops.megatron import require_megatron
-
-    try:
-        require_megatron()
-    except ImportError as exc:
-        return str(exc)
     from transformer_engine.pytorch.quantization import check_fp8_support
 
     available, reason = check_fp8_support()

@@ -20,24 +20,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import gpu_skip_reason
+from megatron_offloading import megatron_offloading
+from megatron_skip import megatron_skip_reason
 from offload_spy import SaveRecorder
 from te_offload_ops.fused import explain_fusion
-from te_offload_ops.fused.selection import kernel_problem
-from te_offload_ops.megatron import require_megatron
 
-
-def _problem() -> str | None:
-    if (reason := gpu_skip_reason("sm_90")) is not None:
-        return reason
-    try:
-        require_megatron()
-    except ImportError as exc:
-        return str(exc)
-    return kernel_problem()
-
-
-pytestmark = pytest.mark.skipif(_problem() is not None, reason=_problem() or "")
+_SKIP = megatron_skip_reason()
+pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 
 EXPERTS, HIDDEN, FFN = 8, 1024, 768
 SEQ, BATCH, TOPK = 1024, 2, 2
@@ -181,35 +170,6 @@ def assert_bitwise(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
-@contextlib.contextmanager
-def megatron_offloading(config, recorder: SaveRecorder, moved: dict):
-    """Megatron's fine-grained offloading for one step (a warmup step: every group is offloaded).
-
-    ``moved`` gets the bytes Megatron copies to the CPU, per (op, "weight" | "activation") as
-    the recorder attributes each tensor ("unknown" for tensors no op of ours saved).
-    """
-    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
-
-    off = fgo.FineGrainedActivationOffloadingInterface
-    real_offload = fgo.ChunkOffloadHandler.offload
-
-    def counting_offload(handler, src_tensor, *args, **kwargs):
-        moved[recorder.kind_of(src_tensor)] += src_tensor.numel() * src_tensor.element_size()
-        return real_offload(handler, src_tensor, *args, **kwargs)
-
-    off.reset_instance()
-    fgo.ChunkOffloadHandler.offload = counting_offload
-    try:
-        off.init_chunk_handler(pp_rank=0, vp_size=None, vp_stage=None,
-                               min_offloaded_tensor_size=config.min_offloaded_tensor_size,
-                               delta_offload_bytes_across_pp_ranks=0, activation_offload_fraction=1.0)
-        yield
-        off.reset()
-    finally:
-        fgo.ChunkOffloadHandler.offload = real_offload
-        off.reset_instance()
-
-
 # -- ours against Megatron's stock op-fuser path ------------------------------------------------
 
 
@@ -295,9 +255,11 @@ def test_fine_grained_offloading_moves_only_what_the_flags_allow(case):
     ops = offloaded.experts.fused_ops
     names = {"fc1": ops[0], "act": ops[1], "fc2": ops[2]}
     assert {n for n, op in names.items() if op.offload} >= moving
+    # the bytes Megatron copies to the CPU, per (op, "weight" | "activation") as the recorder
+    # attributes each tensor ("unknown" for tensors no op of ours saved)
     recorder, moved = SaveRecorder(), defaultdict(int)
     with recorder.watch(names):
-        got = run_step(offloaded, inputs, engine=megatron_offloading(config, recorder, moved))
+        got = run_step(offloaded, inputs, engine=megatron_offloading(config, moved, key=recorder.kind_of))
 
     assert_bitwise(got, base)  # offloading moves bytes, never changes them
     assert sum(n for (_, kind), n in moved.items() if kind == "weight") == 0

@@ -14,6 +14,8 @@ class OffloadCounter:
     """Bytes an engine chose to offload, keyed by ``classify(tensor)`` (default: one key)."""
 
     def __init__(self, classify: Optional[Callable[[torch.Tensor], Hashable]] = None):
+        if classify is not None and not callable(classify):  # else it fails in an engine's hook, mid-step
+            raise TypeError(f"classify must be a function of a tensor (or None), got {type(classify).__name__}")
         self.classify = classify or (lambda t: "all")
         self.bytes: dict[Hashable, int] = defaultdict(int)
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .contexts import offload_context
-from .teo.budget import target_budget
+from .teo.budget import check_target_options, target_budget
 
 __all__ = ["BudgetAdvice", "measure_budget"]
 
@@ -64,9 +64,10 @@ def measure_budget(step: Callable[[Any, Callable], Any], *, num_layers: int, mod
 
     ``step(context, sync)`` runs one whole training step (forward, backward, optimizer) with the
     pair used as ``offload_context`` documents: ``with context: y = layer(x)`` then ``y = sync(y)``
-    per layer. It is called ``2 + 2 * warmup_steps + 2 * compare_steps`` times (a first step without
-    offload allocates what stays between steps); each is a real step of your training, so run it
-    on your first batches, with the shapes you train with, on the GPU you train on.
+    per layer. It is called ``3 + 3 * warmup_steps + 2 * compare_steps`` times (19 by default;
+    ``3 + 2 * warmup_steps`` with ``compare_steps=0``; a first step without offload allocates what
+    stays between steps); each is a real step of your training, so run it on your first batches,
+    with the shapes you train with, on the GPU you train on.
 
     The target peak is no offload's peak less ``freed`` (in (0, 1]) of the bytes teo's default
     schedule moves, plus ``slack_bytes`` (:func:`target_budget`). With ``compare_steps > 0`` the
@@ -81,6 +82,7 @@ def measure_budget(step: Callable[[Any, Callable], Any], *, num_layers: int, mod
     for name, value in (("warmup_steps", warmup_steps), ("compare_steps", compare_steps)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    check_target_options(num_layers=num_layers, model_layers=model_layers, freed=freed, slack_bytes=slack_bytes)
     if not torch.cuda.is_available():
         raise RuntimeError("measure_budget measures GPU memory and needs a CUDA GPU (none is visible)")
     layers = {"num_layers": num_layers, "model_layers": model_layers}

@@ -287,7 +287,7 @@ def compile_variant(dtype, n, k, e, *, b_n_major, epilogue, tile=None, options=N
     ``wgrad_m`` selects the weight-gradient form (``k`` must then be 0);
     ``epi_cols`` the epilogue chunk width (32 or 64; default: the kernel's
     choice for the epilogue) and ``kernel_class`` a subclass of the kernel,
-    both for comparisons (``benchmarks/ablate_epilogue.py``); ``call`` the call
+    both for comparisons (``benchmarks/experiments/ablate_epilogue.py``); ``call`` the call
     convention (default: :func:`kernel_call_convention`)."""
     schedule = pick_schedule(epilogue, wgrad_m is not None, schedule, tile)
     tile = tuple(tile) if tile is not None else pick_tile(n, schedule)

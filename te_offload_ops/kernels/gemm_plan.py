@@ -23,7 +23,7 @@ _WG = 128  # threads per warpgroup
 _BK = 64
 # The epilogue stages the tile 64 columns at a time, 32 for the two-output epilogues: their
 # staging then leaves room for one more mainloop stage (SReLU +7%, dSReLU +4%, same bits;
-# benchmarks/ablate_epilogue.py).  The plain epilogue measured 2-4% slower at 32.
+# benchmarks/experiments/ablate_epilogue.py).  The plain epilogue measured 2-4% slower at 32.
 # Staged rows carry 16 bytes of padding: no bank conflicts on the accumulator-layout writes.
 _EPI_COLS = 64
 _EPI_COLS_TWO_OUTPUTS = 32

@@ -69,6 +69,10 @@ def _slot_stride(n: int, k: int, e: int, stride: Optional[int]) -> Optional[int]
     return None if found is None else found[0]
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def mlp_variants(num_experts: int, hidden_size: int, ffn_hidden_size: int, params_dtype=torch.bfloat16, *,
                  tokens: Optional[int] = None, main_grad: bool = False, overwrite_main_grad: bool = False,
                  weight_layout: str = "te", expert_stride: Optional[int] = None) -> list[Variant]:
@@ -86,16 +90,16 @@ def mlp_variants(num_experts: int, hidden_size: int, ffn_hidden_size: int, param
         raise ValueError(f"params_dtype must be torch.bfloat16 or torch.float16, got {params_dtype}")
     for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
                         ("ffn_hidden_size", ffn_hidden_size)):
-        if not isinstance(value, int) or value <= 0:
+        if not _is_int(value) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if hidden_size % 8 or ffn_hidden_size % 8:
         raise ValueError(f"hidden_size and ffn_hidden_size must be multiples of 8 (16-byte rows), got "
                          f"{hidden_size} and {ffn_hidden_size}")
-    if tokens is not None and (not isinstance(tokens, int) or tokens <= 0):
+    if tokens is not None and (not _is_int(tokens) or tokens <= 0):
         raise ValueError(f"tokens must be a positive integer or None, got {tokens!r}")
-    if expert_stride is not None and expert_stride < hidden_size * ffn_hidden_size:
-        raise ValueError(f"expert_stride must be at least hidden_size * ffn_hidden_size = "
-                         f"{hidden_size * ffn_hidden_size} elements, got {expert_stride}")
+    if expert_stride is not None and (not _is_int(expert_stride) or expert_stride < hidden_size * ffn_hidden_size):
+        raise ValueError(f"expert_stride must be an integer of at least hidden_size * ffn_hidden_size = "
+                         f"{hidden_size * ffn_hidden_size} elements, or None, got {expert_stride!r}")
     e, h, f = num_experts, hidden_size, ffn_hidden_size
     base = dict(dtype=params_dtype, e=e)
     w1 = _b_layout(f, h, e, weight_layout, expert_stride)  # fc1 weight: (E, F, H)

@@ -94,12 +94,22 @@ class KernelDtoH:
 def use_kernel_dtoh(dispatcher_module: Optional[Any] = None) -> KernelDtoH:
     """Have Megatron's alltoall token dispatcher bring its split sizes to the host by kernel
     (see the module docstring). Returns a handle whose ``remove()`` undoes it; calling again
-    while on returns a handle to the same patch."""
+    while on returns a handle to the same patch. ``dispatcher_module``: the module whose
+    ``maybe_move_tensor_to_cpu(tensor, as_numpy, record_stream)`` the dispatcher calls (default:
+    Megatron's, after the version check: that function and its call are those of the supported
+    releases)."""
     if dispatcher_module is None:
         import importlib
 
+        from .version import require_megatron
+
+        require_megatron()
         dispatcher_module = importlib.import_module(DISPATCHER_MODULE)
-    current = dispatcher_module.maybe_move_tensor_to_cpu
+    current = getattr(dispatcher_module, "maybe_move_tensor_to_cpu", None)
+    if not callable(current):
+        raise TypeError(f"use_kernel_dtoh patches a token dispatcher module's maybe_move_tensor_to_cpu(tensor, "
+                        f"as_numpy, record_stream); {getattr(dispatcher_module, '__name__', dispatcher_module)!r} "
+                        "has no such function")
     if getattr(current, "_te_offload_ops", False):
         return KernelDtoH(dispatcher_module, current._original)
     original = current

@@ -12,7 +12,7 @@ A model of the allocator's choice: best fit among the free blocks of the stream'
 segment size, against the cap less what is reserved. With expandable segments the allocator would
 map only what a free block ending the mapped range lacks, but under a memory fraction it first
 checks the whole size against the cap, so that block does not help (measured on an H100,
-``tests/test_gpu_allocator_room.py``). Not modelled: the small pool (<= 1 MiB), which does not
+``tests/test_gpu_teo_allocator_room.py``). Not modelled: the small pool (<= 1 MiB), which does not
 fragment here. The model holds for the torch releases in :data:`MODELLED_TORCH` with the
 allocator settings it reads (:func:`model_problem`); elsewhere :func:`model_problem` says why and
 the budget gives bytes back for the budget alone.

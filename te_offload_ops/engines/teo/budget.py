@@ -33,7 +33,23 @@ from .allocator_room import AllocatorView
 from .copies import CopyState, HostCopy, wait_and_give_back
 from .schedule import Schedule
 
-__all__ = ["BudgetSchedule", "Headroom", "target_budget"]
+__all__ = ["BudgetSchedule", "Headroom", "check_target_options", "target_budget"]
+
+
+def _check_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def check_target_options(*, num_layers: int, model_layers: int, freed: float, slack_bytes: int) -> None:
+    """Raises for the layers, share and slack :func:`target_budget` refuses: a caller that runs
+    steps to measure the other figures refuses them before it runs any."""
+    for name, value in (("num_layers", num_layers), ("model_layers", model_layers), ("slack_bytes", slack_bytes)):
+        _check_int(name, value)
+    if model_layers < 1 or not 0 <= num_layers <= model_layers:
+        raise ValueError(f"need 0 <= num_layers <= model_layers and model_layers >= 1, got {num_layers}, {model_layers}")
+    if isinstance(freed, bool) or not isinstance(freed, (int, float)) or not 0 < freed <= 1:
+        raise ValueError(f"freed must be a share of the moved bytes in (0, 1], got {freed!r}")
 
 
 def target_budget(*, floor_bytes: int, no_offload_peak_bytes: int, moved_bytes: int, num_layers: int,
@@ -48,18 +64,11 @@ def target_budget(*, floor_bytes: int, no_offload_peak_bytes: int, moved_bytes: 
     comes first is back on the GPU at the peak under any schedule (its bytes serve its backward in
     place), so the target frees ``freed`` of the other ``L - 1`` layers' bytes."""
     for name, value in (("floor_bytes", floor_bytes), ("no_offload_peak_bytes", no_offload_peak_bytes),
-                        ("moved_bytes", moved_bytes), ("num_layers", num_layers), ("model_layers", model_layers),
-                        ("slack_bytes", slack_bytes)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    for name, value in (("floor_bytes", floor_bytes), ("no_offload_peak_bytes", no_offload_peak_bytes),
                         ("moved_bytes", moved_bytes)):
+        _check_int(name, value)
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
-    if model_layers < 1 or not 0 <= num_layers <= model_layers:
-        raise ValueError(f"need 0 <= num_layers <= model_layers and model_layers >= 1, got {num_layers}, {model_layers}")
-    if isinstance(freed, bool) or not isinstance(freed, (int, float)) or not 0 < freed <= 1:
-        raise ValueError(f"freed must be a share of the moved bytes in (0, 1], got {freed!r}")
+    check_target_options(num_layers=num_layers, model_layers=model_layers, freed=freed, slack_bytes=slack_bytes)
     moved = moved_bytes
     if num_layers == model_layers:
         # layers move equal bytes (the same shapes, and routing sends every layer T x top-k rows)
