@@ -20,7 +20,8 @@ sys.path.insert(0, str(BENCH / "experiments"))
 @pytest.mark.parametrize("script", ["moe_step.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
                                     "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py",
                                     "megatron_gpt.py", "first_step.py", "experiments/ablate_epilogue.py",
-                                    "experiments/bench_copy_interference.py", "experiments/bench_cluster2x2.py"])
+                                    "experiments/bench_copy_interference.py", "experiments/bench_cluster2x2.py",
+                                    "experiments/profile_gemm.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
     proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
