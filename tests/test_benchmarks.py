@@ -19,9 +19,9 @@ sys.path.insert(0, str(BENCH / "experiments"))
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 @pytest.mark.parametrize("script", ["moe_step.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
                                     "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py",
-                                    "megatron_gpt.py", "first_step.py", "experiments/ablate_epilogue.py",
+                                    "megatron_gpt.py", "first_step.py", "bench_fp8_gemm.py", "experiments/ablate_epilogue.py",
                                     "experiments/bench_copy_interference.py", "experiments/bench_cluster2x2.py",
-                                    "experiments/profile_gemm.py"])
+                                    "experiments/profile_gemm.py", "experiments/diagnose_fp8_gemm.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
     proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
@@ -35,7 +35,7 @@ def test_every_benchmark_script_is_kept_run_or_an_experiment_with_a_line():
             "bench_common.py", "timing.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
             "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py", "megatron_gpt.py",
             "megatron_gpt_model.py", "megatron_gpt_report.py", "megatron_gpt_jobs.py", "megatron_gpt_numerics.py",
-            "comm_copy_overlap.py", "teo_budget_check.py", "first_step.py"}
+            "comm_copy_overlap.py", "teo_budget_check.py", "first_step.py", "bench_fp8_gemm.py"}
     assert {p.name for p in BENCH.glob("*.py")} == kept
     readme = (BENCH / "experiments" / "README.md").read_text()
     for script in (BENCH / "experiments").glob("*.py"):
@@ -145,6 +145,25 @@ def test_cluster2x2_report_flags_outputs_that_differ(tmp_path):
     text = markdown(result)
     assert "| fc1 wgrad | 0.260 | 0.200 | 1.300 | 620 | 806 | yes |" in text
     assert "| fc2 fwd | 0.250 | 0.260 | 0.960 | 640 | 615 | **no** |" in text
+    if chart(result, tmp_path / "c.png"):
+        assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_fp8_gemm_report_gives_ratios_and_names_contenders_that_did_not_run(tmp_path):
+    from bench_fp8_gemm import chart, markdown
+
+    def timed(tf):
+        return {"ms": 1.0, "TFLOPs": tf, "host_us": 20.0, "host_behind_samples": 0}
+
+    rows = [{"tokens_per_expert": 4096, "n": 2048, "k": 4096, "gflop": 550.0, "fp8_vs_dequant_bf16": 2.3e-3,
+             "fp8_bn192_vs_fp8": 1e-3, "fp8_vs_te_fp8": None, "bf16_vs_dequant_bf16": 1e-6,
+             "contenders": {"fp8": timed(1100.0), "fp8 BN192": timed(1050.0), "bf16": timed(550.0),
+                            "te fp8": {"unavailable": "RuntimeError: no cuBLAS block scaling"}}}]
+    result = {"gpu": "GPU", "date": "today", "experts": 8, "reps": 10, "inner": 10, "rows": rows,
+              "fp8_compile_seconds": {"k": 1.5}}
+    text = markdown(result)
+    assert "| 4096 | 2048 | 4096 | 1100 | 1050 | 550 | n/a | 2.00 | n/a | 2.3e-03 | n/a |" in text
+    assert "Not run: RuntimeError: no cuBLAS block scaling" in text
     if chart(result, tmp_path / "c.png"):
         assert (tmp_path / "c.png").stat().st_size > 0
 

@@ -1,4 +1,5 @@
-"""Hopper (sm_90a) grouped-GEMM kernels (CuTe DSL) for the fused SReLU MoE MLP.
+"""Hopper (sm_90a) grouped-GEMM kernels (CuTe DSL) for the fused SReLU MoE MLP, and a grouped FP8
+GEMM with Transformer Engine's block scaling.
 
 Importing this package does not import the CuTe DSL; a kernel call imports it where it compiles
 the kernel (or calls it through the DSL's Python executor). Compiled kernels are kept on disk
@@ -30,17 +31,20 @@ from .api import (
     unavailable_reasons,
     wgrad_backend,
 )
+from .api_fp8 import compile_variant_fp8, grouped_gemm_fp8_blockwise, pick_tile_fp8
 
 __all__ = [
     "clear_cache",
     "compile_times",
     "compile_variant",
+    "compile_variant_fp8",
     "dsl_import_seconds",
     "dsrelu_bwd_bytes",
     "first_launch_times",
     "get_kernel",
     "grouped_gemm",
     "grouped_gemm_dsrelu_bwd",
+    "grouped_gemm_fp8_blockwise",
     "grouped_gemm_srelu_fwd",
     "grouped_wgrad",
     "grouped_wgrad_main_grad",
@@ -52,6 +56,7 @@ __all__ = [
     "main_grad_way",
     "mlp_variants",
     "pick_schedule",
+    "pick_tile_fp8",
     "pick_tile",
     "unavailable_reasons",
     "warm_up",

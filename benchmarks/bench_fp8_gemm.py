@@ -1,0 +1,225 @@
+"""The grouped FP8 GEMM (TE's block scaling) against the bf16 grouped GEMM and TE's FP8 grouped GEMM.
+
+Forward form ``C_e = A_e @ B_e^T`` at E experts x {2048, 4096, 8192} tokens per expert and
+(N, K) in {(2048, 4096), (4096, 2048), (1792, 2688)}. Contenders, timed interleaved as
+``bench_kernels.py`` times them (GPU time per call with the host ahead, medians over ``--reps``
+rounds of ``--inner`` calls):
+
+* ``fp8``: ``kernels.grouped_gemm_fp8_blockwise``, default tile (128 x 128), on operands quantized
+  by TE's ``Float8BlockQuantizer`` (A 1x128 over all tokens, each expert's weight 128x128);
+* ``fp8 BN192``: the same with 128 x 192 tiles;
+* ``bf16``: ``kernels.grouped_gemm`` on the bf16 operands (its default schedule and tile);
+* ``te fp8``: TE's ``general_grouped_gemm`` as ``GroupedLinear`` calls it under
+  ``Float8BlockScaling`` (cuBLAS; each expert's tokens quantized on their own), where it runs.
+
+Quantization is outside every timed call. Each case also reports the FP8 output's relative error
+(Frobenius norm) against the bf16 GEMM of TE's dequantized operands and against TE's FP8 output.
+Writes ``fp8_gemm_<GPU>.{json,md,png}`` to ``--out``; exits 2 where it cannot run.
+
+    python3 benchmarks/bench_fp8_gemm.py --out "$OUT/results"
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_common import cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
+
+TOKENS = (2048, 4096, 8192)
+SHAPES = ((2048, 4096), (4096, 2048), (1792, 2688))
+CONTENDERS = ("fp8", "fp8 BN192", "bf16", "te fp8")
+
+
+def _problem() -> str | None:
+    import importlib.util
+
+    import torch
+
+    if (problem := cuda_problem()):
+        return problem
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"the kernels need an sm_90 GPU (H100/H200), found {torch.cuda.get_device_name()}"
+    if importlib.util.find_spec("cutlass") is None:
+        return "the CuTe DSL (nvidia-cutlass-dsl) is not installed"
+    return None
+
+
+def _quantizer(dim):
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+
+    return Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=False, block_scaling_dim=dim)
+
+
+def _rel(x, ref) -> float:
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm())
+
+
+def _case(e, tokens, n, k, torch):
+    """{contender: fn or an unavailability reason} and the error figures of one case."""
+    from te_offload_ops import kernels as K
+
+    t = e * tokens
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(e, n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
+    s = torch.full((e,), tokens, dtype=torch.int32, device="cuda")
+    xq = _quantizer(1)(x)
+    wq = [_quantizer(2)(w[i]) for i in range(e)]
+    a, sa = xq._rowwise_data, xq._rowwise_scale_inv
+    b = torch.stack([q._rowwise_data for q in wq])
+    sb = torch.stack([q._rowwise_scale_inv for q in wq])
+    out8, out8w, out16 = (torch.empty(t, n, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    fns = {
+        "fp8": lambda: K.grouped_gemm_fp8_blockwise(a, sa, b, sb, s, out=out8),
+        "fp8 BN192": lambda: K.grouped_gemm_fp8_blockwise(a, sa, b, sb, s, tile=(128, 192), out=out8w),
+        "bf16": lambda: K.grouped_gemm(x, w, s, out=out16),
+    }
+    # TE's path: per-expert quantized tokens (split_quantize), cuBLAS grouped GEMM
+    try:
+        from transformer_engine.pytorch.cpp_extensions import general_grouped_gemm
+
+        xs = [_quantizer(1)(part) for part in x.split([tokens] * e)]
+        out_te = torch.empty(t, n, dtype=torch.bfloat16, device="cuda")
+
+        def te_fp8():
+            general_grouped_gemm(wq, xs, [out_te], [None] * e, torch.bfloat16, single_output=True,
+                                 m_splits=[tokens] * e, use_split_accumulator=True)
+
+        te_fp8()
+        torch.cuda.synchronize()
+        fns["te fp8"] = te_fp8
+    except Exception as exc:  # noqa: BLE001 (any failure: reported, the others still run)
+        fns["te fp8"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        out_te = None
+    for name in ("fp8", "fp8 BN192", "bf16"):
+        fns[name]()
+    torch.cuda.synchronize()
+    # the bf16 GEMM of the dequantized operands: what the FP8 GEMM should give
+    a_real = xq.dequantize(dtype=torch.bfloat16)
+    b_real = torch.stack([q.dequantize(dtype=torch.bfloat16) for q in wq])
+    ref = K.grouped_gemm(a_real, b_real, s)
+    errors = {"fp8_vs_dequant_bf16": _rel(out8, ref), "fp8_bn192_vs_fp8": _rel(out8w, out8),
+              "fp8_vs_te_fp8": _rel(out8, out_te) if out_te is not None else None,
+              "bf16_vs_dequant_bf16": _rel(out16, ref)}
+    return fns, errors, 2.0 * t * n * k
+
+
+def measure(args) -> dict:
+    import torch
+
+    from bench_kernels import time_interleaved
+
+    from te_offload_ops.kernels import api
+
+    rows = []
+    cases = [(tok, n, k) for (n, k) in SHAPES for tok in args.tokens]
+    for i, (tok, n, k) in enumerate(cases, 1):
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
+        fns, errors, flops = _case(args.experts, tok, n, k, torch)
+        runnable = {name: fn for name, fn in fns.items() if callable(fn)}
+        times = time_interleaved(runnable, args.reps, args.inner)
+        faulthandler.cancel_dump_traceback_later()
+        row = {"tokens_per_expert": tok, "n": n, "k": k, "gflop": flops / 1e9, **errors, "contenders": {}}
+        for name in CONTENDERS:
+            fn = fns.get(name)
+            if callable(fn):
+                ms, host_us, behind = times[name]
+                row["contenders"][name] = {"ms": ms, "TFLOPs": flops / ms / 1e9, "host_us": host_us,
+                                           "host_behind_samples": behind}
+            else:
+                row["contenders"][name] = {"unavailable": fn}
+        rows.append(row)
+        c = row["contenders"]
+        said = ", ".join(f"{name} {c[name]['TFLOPs']:.0f}" if "TFLOPs" in c[name] else f"{name} n/a"
+                         for name in CONTENDERS)
+        print(f"[{i}/{len(cases)}] E={args.experts} x {tok}, N={n}, K={k}: TFLOP/s {said}; "
+              f"fp8 rel err vs dequantized bf16 {errors['fp8_vs_dequant_bf16']:.2e}", flush=True)
+        del fns
+        torch.cuda.empty_cache()
+    compile_s = {str(key): round(secs, 2) for key, secs in api.compile_times().items() if key[0] == "fp8_blockwise"}
+    return {"gpu": torch.cuda.get_device_name(),
+            "date": utc_now(),
+            "experts": args.experts, "reps": args.reps, "inner": args.inner,
+            "torch": torch.__version__, "fp8_compile_seconds": compile_s, "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Grouped FP8 GEMM (Float8BlockScaling) vs bf16 and TE, {result['gpu']} ({result['date']})", "",
+             f"C_e = A_e @ B_e^T, E={result['experts']} experts, even splits; TFLOP/s from GPU time per call "
+             f"with the host ahead, medians of {result['reps']} interleaved rounds of {result['inner']} calls. "
+             "fp8: A 1x128 and B 128x128 scales, fp32 promotion per 128-K block, bf16 output. "
+             "Errors: relative Frobenius norm against the bf16 GEMM of TE's dequantized operands.", "",
+             "| tokens/expert | N | K | " + " | ".join(f"{c} TFLOP/s" for c in CONTENDERS)
+             + " | fp8 / bf16 | fp8 / te fp8 | fp8 err | fp8 vs te fp8 |",
+             "|---|---|---|" + "---|" * (len(CONTENDERS) + 4)]
+    for r in result["rows"]:
+        c = r["contenders"]
+        tf = {name: c[name].get("TFLOPs") for name in CONTENDERS}
+        cells = [f"{tf[name]:.0f}" if tf[name] else "n/a" for name in CONTENDERS]
+        ratio_bf16 = f"{tf['fp8'] / tf['bf16']:.2f}" if tf["fp8"] and tf["bf16"] else "n/a"
+        ratio_te = f"{tf['fp8'] / tf['te fp8']:.2f}" if tf["fp8"] and tf["te fp8"] else "n/a"
+        vs_te = f"{r['fp8_vs_te_fp8']:.1e}" if r["fp8_vs_te_fp8"] is not None else "n/a"
+        lines.append(f"| {r['tokens_per_expert']} | {r['n']} | {r['k']} | " + " | ".join(cells)
+                     + f" | {ratio_bf16} | {ratio_te} | {r['fp8_vs_dequant_bf16']:.1e} | {vs_te} |")
+    missing = {c["unavailable"] for r in result["rows"] for c in r["contenders"].values() if "unavailable" in c}
+    if missing:
+        lines += ["", "Not run: " + "; ".join(sorted(missing))]
+    if result.get("fp8_compile_seconds"):
+        lines += ["", "FP8 kernel compile seconds (first call): "
+                  + ", ".join(f"{v}" for v in result["fp8_compile_seconds"].values())]
+    return "\n".join(lines) + "\n"
+
+
+def chart(result: dict, path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(CONTENDERS)
+    for j, name in enumerate(CONTENDERS):
+        ys = [r["contenders"][name].get("TFLOPs", 0.0) for r in rows]
+        ax.bar([i + (j - (len(CONTENDERS) - 1) / 2) * width for i in range(len(rows))], ys, width, label=name)
+    ax.axhline(1100, color="grey", linestyle="--", linewidth=1, label="1,100 TFLOP/s")
+    ax.set_xticks(range(len(rows)), [f"{r['tokens_per_expert']}\nN{r['n']} K{r['k']}" for r in rows], fontsize=7)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"Grouped GEMM, E={result['experts']} x tokens/expert ({result['gpu']})")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    save_png(fig, path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="tokens per expert")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--inner", type=int, default=10)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--watchdog", type=float, default=120.0,
+                    help="seconds one case may take before the stacks are dumped and the run exits")
+    args = ap.parse_args(argv)
+    for name in ("experts", "reps", "inner"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if any(t < 1 for t in args.tokens):
+        ap.error(f"--tokens must be >= 1, got {args.tokens}")
+    if (problem := _problem()):
+        return refuse("bench_fp8_gemm.py", problem)
+    result = measure(args)
+    write_reports(Path(args.out), file_stem("fp8_gemm", result["gpu"]), result, markdown, chart)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

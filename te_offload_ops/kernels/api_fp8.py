@@ -1,0 +1,242 @@
+"""Torch entry point for the Hopper grouped FP8 GEMM with Transformer Engine's block scaling.
+
+:func:`grouped_gemm_fp8_blockwise` takes the raw pieces of TE's ``Float8BlockwiseQTensor``
+(data and ``scale_inv``; see :mod:`.gemm_fp8_sm90` for the scale layouts), never reads
+``split_sizes`` on the host (no device sync) and launches on the current CUDA stream. Compiled
+kernels share the cache of :mod:`.api` (so :func:`.api.compile_times` and
+:func:`.api.clear_cache` cover them), keyed by
+``("fp8_blockwise", output dtype, tile, cluster_n, N, K, E, scale row length of B, call convention)``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from ..capture import GraphCaptureError, capturing
+from . import api
+
+SCALE_BLOCK = 128  # gemm_fp8_sm90.SCALE_BLOCK, without the DSL import
+TILE_NS = (64, 128, 192)  # gemm_fp8_sm90.TILE_NS, likewise
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+# the FP8 storage dtypes read as e4m3: TE keeps its FP8 data as uint8
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+
+
+def pick_tile_fp8(n: int) -> tuple[int, int]:
+    """(128, 128), or (128, 64) when N <= 64. BN=192 (a quarter fewer shared-memory operand reads
+    per FLOP, scale blocks straddled) is taken only when asked for."""
+    return (128, 64) if n <= 64 else (128, 128)
+
+
+def _check_tile(tile) -> tuple[int, int]:
+    tile = tuple(tile)
+    if len(tile) != 2 or tile[0] != 128 or tile[1] not in TILE_NS:
+        raise ValueError(f"FP8 tiles are (128, BN) with BN in {TILE_NS}, got {tile}")
+    return tile
+
+
+def _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call="python", options=None):
+    cutlass, cute, make_ptr, make_fake_stream = api._cutlass()
+    from .gemm_fp8_sm90 import GroupedGemmFp8Sm90
+
+    od = api._cutlass_dtype(out_dtype)
+    kern = GroupedGemmFp8Sm90(od, n, k, e, tile_mn=tile, cluster_n=cluster_n, sb_cols=sb_cols)
+    gmem = cute.AddressSpace.gmem
+    fake = 1 << 20  # any aligned address: only the types matter at compile time
+    f8 = cutlass.Float8E4M3FN
+    args = [
+        make_ptr(f8, fake, gmem, assumed_align=16),  # A data
+        make_ptr(f8, fake, gmem, assumed_align=16),  # B data
+        make_ptr(od, fake, gmem, assumed_align=16),  # C
+        make_ptr(cutlass.Int32, fake, gmem, assumed_align=4),  # split sizes
+        make_ptr(cutlass.Float32, fake, gmem, assumed_align=16),  # A scales (read by TMA)
+        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # B scales
+    ]
+    if call == "tvm-ffi":
+        options = f"{options} --enable-tvm-ffi" if options else "--enable-tvm-ffi"
+    kern.call = call
+    extra = {"options": options} if options else {}
+    t0 = time.perf_counter()
+    compiled = cute.compile(kern, *args, cutlass.Int32(1), cutlass.Int32(4), cutlass.Int32(1),
+                            make_fake_stream(), **extra)
+    return kern, compiled, time.perf_counter() - t0
+
+
+def compile_variant_fp8(n: int, k: int, e: int, *, out_dtype=torch.bfloat16, tile=None, cluster_n=None,
+                        sb_cols=None, options=None, call=None):
+    """Compile one FP8 variant without caching; returns (kernel object, compiled, seconds).
+
+    Works without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile tests); ``sb_cols`` is
+    the row length of B's scales (default ``roundup(ceil(K / 128), 4)``, TE's padding)."""
+    tile = _check_tile(tile) if tile is not None else pick_tile_fp8(n)
+    cluster_n = cluster_n or api.pick_cluster(n, tile)
+    sb_cols = sb_cols if sb_cols is not None else -(-(-(-k // SCALE_BLOCK)) // 4) * 4
+    call = call or api.kernel_call_convention()
+    return _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call, options)
+
+
+def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None):
+    """Compiled FP8 kernel for one variant (compiles and caches on first use)."""
+    tile = _check_tile(tile) if tile is not None else pick_tile_fp8(n)
+    cluster_n = api.pick_cluster(n, tile)
+    call = api.kernel_call_convention()
+    key = ("fp8_blockwise", out_dtype, tile, cluster_n, n, k, e, sb_cols, call)
+    hit = api._CACHE.get(key)
+    if hit is None and capturing():
+        raise GraphCaptureError(api._first_call_in_capture(key))
+    if hit is None:
+        with api._LOCK:
+            hit = api._CACHE.get(key)
+            if hit is None:
+                try:
+                    kern, compiled, secs = _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call)
+                except Exception as exc:
+                    if call != "tvm-ffi" or os.environ.get(api.CALL_ENV):
+                        raise
+                    # as api.get_kernel does: an apache-tvm-ffi the DSL cannot use falls back to the
+                    # Python executor for good (a broken kernel raises here again)
+                    kern, compiled, secs = _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, "python")
+                    api._TVM_FFI_FAILED.append(repr(exc)[:300])
+                    api._log.warning("the TVM-FFI kernel call path failed to compile (%s); using the "
+                                     "CuTe DSL's Python executor", api._TVM_FFI_FAILED[-1])
+                    key = key[:-1] + ("python",)
+                api._COMPILE_SECONDS[key] = secs
+                api._log.info("compiled grouped FP8 GEMM %s in %.2f s", key, secs)
+                kern.cache_key = key
+                hit = api._CACHE[key] = (kern, compiled)
+    return hit
+
+
+def _shape(t) -> str:
+    return f"{tuple(t.shape)} {t.dtype} with stride {tuple(t.stride())}"
+
+
+def _check_fp8(a, sa, b, sb, split_sizes, out_dtype):
+    """Host checks, device last (so that every other check can be exercised without a GPU).
+    Returns (E, N, K, B's scales as (E, ceil(N / 128), Kp))."""
+    named = {"a_data": a, "a_scale_inv": sa, "b_data": b, "b_scale_inv": sb}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor, got {type(t).__name__}")
+    if not isinstance(split_sizes, torch.Tensor) or split_sizes.is_floating_point() or split_sizes.is_complex():
+        raise TypeError("split_sizes must be an integer torch tensor")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    for name in ("a_data", "b_data"):
+        if named[name].dtype not in _FP8_DTYPES:
+            raise TypeError(f"{name} must hold FP8 e4m3 (torch.float8_e4m3fn, or uint8 as TE stores it), "
+                            f"got {named[name].dtype}")
+    for name in ("a_scale_inv", "b_scale_inv"):
+        if named[name].dtype != torch.float32:
+            raise TypeError(f"{name} must be fp32 (TE's Float8BlockScaling scales), got {named[name].dtype}")
+    if a.dim() != 2 or b.dim() != 3:
+        raise ValueError(f"a_data must be (T, K) and b_data (E, N, K), got {tuple(a.shape)} and {tuple(b.shape)}")
+    t, k = a.shape
+    e, n, kb = b.shape
+    if kb != k:
+        raise ValueError(f"K mismatch: a_data has K={k}, b_data has K={kb}")
+    if split_sizes.dim() != 1 or split_sizes.numel() != e:
+        raise ValueError(f"split_sizes must be 1-D with one entry per expert: {e} experts, got shape "
+                         f"{tuple(split_sizes.shape)}")
+    if e == 0:
+        raise ValueError("b_data must hold at least one expert")
+    if k == 0 or k % 16:
+        raise ValueError(f"K must be a positive multiple of 16 (16-byte FP8 rows for TMA), got {k}")
+    if n == 0 or n % 8:
+        raise ValueError(f"N must be a positive multiple of 8 (16-byte output rows), got {n}")
+    if t > api._INT32_MAX:
+        raise ValueError(f"the grouped GEMM takes at most {api._INT32_MAX} token rows, got {t}")
+    k_blocks, n_blocks = -(-k // SCALE_BLOCK), -(-n // SCALE_BLOCK)
+    # A's scales: TE's 1 x 128 rowwise layout, (k-blocks, tokens padded), read by TMA
+    if sa.dim() != 2 or sa.shape[0] != k_blocks or sa.shape[1] < t:
+        raise ValueError(f"a_scale_inv must be ({k_blocks}, >= {t}): (ceil(K / 128), tokens) as TE's 1D "
+                         f"Float8BlockQuantizer lays out rowwise scales (transposed, tokens padded to a "
+                         f"multiple of 4), got {_shape(sa)}")
+    if sa.stride(1) != 1 or (k_blocks > 1 and (sa.stride(0) < t or sa.stride(0) % 4)) or sa.data_ptr() % 16:
+        raise ValueError(f"a_scale_inv must have unit stride along tokens, a row stride that is a multiple of 4 "
+                         f"elements (16 bytes) and a 16-byte aligned address (TMA reads it), got {_shape(sa)} at "
+                         f"address % 16 = {sa.data_ptr() % 16}")
+    # B's scales: TE's 128 x 128 layout per expert, stacked; (E * n-blocks, Kp) accepted as well
+    if sb.dim() == 2 and sb.shape[0] == e * n_blocks:
+        sb = sb.view(e, n_blocks, sb.shape[1]) if sb.is_contiguous() else sb.reshape(e, n_blocks, sb.shape[1])
+    if sb.dim() != 3 or tuple(sb.shape[:2]) != (e, n_blocks) or sb.shape[2] < k_blocks:
+        raise ValueError(f"b_scale_inv must be ({e}, {n_blocks}, >= {k_blocks}): each expert's 2D "
+                         f"Float8BlockQuantizer rowwise scales (ceil(N / 128), ceil(K / 128) padded to a multiple "
+                         f"of 4) stacked, or ({e * n_blocks}, >= {k_blocks}), got {_shape(sb)}")
+    devices = {x.device for x in (a, sa, b, sb)}
+    if len(devices) != 1 or not a.is_cuda:
+        raise ValueError(f"a_data, a_scale_inv, b_data and b_scale_inv must be on one CUDA device, got "
+                         f"{', '.join(str(x.device) for x in (a, sa, b, sb))}")
+    return e, n, k, sb.contiguous()
+
+
+def _as_e4m3(t: torch.Tensor) -> torch.Tensor:
+    """Row-contiguous, 16-byte aligned e4m3 view (a copy only where the tensor is not)."""
+    t = t.contiguous()
+    if t.data_ptr() % 16:
+        t = t.clone()
+    return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
+
+
+def grouped_gemm_fp8_blockwise(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes,
+                               out_dtype=torch.bfloat16, *, tile=None, out=None):
+    """``out[rows of e] = dequant(a)[rows of e] @ dequant(b[e])^T`` under ``Float8BlockScaling``.
+
+    ``a_data`` (T, K) e4m3 tokens concatenated by expert with ``a_scale_inv`` TE's 1x128 rowwise
+    scales, shape ``(ceil(K / 128), roundup(T, 4))`` (``Float8BlockwiseQTensor._rowwise_data`` and
+    ``._rowwise_scale_inv`` of a ``Float8BlockQuantizer(block_scaling_dim=1)``); ``b_data``
+    (E, N, K) e4m3 weights with ``b_scale_inv`` each expert's 128x128 scales stacked,
+    ``(E, ceil(N / 128), roundup(ceil(K / 128), 4))`` (``block_scaling_dim=2``). uint8 data is
+    read as e4m3. ``split_sizes``: E token counts (an integer tensor; never read on the host).
+    Returns (T, N) in ``out_dtype`` (bf16 or fp16), written into ``out`` if given; rows past
+    ``sum(split_sizes)`` are left unwritten. K must be a multiple of 16 and N of 8; a partial
+    128-block at the end of K or N takes its own scale, as TE quantizes it. ``tile``: (128, BN)
+    with BN in 64, 128, 192 (default :func:`pick_tile_fp8`)."""
+    if tile is not None:
+        tile = _check_tile(tile)
+    e, n, k, sb = _check_fp8(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, out_dtype)
+    t = a_data.shape[0]
+    c = api._out(out, t, n, torch.empty(0, dtype=out_dtype, device=a_data.device), "out")
+    if t == 0:
+        return c
+    kern, compiled = get_kernel_fp8(out_dtype, n, k, e, sb.shape[2], tile)
+    a, b = _as_e4m3(a_data), _as_e4m3(b_data)
+    s = api._splits_i32(split_sizes, a.device)
+    _launch_fp8(kern, compiled, a, b, c, s, a_scale_inv, sb, t)
+    return c
+
+
+def _launch_fp8(kern, compiled, a, b, c, s, sa, sb, num_tokens):
+    if not getattr(kern, "launched", False) and capturing():  # the first call loads the module
+        raise GraphCaptureError(api._first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
+    # persistent grid: one CTA per SM at most, and no more CTAs than a bound of the tile count
+    # that needs no split sizes on the host
+    tile_bound = (-(-num_tokens // kern.bm) + kern.num_experts) * kern.n_tiles
+    cn = kern.cluster_n
+    num_ctas = min(api._cluster_slots(a.device.index, cn), -(-tile_bound // cn) * cn)
+    # one k-block: the row stride addresses nothing, but TMA wants a 16-byte multiple
+    sa_stride = sa.stride(0)
+    if sa.shape[0] == 1 and (sa_stride % 4 or sa_stride < num_tokens):
+        sa_stride = -(-num_tokens // 4) * 4
+    stream = torch.cuda.current_stream().cuda_stream
+    kern.launched = True
+    tensors = (a, b, c, s, sa, sb)
+    if getattr(kern, "call", "python") == "tvm-ffi":
+        compiled(*(x.data_ptr() for x in tensors), num_tokens, sa_stride, num_ctas, stream)
+        return
+    cutlass, cute, make_ptr, _ = api._cutlass()
+    import cuda.bindings.driver as cuda
+
+    gmem = cute.AddressSpace.gmem
+    kinds = ((cutlass.Float8E4M3FN, 16), (cutlass.Float8E4M3FN, 16), (kern.dtype, 16), (cutlass.Int32, 4),
+             (cutlass.Float32, 16), (cutlass.Float32, 4))
+    ptrs = [make_ptr(dt, x.data_ptr(), gmem, assumed_align=al) for x, (dt, al) in zip(tensors, kinds)]
+    compiled(*ptrs, cutlass.Int32(num_tokens), cutlass.Int32(sa_stride), cutlass.Int32(num_ctas),
+             cuda.CUstream(stream))
+
+
+__all__ = ["grouped_gemm_fp8_blockwise", "compile_variant_fp8", "get_kernel_fp8", "pick_tile_fp8",
+           "SCALE_BLOCK", "TILE_NS", "OUT_DTYPES"]

@@ -1,0 +1,429 @@
+"""Hopper (sm_90a) grouped FP8 GEMM with Transformer Engine's block scaling, in the CuTe DSL.
+
+What it computes
+----------------
+For every expert ``e`` (rows ``[off[e], off[e+1])`` of the token matrix, ``off`` the exclusive
+cumulative sum of ``split_sizes``, an int32 tensor read on the GPU)::
+
+    C[r, n] = sum_kb  sa[kb, r] * sb[e, n // 128, kb] * sum_{k in block kb} A[r, k] * B[e, n, k]
+
+with ``A`` (T, K) and ``B`` (E, N, K) FP8 e4m3, both K-major (the only operand majorness FP8
+WGMMA takes), ``kb`` the 128-wide blocks of K and ``C`` (T, N) row-major in bf16 or fp16. This is
+``dequant(A_e) @ dequant(B_e)^T`` under ``Float8BlockScaling``:
+
+Scale layouts (Transformer Engine 2.x, ``Float8BlockQuantizer``, ``Float8BlockwiseQTensor``)
+--------------------------------------------------------------------------------------------
+* ``sa``: the ``_rowwise_scale_inv`` of A quantized with ``block_scaling_dim=1`` (1 x 128
+  blocks). TE stores it *transposed*: shape ``(ceil(K / 128), roundup(T, 4))``, fp32, row-major,
+  so ``A_real[r, k] = A[r, k] * sa[k // 128, r]``. The token dimension is padded to a multiple of
+  4 (16 bytes, so TMA can read it); the padding entries are never initialised by TE and never
+  used here. The kernel reads ``sa`` through any row stride that is a multiple of 4 elements.
+* ``sb``: the ``_rowwise_scale_inv`` of each expert's ``(N, K)`` weight quantized with
+  ``block_scaling_dim=2`` (128 x 128 blocks): shape ``(ceil(N / 128), roundup(ceil(K / 128), 4))``,
+  fp32, *not* transposed, the k-block dimension padded to a multiple of 4 (padding unused), so
+  ``B_real[n, k] = B[n, k] * sb[n // 128, k // 128]``. The experts' scales are stacked:
+  ``(E, ceil(N / 128), Kp)``.
+
+A K or N that is not a multiple of 128 ends in a partial block with its own scale, as TE
+quantizes it; TMA reads zeros past K, so the last k-block's partial sum holds only real columns.
+
+Promotion to fp32 (as DeepGEMM's sm_90 1D2D kernels promote)
+------------------------------------------------------------
+The tensor cores accumulate FP8 products in a reduced-precision fp32 sum, so partial sums must
+not run long. Per 128-K block each consumer warpgroup runs its four ``m64nBNk32`` WGMMAs into a
+fresh register tile ``tmp`` (the first with the accumulate flag off), waits for them, releases the
+stage, and adds ``tmp * (sa[kb, row] * sb[e, nblk, kb])`` into the fp32 accumulator: one FFMA per
+element per k-block. The two consumer warpgroups run independently, so one warpgroup's promotion
+overlaps the other's WGMMAs.
+
+Scale loads
+-----------
+* ``sa``: the producer's TMA brings the 128 scales of the tile's rows for k-block ``kb`` (one
+  512-byte box of the transposed scale tensor, starting at the tile's first row) into the stage
+  with the A and B tiles, on the same mbarrier. The consumers read their two rows' scales from
+  shared memory before issuing the WGMMAs (the stage is released before the promotion).
+* ``sb``: one value per (expert, 128-column block, k-block), the same for every thread; the
+  consumers load it from global memory one k-block ahead, so its latency hides under the WGMMAs.
+  A BN=192 tile straddles two 128-column scale blocks: it loads both and picks per column group.
+
+Schedule
+--------
+Persistent and warp-specialized like :mod:`.gemm_sm90` (whose tile scheduling, split-size
+handling, cluster pairs and staged, predicated epilogue this class inherits): warpgroup 0's first
+warp issues TMA loads of A, B and the A scales into a ``stages``-deep pipeline and runs ahead
+across tiles; warpgroups 1 and 2 each own 64 rows of the 128 x BN tile (cooperative). Tiles may
+start mid-matrix (rows are not aligned to 128 per expert): rows of the next expert are read into
+the tile but every store is predicated on ``row < off[e+1]`` and ``col < N``; as the scales
+multiply whole rows, a foreign row (or a padding scale past T) never touches a kept row. With
+``cluster_n == 2`` two CTAs on neighbouring n-blocks of one m-block share the A tile by TMA
+multicast (each loads its own 512 bytes of A scales).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from .gemm_sm90 import _CONSUMER_REGS, _PRODUCER_REGS, _THREADS, _WG, GroupedGemmSm90
+
+SCALE_BLOCK = 128  # Float8BlockScaling's block length (1 x 128 and 128 x 128)
+_BK = SCALE_BLOCK  # one k-tile per scale block: the promotion happens once per k-tile
+TILE_NS = (64, 128, 192)  # tmp and acc stay in registers: BN fp32 registers a consumer thread
+
+
+class GroupedGemmFp8Sm90(GroupedGemmSm90):
+    """One compiled variant: (output dtype, BN, cluster_n, N, K, E, scale row length of sb)."""
+
+    # False only for fault isolation (benchmarks/experiments/diagnose_fp8_gemm.py): no TMA of A's
+    # scales, every A scale read as 1
+    LOAD_A_SCALES = True
+
+    def __init__(
+        self,
+        out_dtype,
+        n: int,
+        k: int,
+        num_experts: int,
+        *,
+        tile_mn: tuple[int, int] = (128, 128),
+        cluster_n: int = 1,
+        sb_cols: int | None = None,
+    ):
+        bm, bn = tile_mn
+        if bn not in TILE_NS:
+            raise ValueError(f"FP8 tiles take BN in {TILE_NS} (the fp32 partial sums and the "
+                             f"accumulator both stay in registers), got {bn}")
+        if k <= 0 or k % 16:
+            raise ValueError(f"K must be a positive multiple of 16 (16-byte FP8 rows for TMA), got {k}")
+        if n <= 0:
+            raise ValueError(f"N must be positive, got {n}")
+        # the shared forward-form machinery: tile walk, split sizes, cluster pairs, epilogue
+        super().__init__(out_dtype, n, k, num_experts, b_n_major=False, epilogue="plain",
+                         tile_mn=(bm, bn), cluster_n=cluster_n, schedule="cooperative")
+        self.ab_dtype = cutlass.Float8E4M3FN
+        self.bk = _BK
+        self.k_tiles = (k + _BK - 1) // _BK
+        self.n_sblocks = (n + SCALE_BLOCK - 1) // SCALE_BLOCK
+        self.sb_cols = self.k_tiles if sb_cols is None else sb_cols
+        if self.sb_cols < self.k_tiles:
+            raise ValueError(f"B's scale rows must hold ceil(K / 128) = {self.k_tiles} k-blocks, got {sb_cols}")
+        # a BN=192 tile covers parts of two 128-column scale blocks; 64 and 128 lie inside one
+        self.straddles = SCALE_BLOCK % bn != 0
+        stage_bytes = (bm + bn) * _BK + bm * 4  # A and B tiles (1-byte elements), A's scales
+        budget = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 2048
+        budget -= self.n_out * self.epi_elems * (out_dtype.width // 8)  # epilogue staging
+        budget -= 1024  # alignment of the A-scale buffers
+        self.stages = max(2, min(8, budget // stage_bytes))
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        p_a: cute.Pointer,
+        p_b: cute.Pointer,
+        p_c: cute.Pointer,
+        p_split: cute.Pointer,
+        p_sa: cute.Pointer,
+        p_sb: cute.Pointer,
+        num_tokens: cutlass.Int32,
+        sa_stride: cutlass.Int32,
+        num_ctas: cutlass.Int32,
+        stream,
+    ):
+        n, k, e = self.n, self.k, self.num_experts
+        bm, bn, bk = self.bm, self.bn, self.bk
+        ab = self.ab_dtype
+        m_a = cute.make_tensor(p_a, cute.make_layout((num_tokens, k), stride=(k, 1)))
+        m_b = cute.make_tensor(p_b, cute.make_layout((n, k, e), stride=(k, 1, n * k)))
+        m_c = cute.make_tensor(p_c, cute.make_layout((num_tokens, n), stride=(n, 1)))
+        m_split = cute.make_tensor(p_split, cute.make_layout((e,)))
+        # A's scales as TE lays them out, (k-blocks, tokens) row-major, seen as (tokens, k-blocks):
+        # the 128 scales of a tile's rows in one k-block are contiguous, one TMA box
+        m_sa = cute.make_tensor(
+            p_sa, cute.make_layout((num_tokens, self.k_tiles), stride=(1, cute.assume(sa_stride, divby=4)))
+        )
+        m_sb = cute.make_tensor(
+            p_sb, cute.make_layout((e, self.n_sblocks, self.sb_cols),
+                                   stride=(self.n_sblocks * self.sb_cols, self.sb_cols, 1))
+        )
+
+        k_major = LayoutEnum.ROW_MAJOR
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            ab, ab, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(), cutlass.Float32,
+            (2, 1, 1), tiler_mn=(64, bn),
+        )
+        tile_mnk = (bm, bn, bk)
+        sa_layout = sm90_utils.make_smem_layout_a(k_major, tile_mnk, ab, self.stages)
+        sb_layout = sm90_utils.make_smem_layout_b(k_major, tile_mnk, ab, self.stages)
+        ssa_layout = cute.make_layout((bm, 1, self.stages))
+        tma_a, g_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SMulticastOp()
+            if cutlass.const_expr(self.cluster_n > 1) else cpasync.CopyBulkTensorTileG2SOp(),
+            m_a, cute.slice_(sa_layout, (None, None, 0)), (bm, bk), num_multicast=self.cluster_n,
+        )
+        # a cluster pair that straddles two m-blocks loads each A whole
+        tma_a1, g_a1 = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_a, cute.slice_(sa_layout, (None, None, 0)), (bm, bk),
+        )
+        tma_b, g_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(sb_layout, (None, None, 0)), (bn, bk),
+        )
+        tma_sa, g_sa = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_sa, cute.slice_(ssa_layout, (None, None, 0)), (bm, 1),
+        )
+
+        @cute.struct
+        class Smem:
+            bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sa: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sa_layout)], 1024]
+            sb: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sb_layout)], 1024]
+            ssa: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(ssa_layout)], 128]
+            epi: cute.struct.Align[cute.struct.MemRange[self.dtype, self.n_out * self.epi_elems], 128]
+
+        self.smem_struct = Smem
+        self.kernel(
+            tma_a, g_a, tma_a1, g_a1, tma_b, g_b, tma_sa, g_sa, m_c, m_split, m_sb,
+            tiled_mma, sa_layout, sb_layout, ssa_layout,
+        ).launch(
+            grid=[num_ctas, 1, 1], block=[_THREADS, 1, 1], cluster=[self.cluster_n, 1, 1],
+            min_blocks_per_mp=1, stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        g_a: cute.Tensor,
+        tma_a1: cute.CopyAtom,
+        g_a1: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        g_b: cute.Tensor,
+        tma_sa: cute.CopyAtom,
+        g_sa: cute.Tensor,
+        m_c: cute.Tensor,
+        m_split: cute.Tensor,
+        m_sb: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        sa_layout: cute.ComposedLayout,
+        sb_layout: cute.ComposedLayout,
+        ssa_layout: cute.Layout,
+    ):
+        bm = self.bm
+        ab = self.ab_dtype
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = cute.arch.make_warp_uniform(tidx // _WG)
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster = cta // self.cluster_n
+        num_clusters = num_ctas // self.cluster_n
+
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            if cutlass.const_expr(self.cluster_n > 1):
+                cpasync.prefetch_descriptor(tma_a1)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_sa)
+
+        # real work: sum_e ceil(split_e / BM) m-blocks, each with n_tiles n-blocks, in groups of
+        # cluster_n tiles (an odd tile count leaves the last group a phantom partner)
+        num_tokens = cute.size(g_a, mode=[0])
+        m_total = cutlass.Int32(0)
+        rows_before = cutlass.Int32(0)
+        for ei in cutlass.range_constexpr(self.num_experts):
+            cnt = self._rows_of(m_split, ei, rows_before, num_tokens)
+            m_total = m_total + (cnt + bm - 1) // bm
+            rows_before = rows_before + cnt
+        n_work = (m_total * self.n_tiles + self.cluster_n - 1) // self.cluster_n
+        cluster_mn = (1, self.cluster_n)
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.smem_struct)
+        sa = st.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
+        sb = st.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
+        ssa = st.ssa.get_tensor(ssa_layout)
+        stage_bytes = (
+            cute.size_in_bytes(ab, cute.slice_(sa_layout, (None, None, 0)))
+            + cute.size_in_bytes(ab, cute.slice_(sb_layout, (None, None, 0)))
+        )
+        if cutlass.const_expr(self.LOAD_A_SCALES):
+            stage_bytes += cute.size_in_bytes(cutlass.Float32, cute.slice_(ssa_layout, (None, None, 0)))
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bars.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # one arrive per consuming warp of this CTA and of its pair peer (which multicasts A here)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster_n * 2 * _WG // 32),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_mn, is_relaxed=True)
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_mn)
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            if warp == 0:
+                self._produce_fp8(rank, cluster, num_clusters, n_work, m_split, pipe, tma_a, g_a, tma_a1,
+                                  g_a1, tma_b, g_b, tma_sa, g_sa, sa, sb, ssa)
+        else:
+            cute.arch.setmaxregister_increase(_CONSUMER_REGS)
+            self._consume_fp8(tidx - _WG, wg - 1, rank, cluster, num_clusters, n_work, m_split, pipe,
+                              sa, sb, ssa, st, tiled_mma, m_c, m_sb, num_tokens)
+
+    @cute.jit
+    def _produce_fp8(self, rank, cluster, num_clusters, n_work, m_split, pipe, tma_a, g_a, tma_a1, g_a1,
+                     tma_b, g_b, tma_sa, g_sa, sa, sb, ssa):
+        bm, bn, bk = self.bm, self.bn, self.bk
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        mcast = cute.make_layout_image_mask(cute.make_layout((1, self.cluster_n)), (0, rank), 1)
+        num_tokens = cute.size(g_a, mode=[0])
+        tile = cluster
+        while tile < n_work:
+            expert, n_blk, a_row, _, k_tiles, _, _, _, shares_a = self._work(m_split, tile, rank, num_tokens)
+            g_a_tile = cute.local_tile(cute.domain_offset((a_row, 0), g_a), (bm, bk), (0, None))
+            g_b_tile = cute.local_tile(g_b[None, None, expert], (bn, bk), (n_blk, None))
+            # the tile's 128 row scales of every k-block: (BM, 1, k-blocks)
+            g_sa_tile = cute.local_tile(cute.domain_offset((a_row, 0), g_sa), (bm, 1), (0, None))
+            t_sa, t_ga = cpasync.tma_partition(
+                tma_a, rank, cute.make_layout(self.cluster_n),
+                cute.group_modes(sa, 0, 2), cute.group_modes(g_a_tile, 0, 2),
+            )
+            t_sb, t_gb = cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sb, 0, 2), cute.group_modes(g_b_tile, 0, 2),
+            )
+            t_ssa, t_gsa = cpasync.tma_partition(
+                tma_sa, 0, cute.make_layout(1), cute.group_modes(ssa, 0, 2), cute.group_modes(g_sa_tile, 0, 2),
+            )
+            if cutlass.const_expr(self.cluster_n > 1):  # the whole A tile, this CTA only
+                g_a1_tile = cute.local_tile(cute.domain_offset((a_row, 0), g_a1), (bm, bk), (0, None))
+                t_sa1, t_ga1 = cpasync.tma_partition(
+                    tma_a1, 0, cute.make_layout(1), cute.group_modes(sa, 0, 2), cute.group_modes(g_a1_tile, 0, 2),
+                )
+            for kt in cutlass.range(k_tiles, unroll=1):
+                pipe.producer_acquire(prod)
+                bar = pipe.producer_get_barrier(prod)
+                if cutlass.const_expr(self.cluster_n > 1):
+                    if shares_a:
+                        cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar, mcast_mask=mcast)
+                    else:
+                        cute.copy(tma_a1, t_ga1[None, kt], t_sa1[None, prod.index], tma_bar_ptr=bar)
+                else:
+                    cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar)
+                cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar)
+                if cutlass.const_expr(self.LOAD_A_SCALES):
+                    cute.copy(tma_sa, t_gsa[None, kt], t_ssa[None, prod.index], tma_bar_ptr=bar)
+                pipe.producer_commit(prod)
+                prod.advance()
+            tile = tile + num_clusters
+        # stay until every consumer of the cluster has released every stage
+        pipe.producer_tail(prod)
+
+    @cute.jit
+    def _consume_fp8(self, ctid, cwg, rank, cluster, num_clusters, n_work, m_split, pipe, sa, sb, ssa, st,
+                     tiled_mma, m_c, m_sb, num_tokens):
+        bm, bn = self.bm, self.bn
+        etid = ctid  # cooperative: the tile's threads are both consumer warpgroups
+        wg_mma = tiled_mma.get_slice(cute.make_layout(2, stride=_WG)(cwg))
+        frag_a = tiled_mma.make_fragment_A(wg_mma.partition_A(sa))
+        frag_b = tiled_mma.make_fragment_B(wg_mma.partition_B(sb))
+        thr_mma = tiled_mma.get_slice(etid)
+        c_id = thr_mma.partition_C(cute.make_identity_tensor((bm, bn)))
+        acc = cute.make_rmem_tensor(c_id.shape, cutlass.Float32)  # promoted fp32 sums
+        tmp = cute.make_rmem_tensor(c_id.shape, cutlass.Float32)  # one k-block's WGMMA sums
+        num_kb = cute.size(frag_a, mode=[2])
+        shp = acc.shape
+        n_pair = cute.size(shp[0][0])
+        n_half = cute.size(shp[0][1])
+        n_grp = cute.size(shp[0][2])
+        n_m = cute.size(shp[1])
+        if cutlass.const_expr(cute.size(shp[2]) != 1):
+            raise ValueError("the promotion expects one WGMMA atom across BN")
+        # this thread's rows of the tile (two per 64-row WGMMA slab) and their A scales
+        n_rows = n_half * n_m
+        rows = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Int32)
+        for mm in cutlass.range_constexpr(n_m):
+            for h in cutlass.range_constexpr(n_half):
+                rows[mm * n_half + h] = c_id[(0, h, 0), mm, 0][0]
+        sa_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        thr_cp = self._staging_copy().get_slice(etid)
+        cp_id = thr_cp.partition_S(cute.make_identity_tensor((bm, self.epi_cols)))
+        no_probs = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)  # the plain epilogue reads none
+
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        tile = cluster
+        while tile < n_work:
+            expert, n_blk, _, _, k_tiles, _, row0, rows_here, _ = self._work(m_split, tile, rank, num_tokens)
+            cols_here = self.n - n_blk * bn
+            # B's scale block(s) of this tile's columns
+            sblk0 = (n_blk * bn) // 128
+            sblk1 = sblk0
+            split_col = cutlass.Int32(bn)  # tile columns >= split_col use block sblk1
+            if cutlass.const_expr(self.straddles):
+                split_col = (sblk0 + 1) * 128 - n_blk * bn
+                if sblk0 + 1 < self.n_sblocks:
+                    sblk1 = sblk0 + 1
+            sb0 = m_sb[expert, sblk0, 0]
+            sb1 = sb0
+            if cutlass.const_expr(self.straddles):
+                sb1 = m_sb[expert, sblk1, 0]
+
+            acc.fill(0.0)
+            for kt in cutlass.range(k_tiles, unroll=1):
+                # next k-block's B scales, in flight during this k-block's WGMMAs
+                kn = kt + 1
+                if kn >= k_tiles:
+                    kn = k_tiles - 1
+                sb0_next = m_sb[expert, sblk0, kn]
+                sb1_next = sb0_next
+                if cutlass.const_expr(self.straddles):
+                    sb1_next = m_sb[expert, sblk1, kn]
+                pipe.consumer_wait(cons)
+                # the stage is released before the promotion: read its A scales first
+                for i in cutlass.range_constexpr(n_rows):
+                    if cutlass.const_expr(self.LOAD_A_SCALES):
+                        sa_r[i] = ssa[rows[i], 0, cons.index]
+                    else:
+                        sa_r[i] = cutlass.Float32(1.0)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(num_kb):
+                    # the first WGMMA of the k-block overwrites tmp, the rest add into it
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(tiled_mma, tmp, frag_a[None, None, kb, cons.index],
+                              frag_b[None, None, kb, cons.index], tmp)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                pipe.consumer_release(cons)
+                cons.advance()
+                # promotion: acc += tmp * sa[row] * sb[column block]
+                for mm in cutlass.range_constexpr(n_m):
+                    for h in cutlass.range_constexpr(n_half):
+                        s0 = sa_r[mm * n_half + h] * sb0
+                        s1 = s0
+                        if cutlass.const_expr(self.straddles):
+                            s1 = sa_r[mm * n_half + h] * sb1
+                        for g in cutlass.range_constexpr(n_grp):
+                            s = s0
+                            if cutlass.const_expr(self.straddles):
+                                # a group of 8 columns lies in one scale block (split_col % 64 == 0)
+                                if c_id[(0, h, g), mm, 0][1] >= split_col:
+                                    s = s1
+                            for pr in cutlass.range_constexpr(n_pair):
+                                crd = ((pr, h, g), mm, 0)
+                                acc[crd] = acc[crd] + tmp[crd] * s
+                sb0 = sb0_next
+                sb1 = sb1_next
+
+            self._epilogue(etid, cwg, n_blk, row0, rows_here, cols_here, acc, no_probs, [], thr_mma, c_id,
+                           thr_cp, cp_id, st, m_c, m_c, m_c, m_c)
+            tile = tile + num_clusters
+
+
+__all__ = ["GroupedGemmFp8Sm90", "SCALE_BLOCK", "TILE_NS"]

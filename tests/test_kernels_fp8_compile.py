@@ -1,0 +1,224 @@
+"""CPU-only: the grouped FP8 GEMM compiles for sm_90a, and its entry point refuses bad input.
+
+``CUTE_DSL_ARCH=sm_90a`` lets the CuTe DSL compile Hopper kernels without a GPU (set here, at
+collection, before anything imports the DSL). Each variant's PTX is checked for what the design
+relies on: FP8 WGMMAs (four m64nBNk32 per 128-K block), the per-k-block wait before the
+promotion, one fused multiply-add per accumulator element per k-block, TMA loads of A, B and the A
+scales (A multicast in cluster pairs) and 16-byte stores; where ``cuobjdump`` is found, the cubin
+is checked for register spills.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="teo-ptx-"))
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from te_offload_ops import kernels  # noqa: E402
+
+_HAVE_DSL = importlib.util.find_spec("cutlass") is not None
+_WHY = "CuTe DSL (nvidia-cutlass-dsl) is not installed"
+if _HAVE_DSL:
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the install
+        _HAVE_DSL, _WHY = False, f"CuTe DSL (nvidia-cutlass-dsl) failed to import: {exc}"
+needs_dsl = pytest.mark.skipif(not _HAVE_DSL, reason=_WHY)
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump from the PATH or from Triton's wheel (the venv has one), or None."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    spec = importlib.util.find_spec("triton")
+    if spec and spec.origin:
+        cand = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        if cand.exists():
+            return str(cand)
+    return None
+
+
+# (N, K, E, tile or None, cluster_n or None, output dtype): the MLP's GEMMs at H=2688, F=1792
+# (aligned) and F=1856 (a partial 128-block in N for fc1 and in K for fc2), the benchmark's
+# shapes, and the tile extremes
+VARIANTS = [
+    (1792, 2688, 8, None, None, torch.bfloat16),  # fc1, F=1792
+    (2688, 1792, 8, None, None, torch.bfloat16),  # fc2, F=1792
+    (1856, 2688, 8, None, None, torch.bfloat16),  # fc1, F=1856: last n-block half full
+    (2688, 1856, 8, None, None, torch.bfloat16),  # fc2, F=1856: last k-block half full
+    (2048, 4096, 8, None, 1, torch.bfloat16),  # no cluster
+    (4096, 2048, 4, (128, 192), None, torch.bfloat16),  # BN=192: two scale blocks per tile
+    (64, 128, 3, None, None, torch.float16),  # BN=64, one k-block, fp16 output
+]
+
+
+def _vid(v):
+    tile = f"-BN{v[3][1]}" if v[3] else ""
+    return f"N{v[0]}-K{v[1]}-E{v[2]}{tile}-c{v[4] or 'auto'}-{str(v[5])[6:]}"
+
+
+@needs_dsl
+@pytest.mark.parametrize("n,k,e,tile,cluster_n,out_dtype", VARIANTS, ids=map(_vid, VARIANTS))
+def test_fp8_variant_compiles_for_sm90a(n, k, e, tile, cluster_n, out_dtype):
+    kern, compiled, secs = kernels.compile_variant_fp8(
+        n, k, e, out_dtype=out_dtype, tile=tile, cluster_n=cluster_n, options="--keep-ptx --keep-cubin",
+    )
+    ptx = str(compiled.artifacts.PTX)
+    bn = kern.bn
+    assert bn == (tile[1] if tile else (64 if n <= 64 else 128))
+    assert kern.bk == 128 and kern.k_tiles == -(-k // 128) and kern.stages >= 4
+    assert ".target sm_90a" in ptx
+    # one 128-K block = four k32 WGMMAs into the k-block's partial sums; one wait before promotion
+    assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3", ptx)) == 4
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)) == 1
+    # promotion: one fma per accumulator element a thread holds (64 x BN per 128 threads)
+    assert len(re.findall(r"\bfma\.rn\.f32\b", ptx)) >= bn // 2
+    assert "cp.async.bulk.tensor.2d" in ptx  # A and its scales: (T, K) and (T, K/128) views
+    assert "cp.async.bulk.tensor.3d" in ptx  # B: (N, K, E), indexed by expert
+    assert ("multicast::cluster" in ptx) == (kern.cluster_n == 2)
+    assert "setmaxnreg.dec.sync.aligned.u32" in ptx and "setmaxnreg.inc.sync.aligned.u32" in ptx
+    assert "st.global.v4.b32" in ptx  # the staged epilogue's 16-byte stores
+    if kern.straddles:  # BN=192: a scale chosen per column group
+        assert "selp.f32" in ptx
+    usage = ""
+    tool = _cuobjdump()
+    if tool:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.artifacts.CUBIN)
+            f.flush()
+            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
+        assert m, out
+        assert m.group(2) == "0" and m.group(3) == "0", f"register spills: {m.group(0)}"
+        usage = f", {m.group(0)}"
+    print(f"compile fp8 N={n} K={k} E={e} BN={bn} cluster={kern.cluster_n} stages={kern.stages}: "
+          f"{secs:.2f} s{usage}")
+
+
+@needs_dsl
+def test_fp8_kernel_refuses_unsupported_tiles():
+    from te_offload_ops.kernels.gemm_fp8_sm90 import GroupedGemmFp8Sm90
+
+    with pytest.raises(ValueError, match="BN in"):
+        GroupedGemmFp8Sm90(cutlass.BFloat16, 512, 256, 2, tile_mn=(128, 256))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        GroupedGemmFp8Sm90(cutlass.BFloat16, 512, 200, 2)
+    with pytest.raises(ValueError, match="k-blocks"):
+        GroupedGemmFp8Sm90(cutlass.BFloat16, 512, 1024, 2, sb_cols=4)
+
+
+# ------------------------------------------------------------------ entry point checks (no GPU)
+T, K, N, E = 200, 256, 384, 3
+
+
+def _ok_args():
+    """Well-formed CPU operands in TE's layouts: everything but the device is right."""
+    a = torch.zeros(T, K, dtype=torch.uint8)
+    sa = torch.ones(K // 128, (T + 3) // 4 * 4)
+    b = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn)
+    sb = torch.ones(E, N // 128, 4)
+    return [a, sa, b, sb, torch.tensor([100, 0, 100])]
+
+
+def _call(args, **kw):
+    return kernels.grouped_gemm_fp8_blockwise(*args, **kw)
+
+
+def _with(i, value):
+    args = _ok_args()
+    args[i] = value
+    return args
+
+
+BAD = [
+    ("a_data not a tensor", _with(0, [[0]]), {}, TypeError, "a_data must be a torch tensor"),
+    ("split sizes a list", _with(4, [100, 0, 100]), {}, TypeError, "split_sizes must be an integer torch tensor"),
+    ("split sizes float", _with(4, torch.tensor([100.0, 0, 100])), {}, TypeError, "integer torch tensor"),
+    ("a_data bf16", _with(0, torch.zeros(T, K, dtype=torch.bfloat16)), {}, TypeError, "a_data must hold FP8 e4m3"),
+    ("b_data e5m2", _with(2, torch.zeros(E, N, K, dtype=torch.float8_e5m2)), {}, TypeError,
+     "b_data must hold FP8 e4m3"),
+    ("a scales bf16", _with(1, torch.ones(2, 200, dtype=torch.bfloat16)), {}, TypeError, "a_scale_inv must be fp32"),
+    ("fp32 output", _ok_args(), {"out_dtype": torch.float32}, TypeError, "out_dtype must be"),
+    ("a_data 3-D", _with(0, torch.zeros(1, T, K, dtype=torch.uint8)), {}, ValueError, r"a_data must be \(T, K\)"),
+    ("K mismatch", _with(2, torch.zeros(E, N, 128, dtype=torch.uint8)), {}, ValueError, "K mismatch"),
+    ("wrong expert count", _with(4, torch.tensor([100, 100])), {}, ValueError, "one entry per expert"),
+    ("K not a multiple of 16", None, {}, ValueError, "K must be a positive multiple of 16"),
+    ("N not a multiple of 8", None, {}, ValueError, "N must be a positive multiple of 8"),
+    ("a scales not transposed", _with(1, torch.ones(T, K // 128)), {}, ValueError,
+     r"a_scale_inv must be \(2, >= 200\)"),
+    ("a scales too few tokens", _with(1, torch.ones(K // 128, 196)), {}, ValueError, r"a_scale_inv must be"),
+    ("a scales odd row stride", _with(1, torch.ones(K // 128, 201)), {}, ValueError, "multiple of 4"),
+    ("a scales column-major", _with(1, torch.ones(T, K // 128).t()), {}, ValueError, "unit stride along tokens"),
+    ("b scales one expert short", _with(3, torch.ones(E - 1, N // 128, 4)), {}, ValueError,
+     r"b_scale_inv must be \(3, 3, >= 2\)"),
+    ("b scales missing k-blocks", _with(3, torch.ones(E, N // 128, 1)), {}, ValueError, "b_scale_inv must be"),
+    ("bad tile", _ok_args(), {"tile": (128, 256)}, ValueError, "BN in"),
+]
+
+
+def _bad_case(case):
+    name, args, kw, exc, match = case
+    if name == "K not a multiple of 16":
+        args = _ok_args()
+        args[0] = torch.zeros(T, 200, dtype=torch.uint8)
+        args[2] = torch.zeros(E, N, 200, dtype=torch.uint8)
+    if name == "N not a multiple of 8":
+        args = _ok_args()
+        args[2] = torch.zeros(E, 380, K, dtype=torch.uint8)
+    return args, kw, exc, match
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_fp8_entry_point_refuses_bad_input_clearly(case):
+    args, kw, exc, match = _bad_case(case)
+    with pytest.raises(exc, match=match):
+        _call(args, **kw)
+
+
+def test_fp8_entry_point_takes_te_layouts_and_wants_a_gpu():
+    """Well-formed operands pass every check but the device one (these are CPU tensors); the 2-D
+    stacked form of B's scales, (E * ceil(N/128), Kp), is accepted as well."""
+    with pytest.raises(ValueError, match="on one CUDA device"):
+        _call(_ok_args())
+    args = _ok_args()
+    args[3] = torch.ones(E * (N // 128), 4)
+    with pytest.raises(ValueError, match="on one CUDA device"):
+        _call(args)
+    args = _ok_args()
+    args[1] = torch.ones(K // 128, 256)[:, :T]  # a view of a wider buffer: the row stride is 256
+    with pytest.raises(ValueError, match="on one CUDA device"):
+        _call(args)
+
+
+def test_fp8_tile_choice():
+    assert kernels.pick_tile_fp8(1856) == (128, 128)
+    assert kernels.pick_tile_fp8(64) == (128, 64)
+
+
+@needs_dsl
+def test_fp8_fault_isolation_variant_drops_only_the_scale_copy(monkeypatch):
+    """LOAD_A_SCALES=False (diagnose_fp8_gemm.py's case) compiles without the A-scale TMA and its bytes."""
+    from te_offload_ops.kernels.gemm_fp8_sm90 import GroupedGemmFp8Sm90
+
+    def ptx(load):
+        monkeypatch.setattr(GroupedGemmFp8Sm90, "LOAD_A_SCALES", load)
+        _, compiled, _ = kernels.compile_variant_fp8(256, 256, 2, cluster_n=1, options="--keep-ptx")
+        return str(compiled.artifacts.PTX)
+
+    full, bare = ptx(True), ptx(False)
+    copies = re.compile(r"cp\.async\.bulk\.tensor\.\dd")
+    assert len(copies.findall(full)) == 3 and len(copies.findall(bare)) == 2
+    tx = re.compile(r"mov\.b32\s+%r\d+,\s*(\d+);\s*\n\s*mbarrier\.arrive\.expect_tx")
+    assert [int(x) for x in tx.findall(full)] == [2 * 128 * 128 + 128 * 4]  # A, B (BN=128), A scales
+    assert [int(x) for x in tx.findall(bare)] == [2 * 128 * 128]
