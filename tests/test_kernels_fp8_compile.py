@@ -208,7 +208,8 @@ def test_fp8_tile_choice():
 
 @needs_dsl
 def test_fp8_fault_isolation_variant_drops_only_the_scale_copy(monkeypatch):
-    """LOAD_A_SCALES=False (diagnose_fp8_gemm.py's case) compiles without the A-scale TMA and its bytes."""
+    """The A-scale box is BM + 4 rows (it starts at the tile row rounded down to 16 bytes); LOAD_A_SCALES=False
+    (diagnose_fp8_gemm.py's case) compiles without that TMA and its bytes."""
     from te_offload_ops.kernels.gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
     def ptx(load):
@@ -220,5 +221,5 @@ def test_fp8_fault_isolation_variant_drops_only_the_scale_copy(monkeypatch):
     copies = re.compile(r"cp\.async\.bulk\.tensor\.\dd")
     assert len(copies.findall(full)) == 3 and len(copies.findall(bare)) == 2
     tx = re.compile(r"mov\.b32\s+%r\d+,\s*(\d+);\s*\n\s*mbarrier\.arrive\.expect_tx")
-    assert [int(x) for x in tx.findall(full)] == [2 * 128 * 128 + 128 * 4]  # A, B (BN=128), A scales
+    assert [int(x) for x in tx.findall(full)] == [2 * 128 * 128 + (128 + 4) * 4]  # A, B (BN=128), A scales from an aligned row
     assert [int(x) for x in tx.findall(bare)] == [2 * 128 * 128]

@@ -38,10 +38,14 @@ overlaps the other's WGMMAs.
 
 Scale loads
 -----------
-* ``sa``: the producer's TMA brings the 128 scales of the tile's rows for k-block ``kb`` (one
-  512-byte box of the transposed scale tensor, starting at the tile's first row) into the stage
-  with the A and B tiles, on the same mbarrier. The consumers read their two rows' scales from
-  shared memory before issuing the WGMMAs (the stage is released before the promotion).
+* ``sa``: the producer's TMA brings the scales of the tile's rows for k-block ``kb`` (one box
+  of the transposed scale tensor) into the stage with the A and B tiles, on the same mbarrier.
+  Tokens are that tensor's innermost dimension, and TMA faults (illegal instruction) on a box
+  whose innermost start is not 16-byte aligned; a tile starts at any row (experts' counts are
+  arbitrary), so the box starts at the tile's first row rounded down to a multiple of 4 and holds
+  ``BM + 4`` scales; the consumers index it with the tile's offset from that row. They read their
+  two rows' scales from shared memory before issuing the WGMMAs (the stage is released before the
+  promotion).
 * ``sb``: one value per (expert, 128-column block, k-block), the same for every thread; the
   consumers load it from global memory one k-block ahead, so its latency hides under the WGMMAs.
   A BN=192 tile straddles two 128-column scale blocks: it loads both and picks per column group.
@@ -74,6 +78,10 @@ from .gemm_sm90 import _CONSUMER_REGS, _PRODUCER_REGS, _THREADS, _WG, GroupedGem
 SCALE_BLOCK = 128  # Float8BlockScaling's block length (1 x 128 and 128 x 128)
 _BK = SCALE_BLOCK  # one k-tile per scale block: the promotion happens once per k-tile
 TILE_NS = (64, 128, 192)  # tmp and acc stay in registers: BN fp32 registers a consumer thread
+# A's scales are read from the tile's first row rounded down to 16 bytes (TMA's innermost start
+# must be 16-byte aligned): 4 fp32 more than the tile's rows, each stage's box 128-byte aligned
+_SA_ALIGN = 4
+_SA_STAGE_FLOATS = 32 * -(-(128 + _SA_ALIGN) // 32)
 
 
 class GroupedGemmFp8Sm90(GroupedGemmSm90):
@@ -114,7 +122,9 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             raise ValueError(f"B's scale rows must hold ceil(K / 128) = {self.k_tiles} k-blocks, got {sb_cols}")
         # a BN=192 tile covers parts of two 128-column scale blocks; 64 and 128 lie inside one
         self.straddles = SCALE_BLOCK % bn != 0
-        stage_bytes = (bm + bn) * _BK + bm * 4  # A and B tiles (1-byte elements), A's scales
+        if bm + _SA_ALIGN > _SA_STAGE_FLOATS:
+            raise ValueError(f"FP8 tiles take BM <= {_SA_STAGE_FLOATS - _SA_ALIGN}, got {bm}")
+        stage_bytes = (bm + bn) * _BK + _SA_STAGE_FLOATS * 4  # A and B tiles (1-byte elements), A's scales
         budget = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 2048
         budget -= self.n_out * self.epi_elems * (out_dtype.width // 8)  # epilogue staging
         budget -= 1024  # alignment of the A-scale buffers
@@ -160,7 +170,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         tile_mnk = (bm, bn, bk)
         sa_layout = sm90_utils.make_smem_layout_a(k_major, tile_mnk, ab, self.stages)
         sb_layout = sm90_utils.make_smem_layout_b(k_major, tile_mnk, ab, self.stages)
-        ssa_layout = cute.make_layout((bm, 1, self.stages))
+        sa_box = bm + _SA_ALIGN
+        ssa_layout = cute.make_layout((sa_box, 1, self.stages), stride=(1, sa_box, _SA_STAGE_FLOATS))
         tma_a, g_a = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SMulticastOp()
             if cutlass.const_expr(self.cluster_n > 1) else cpasync.CopyBulkTensorTileG2SOp(),
@@ -174,7 +185,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(sb_layout, (None, None, 0)), (bn, bk),
         )
         tma_sa, g_sa = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_sa, cute.slice_(ssa_layout, (None, None, 0)), (bm, 1),
+            cpasync.CopyBulkTensorTileG2SOp(), m_sa, cute.slice_(ssa_layout, (None, None, 0)), (sa_box, 1),
         )
 
         @cute.struct
@@ -290,8 +301,9 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             expert, n_blk, a_row, _, k_tiles, _, _, _, shares_a = self._work(m_split, tile, rank, num_tokens)
             g_a_tile = cute.local_tile(cute.domain_offset((a_row, 0), g_a), (bm, bk), (0, None))
             g_b_tile = cute.local_tile(g_b[None, None, expert], (bn, bk), (n_blk, None))
-            # the tile's 128 row scales of every k-block: (BM, 1, k-blocks)
-            g_sa_tile = cute.local_tile(cute.domain_offset((a_row, 0), g_sa), (bm, 1), (0, None))
+            # the scales of the tile's rows in every k-block, from an aligned row: (BM + 4, 1, k-blocks)
+            sa_row = a_row - a_row % _SA_ALIGN  # a 16-byte aligned start for TMA
+            g_sa_tile = cute.local_tile(cute.domain_offset((sa_row, 0), g_sa), (bm + _SA_ALIGN, 1), (0, None))
             t_sa, t_ga = cpasync.tma_partition(
                 tma_a, rank, cute.make_layout(self.cluster_n),
                 cute.group_modes(sa, 0, 2), cute.group_modes(g_a_tile, 0, 2),
@@ -362,6 +374,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         while tile < n_work:
             expert, n_blk, _, _, k_tiles, _, row0, rows_here, _ = self._work(m_split, tile, rank, num_tokens)
             cols_here = self.n - n_blk * bn
+            sa_shift = row0 % _SA_ALIGN  # the tile's first row in the stage's scale box
             # B's scale block(s) of this tile's columns
             sblk0 = (n_blk * bn) // 128
             sblk1 = sblk0
@@ -389,7 +402,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 # the stage is released before the promotion: read its A scales first
                 for i in cutlass.range_constexpr(n_rows):
                     if cutlass.const_expr(self.LOAD_A_SCALES):
-                        sa_r[i] = ssa[rows[i], 0, cons.index]
+                        sa_r[i] = ssa[rows[i] + sa_shift, 0, cons.index]
                     else:
                         sa_r[i] = cutlass.Float32(1.0)
                 warpgroup.fence()
