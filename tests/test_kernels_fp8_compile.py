@@ -89,6 +89,10 @@ def test_fp8_variant_compiles_for_sm90a(n, k, e, tile, cluster_n, out_dtype):
     assert ("multicast::cluster" in ptx) == (kern.cluster_n == 2)
     assert "setmaxnreg.dec.sync.aligned.u32" in ptx and "setmaxnreg.inc.sync.aligned.u32" in ptx
     assert "st.global.v4.b32" in ptx  # the staged epilogue's 16-byte stores
+    # A's scales: tokens are that tensor's innermost dimension, and TMA faults on an innermost start
+    # that is not 16-byte aligned: the box's first token is rounded down to a multiple of 4
+    firsts = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.\S* \[[^\]]*\], \[%rd\d+, \{(%r\d+)[,}]", ptx)
+    assert any(re.search(rf"and\.b32\s+{re.escape(r)}, %r\d+, -4;", ptx) for r in firsts), firsts
     if kern.straddles:  # BN=192: a scale chosen per column group
         assert "selp.f32" in ptx
     usage = ""
