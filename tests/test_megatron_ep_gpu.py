@@ -68,6 +68,10 @@ def ranks(tmp_path_factory):
 def case(ranks, name: str) -> list[dict]:
     results, log = ranks
     found = [r.get(name) for r in results]
+    group = name.split("/")[0]  # the worker's case that measures it; its error where it failed as a whole
+    for r, f in enumerate(found):
+        if f is None and "error" in (results[r].get(group) or {}):
+            pytest.fail(f"rank {r}: case {group} failed before it measured {name}:\n{results[r][group]['error']}")
     if any(f is None for f in found):
         pytest.fail(f"case {name} is missing from a rank's results (the worker stopped before it?); output ends:\n"
                     + log[-4000:])

@@ -342,6 +342,21 @@ time.sleep(90)
     assert all(_gone(p) for p in pids)
 
 
+def test_the_ep_test_names_the_error_of_a_case_that_failed_as_a_whole():
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_megatron_ep_gpu as ep
+
+    results = [{"ep_overlap": {"error": "Traceback ...\nValueError: no schedule"}},
+               {"ep_overlap/ours": {"plan": "FusedScaledSReLUMLP"}}]
+    with pytest.raises(pytest.fail.Exception, match="rank 0: case ep_overlap failed before it measured "
+                                                    "ep_overlap/ours:\nTraceback ...\nValueError: no schedule"):
+        ep.case((results, "log"), "ep_overlap/ours")
+    with pytest.raises(pytest.fail.Exception, match="case numerics is missing"):
+        ep.case((results, "log"), "numerics")
+    ok = [{"teo/layer": {"plan": "p"}}] * 2
+    assert ep.case((ok, "log"), "teo/layer") == [{"plan": "p"}] * 2
+
+
 def test_the_processes_below_one_are_found_and_the_callers_group_is_spared(monkeypatch):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # in this test's group
     try:
