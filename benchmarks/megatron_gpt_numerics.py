@@ -224,9 +224,28 @@ class RoutingTape:
         def hook(router, args, output):
             replay = router.router_replay
             used = replay.target_topk_idx if self.replay is not None else replay.recorded_topk_idx
+            if used is None:
+                raise RuntimeError(f"router {i} routed without its RouterReplay: nothing was recorded")
+            self._check_routed(i, output, used)
             self.topk[i].append(used.detach().clone())
             replay.clear_indices()  # drops the replay's own list of what it was given
         return hook
+
+    def _check_routed(self, i: int, output, used) -> None:
+        """The tape holds what the router was meant to route by; a router that routed by anything
+        else (a path that bypasses RouterReplay) would make every flip count of a replay read 0.
+        Megatron's routers return (probs, routing_map [tokens, experts]): no token may go to an
+        expert outside its top-k (a subset, so dropped tokens pass)."""
+        import torch
+
+        routing_map = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else None
+        if not (torch.is_tensor(routing_map) and routing_map.dtype == torch.bool and routing_map.dim() == 2
+                and routing_map.shape[0] == used.shape[0]):
+            return
+        chosen = torch.zeros_like(routing_map).scatter(1, used.to(routing_map.device), True)
+        if bool((routing_map & ~chosen).any()):
+            raise RuntimeError(f"router {i} routed tokens to experts outside the top-k it "
+                               f"{'was given' if self.replay is not None else 'recorded'}: RouterReplay was bypassed")
 
     def __exit__(self, *exc):
         from megatron.core.transformer.moe.router_replay import RouterReplay

@@ -238,6 +238,33 @@ def test_a_replay_must_cover_every_call_and_every_router():
         mn.RoutingTape(torch.nn.Linear(2, 2))
 
 
+class BypassingRouter(Router):
+    """Has a RouterReplay but routes by its own top-k (as a fused router would)."""
+
+    def forward(self, x):
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+        return topk_routing_with_score_function(x @ self.weight.t(), self.k)
+
+
+@requires_megatron
+def test_a_router_that_bypasses_the_replay_is_caught_not_counted_as_held():
+    torch.manual_seed(1)
+    model = Model()
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1 + 0.05 * torch.randn_like(p))
+    xs = [torch.randn(256, 32) for _ in range(2)]
+    _, _, recorded = _step(model, xs)
+    for layer in other.layers:
+        layer.router.__class__ = BypassingRouter
+    with pytest.raises(RuntimeError, match="router 0 routed tokens to experts outside the top-k it was given"):
+        _step(other, xs, replay=recorded.topk)
+    with pytest.raises(RuntimeError, match="router 0 routed without its RouterReplay"):
+        _step(other, xs)
+
+
 @requires_megatron
 def test_moe_hooks_keep_the_first_layers_traffic_and_perturb_every_layer():
     torch.manual_seed(3)
