@@ -10,6 +10,7 @@ No torch here: tested with stand-in scripts (tests/test_megatron_gpt_bench.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -38,11 +39,44 @@ def command(script: Path, argv: list, ranks: int) -> list:
             *argv]
 
 
+def descendants(pid: int) -> list:
+    """The processes below ``pid`` (children first), from /proc; [] where there is none to read."""
+    children: dict = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not a process's stat
+        children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(0), [])
+        found += below
+        todo += below
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every process below it with its own group: torchrun
+    starts each rank in a session of its own, so the ranks (and what they started) are outside
+    torchrun's group, and a SIGKILL to torchrun alone leaves them running, holding their GPUs and
+    the output pipe. The caller's own group is spared."""
+    own = os.getpgrp()
+    for target in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            group = os.getpgid(target)
+            if group != own:
+                os.killpg(group, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(target, signal.SIGKILL)
+
+
 def run(cmd: list, out: Path, *, env: dict, cwd: Path, timeout: float, show: Callable[[str], None],
         log_path: Optional[Path] = None) -> dict:
     """Runs ``cmd`` (whose ranks write ``out/rank<r>.json``) to its end or ``timeout`` seconds
-    (then its process group is killed); progress lines go to ``show``. Returns the ranks' results
-    in rank order, the exit status, the seconds, whether it timed out, and its last lines."""
+    (then it is killed with its ranks, :func:`kill_tree`); progress lines go to ``show``. Returns
+    the ranks' results in rank order, the exit status, the seconds, whether it timed out, and its
+    last lines."""
     tail = deque(maxlen=TAIL_LINES)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -51,10 +85,7 @@ def run(cmd: list, out: Path, *, env: dict, cwd: Path, timeout: float, show: Cal
 
     def kill():
         expired.set()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the job's own group: torchrun and its ranks
-        except ProcessLookupError:
-            pass
+        kill_tree(proc.pid)
 
     timer = threading.Timer(timeout, kill)
     timer.start()
@@ -86,11 +117,12 @@ def failure(job: dict, ranks: int) -> Optional[str]:
     """Why a job gave no full result (None where every rank wrote one and it ended well)."""
     if job["timed_out"]:
         return f"ran past the time limit and was stopped ({len(job['per_rank'])} of {ranks} ranks wrote results)"
-    if len(job["per_rank"]) < ranks:
-        return f"{len(job['per_rank'])} of {ranks} ranks wrote results (exit status {job['rc']})"
+    # a rank that failed writes why and exits, and torchrun then stops the others before they write
     errors = [r["error"] for r in job["per_rank"] if "error" in r]
     if errors:
         return errors[0]
+    if len(job["per_rank"]) < ranks:
+        return f"{len(job['per_rank'])} of {ranks} ranks wrote results (exit status {job['rc']})"
     if job["rc"] != 0:
         return f"the processes ended with exit status {job['rc']}"
     return None

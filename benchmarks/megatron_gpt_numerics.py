@@ -82,13 +82,41 @@ def tokens_per_layer(topk: list) -> list:
     return [sum(int(t.shape[0]) for t in calls) for calls in topk]
 
 
-def perturbed(y, rel: float, generator):
-    """``y`` plus random noise of relative size ``rel`` per element (so ``rel_err`` of the result
-    against ``y`` is about ``rel``); the gradient passes through unchanged."""
+def perturbed(y, rel: float, generator, tries: int = 40):
+    """``y`` plus random noise whose ``rel_err`` against ``y`` after rounding to ``y``'s dtype is
+    ``rel`` (within 10% where ``tries`` steps of the search reach it); the gradient passes through
+    unchanged.
+
+    Rounding to bf16 swallows a perturbation below half a unit in the last place (about 2e-3
+    relative), so noise added as asked reaches about 5e-4 at 1e-3 and nothing at 3e-4. For one
+    draw of the noise the rounded perturbation grows with its scale, so the scale that reaches
+    ``rel`` is searched for: doubling up to a bracket, then bisection."""
     import torch
 
+    if rel <= 0:  # nothing to match (ours equal to stock): no noise
+        return y + torch.zeros_like(y)
     noise = torch.randn(y.shape, generator=generator, device=y.device, dtype=torch.float32)
-    return y + (y.detach().float() * noise * rel).to(y.dtype)
+    base = y.detach()
+
+    def attempt(scale):
+        delta = (base.float() * noise * scale).to(y.dtype)
+        return rel_err(base + delta, base), delta
+
+    lo, hi = 0.0, None  # scales known to reach less than rel, and at least rel
+    scale, best = rel, None
+    for _ in range(tries):
+        reached, delta = attempt(scale)
+        if best is None or abs(reached - rel) < best[0]:
+            best = (abs(reached - rel), delta)
+        if abs(reached / rel - 1.0) <= 0.1:
+            break
+        if reached < rel:
+            lo = scale
+            scale = 2.0 * scale if hi is None else 0.5 * (scale + hi)
+        else:
+            hi = scale
+            scale = 0.5 * (lo + scale)
+    return y + best[1]
 
 
 # -- across ranks, and the bounds (no GPU) -------------------------------------------------------
@@ -224,9 +252,28 @@ class RoutingTape:
         def hook(router, args, output):
             replay = router.router_replay
             used = replay.target_topk_idx if self.replay is not None else replay.recorded_topk_idx
+            if used is None:
+                raise RuntimeError(f"router {i} routed without its RouterReplay: nothing was recorded")
+            self._check_routed(i, output, used)
             self.topk[i].append(used.detach().clone())
             replay.clear_indices()  # drops the replay's own list of what it was given
         return hook
+
+    def _check_routed(self, i: int, output, used) -> None:
+        """The tape holds what the router was meant to route by; a router that routed by anything
+        else (a path that bypasses RouterReplay) would make every flip count of a replay read 0.
+        Megatron's routers return (probs, routing_map [tokens, experts]): no token may go to an
+        expert outside its top-k (a subset, so dropped tokens pass)."""
+        import torch
+
+        routing_map = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else None
+        if not (torch.is_tensor(routing_map) and routing_map.dtype == torch.bool and routing_map.dim() == 2
+                and routing_map.shape[0] == used.shape[0]):
+            return
+        chosen = torch.zeros_like(routing_map).scatter(1, used.to(routing_map.device), True)
+        if bool((routing_map & ~chosen).any()):
+            raise RuntimeError(f"router {i} routed tokens to experts outside the top-k it "
+                               f"{'was given' if self.replay is not None else 'recorded'}: RouterReplay was bypassed")
 
     def __exit__(self, *exc):
         from megatron.core.transformer.moe.router_replay import RouterReplay

@@ -276,6 +276,7 @@ def main(argv=None) -> int:
             out["cases"].update(CASE_FUNCS[case](rank))
         except Exception:  # noqa: BLE001
             out["cases"][case] = {"error": traceback.format_exc()}
+            print(f"[rank {rank}] {case} failed:\n{out['cases'][case]['error']}", flush=True)
         path.write_text(json.dumps(out, indent=1, default=str))
         print(f"[rank {rank}] {case} done", flush=True)
     torch.distributed.barrier()

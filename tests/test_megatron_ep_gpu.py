@@ -15,7 +15,6 @@ where fewer than two GPUs are visible.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,10 +25,14 @@ from megatron_skip import megatron_skip_reason
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "megatron_ep_worker.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import megatron_gpt_jobs as jobs  # noqa: E402
 import megatron_gpt_numerics as numerics  # noqa: E402
 from megatron_gpt_model import EXPERT_OFFLOAD_CHOICES, worker_env  # noqa: E402
 
 RANKS = 2
+# the worker takes 2-4 minutes; past 8 its ranks are stuck (out of step in a collective, where
+# NCCL's own timeout is 5 minutes per call) and are stopped
+WORKER_TIMEOUT_S = 480
 REL_TOL = 2e-2  # bf16: our fused kernels against TE's unfused ops; a wrong or missing term is off by O(1)
 MODEL_REL_TOL = 3e-2  # every grad of a 2-layer GPTModel, ours on two schedules (the same kernels)
 LOSS_REL_TOL = 5e-3
@@ -39,17 +42,16 @@ _SKIP = megatron_skip_reason(gpus=RANKS)
 pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """Each rank's results ({case: measurements}), from one torchrun of the worker."""
-    out = tmp_path_factory.mktemp("megatron_ep")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
-           str(WORKER), "--out", str(out)]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=900)
-        log = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        log = f"timed out after {exc.timeout} s\n{exc.stdout or ''}{exc.stderr or ''}"
+def run_worker(out: Path, worker: Path = WORKER, timeout: float = WORKER_TIMEOUT_S) -> tuple[list, str]:
+    """Each rank's results ({case: measurements}) from one torchrun of ``worker``, and its output.
+    Past ``timeout`` the ranks are killed with torchrun (megatron_gpt_jobs.run): a SIGKILL to
+    torchrun alone would leave them on the GPUs, in sessions of their own."""
+    log_path = out / "worker.log"
+    job = jobs.run(jobs.command(worker, ["--out", str(out)], RANKS), out, env=worker_env(), cwd=ROOT,
+                   timeout=timeout, show=print, log_path=log_path)
+    log = log_path.read_text(errors="replace")
+    if job["timed_out"]:
+        log += f"\n(stopped: ran past {timeout:g} s)"
     files = [out / f"rank{r}.json" for r in range(RANKS)]
     if not all(f.exists() for f in files):
         pytest.fail(f"the worker wrote {sum(f.exists() for f in files)} of {RANKS} rank files; its output ends:\n"
@@ -59,9 +61,19 @@ def ranks(tmp_path_factory):
     return results, log
 
 
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Each rank's results and the worker's output (:func:`run_worker`)."""
+    return run_worker(tmp_path_factory.mktemp("megatron_ep"))
+
+
 def case(ranks, name: str) -> list[dict]:
     results, log = ranks
     found = [r.get(name) for r in results]
+    group = name.split("/")[0]  # the worker's case that measures it; its error where it failed as a whole
+    for r, f in enumerate(found):
+        if f is None and "error" in (results[r].get(group) or {}):
+            pytest.fail(f"rank {r}: case {group} failed before it measured {name}:\n{results[r][group]['error']}")
     if any(f is None for f in found):
         pytest.fail(f"case {name} is missing from a rank's results (the worker stopped before it?); output ends:\n"
                     + log[-4000:])

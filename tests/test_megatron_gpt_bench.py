@@ -261,6 +261,9 @@ print("done")
     assert mgj.failure({**job, "per_rank": job["per_rank"][:3]}, 5) == "3 of 5 ranks wrote results (exit status 0)"
     assert mgj.failure({**job, "per_rank": job["per_rank"][:1], "rc": 1}, 1) == \
         "the processes ended with exit status 1"
+    # the rank that failed, not the ranks torchrun stopped after it
+    assert mgj.failure({**job, "per_rank": [{"rank": 1, "error": "OutOfMemoryError: ..."}], "rc": 1}, 2) == \
+        "OutOfMemoryError: ..."
 
 
 def _gone(pid: int) -> bool:
@@ -289,6 +292,84 @@ time.sleep(120)
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(pid)
+
+
+def test_a_torchrun_job_past_its_time_limit_is_stopped_with_its_ranks(tmp_path):
+    # torchrun starts each rank in a session of its own: killing torchrun's group leaves them
+    out = tmp_path / "out"
+    out.mkdir()
+    script = _script(tmp_path, """
+import os
+(out.parent / f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+print("[progress] waiting", flush=True)
+time.sleep(90)
+""")
+    t0 = time.monotonic()
+    job = mgj.run(mgj.command(script, [str(out)], 2), out, env=mgm.worker_env(), cwd=tmp_path, timeout=15,
+                  show=lambda text: None)
+    assert job["timed_out"] and time.monotonic() - t0 < 45
+    pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in range(2)]
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in pids)
+
+
+def test_the_ep_tests_worker_past_its_time_limit_is_stopped_with_its_ranks(tmp_path):
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_megatron_ep_gpu as ep
+
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = tmp_path / "worker.py"
+    worker.write_text("""import json, os, sys, time
+from pathlib import Path
+out, rank = Path(sys.argv[2]), os.environ["RANK"]
+(out.parent / f"rank{rank}.pid").write_text(str(os.getpid()))
+(out / f"rank{rank}.json").write_text(json.dumps({"cases": {"a": {"rank": int(rank)}}}))
+print(f"[rank {rank}] a done", flush=True)
+time.sleep(90)
+""")
+    t0 = time.monotonic()
+    results, log = ep.run_worker(out, worker=worker, timeout=15)
+    assert time.monotonic() - t0 < 45
+    assert results == [{"a": {"rank": 0}}, {"a": {"rank": 1}}]
+    assert "[rank 1] a done" in log and "(stopped: ran past 15 s)" in log
+    pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in range(2)]
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in pids)
+
+
+def test_the_ep_test_names_the_error_of_a_case_that_failed_as_a_whole():
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_megatron_ep_gpu as ep
+
+    results = [{"ep_overlap": {"error": "Traceback ...\nValueError: no schedule"}},
+               {"ep_overlap/ours": {"plan": "FusedScaledSReLUMLP"}}]
+    with pytest.raises(pytest.fail.Exception, match="rank 0: case ep_overlap failed before it measured "
+                                                    "ep_overlap/ours:\nTraceback ...\nValueError: no schedule"):
+        ep.case((results, "log"), "ep_overlap/ours")
+    with pytest.raises(pytest.fail.Exception, match="case numerics is missing"):
+        ep.case((results, "log"), "numerics")
+    ok = [{"teo/layer": {"plan": "p"}}] * 2
+    assert ep.case((ok, "log"), "teo/layer") == [{"plan": "p"}] * 2
+
+
+def test_the_processes_below_one_are_found_and_the_callers_group_is_spared(monkeypatch):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # in this test's group
+    try:
+        assert child.pid in mgj.descendants(os.getpid())
+        killed = []
+        monkeypatch.setattr(mgj.os, "killpg", lambda group, sig: killed.append(("group", group)))
+        monkeypatch.setattr(mgj.os, "kill", lambda pid, sig: killed.append(("pid", pid)))
+        mgj.kill_tree(child.pid)
+        assert killed == [("pid", child.pid)]  # its group is the caller's: not killed as a group
+    finally:
+        monkeypatch.undo()
+        child.kill()
+        child.wait()
 
 
 def test_the_launcher_runs_a_job_per_variant_and_ep_then_numerics_and_cap_trials_and_reports(tmp_path, monkeypatch,
