@@ -58,8 +58,8 @@ def descendants(pid: int) -> list:
 
 def kill_tree(pid: int) -> None:
     """SIGKILL ``pid``'s process group and every process below it with its own group: torchrun
-    starts each rank in a session of its own, so the ranks (and what they started) are outside
-    torchrun's group, and a SIGKILL to torchrun alone leaves them running, holding their GPUs and
+    runs each rank in a process group of its own (setsid), so the ranks (and what they started) are
+    outside torchrun's group, and a SIGKILL to torchrun alone leaves them running, holding their GPUs and
     the output pipe. The caller's own group is spared."""
     own = os.getpgrp()
     for target in [pid, *descendants(pid)]:

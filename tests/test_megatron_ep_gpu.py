@@ -45,7 +45,7 @@ pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 def run_worker(out: Path, worker: Path = WORKER, timeout: float = WORKER_TIMEOUT_S) -> tuple[list, str]:
     """Each rank's results ({case: measurements}) from one torchrun of ``worker``, and its output.
     Past ``timeout`` the ranks are killed with torchrun (megatron_gpt_jobs.run): a SIGKILL to
-    torchrun alone would leave them on the GPUs, in sessions of their own."""
+    torchrun alone would leave them on the GPUs, each in a process group of its own."""
     log_path = out / "worker.log"
     job = jobs.run(jobs.command(worker, ["--out", str(out)], RANKS), out, env=worker_env(), cwd=ROOT,
                    timeout=timeout, show=print, log_path=log_path)

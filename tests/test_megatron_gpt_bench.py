@@ -295,7 +295,7 @@ time.sleep(120)
 
 
 def test_a_torchrun_job_past_its_time_limit_is_stopped_with_its_ranks(tmp_path):
-    # torchrun starts each rank in a session of its own: killing torchrun's group leaves them
+    # torchrun runs each rank in a process group of its own (setsid): killing torchrun's group leaves them
     out = tmp_path / "out"
     out.mkdir()
     script = _script(tmp_path, """

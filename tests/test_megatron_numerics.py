@@ -213,17 +213,22 @@ def test_replaying_a_models_own_routing_reproduces_it_bitwise():
     assert mn.flips_per_layer(replayed.topk, recorded.topk) == [0, 0, 0]
 
 
-@requires_megatron
-def test_a_replay_routes_a_perturbed_model_as_the_recorded_one_and_trains_its_router():
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
+def _model_and_a_perturbed_copy():
+    """A model, a copy with every weight off by about 5% (it routes some tokens otherwise), and inputs."""
     torch.manual_seed(1)
     model = Model()
     other = copy.deepcopy(model)
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(1 + 0.05 * torch.randn_like(p))
-    xs = [torch.randn(256, 32) for _ in range(2)]
+    return model, other, [torch.randn(256, 32) for _ in range(2)]
+
+
+@requires_megatron
+def test_a_replay_routes_a_perturbed_model_as_the_recorded_one_and_trains_its_router():
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    model, other, xs = _model_and_a_perturbed_copy()
     _, _, recorded = _step(model, xs)
     _, _, own = _step(other, xs)
     assert sum(mn.flips_per_layer(own.topk, recorded.topk)) > 0  # the perturbation moves tokens...
@@ -264,13 +269,7 @@ class BypassingRouter(Router):
 
 @requires_megatron
 def test_a_router_that_bypasses_the_replay_is_caught_not_counted_as_held():
-    torch.manual_seed(1)
-    model = Model()
-    other = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.mul_(1 + 0.05 * torch.randn_like(p))
-    xs = [torch.randn(256, 32) for _ in range(2)]
+    model, other, xs = _model_and_a_perturbed_copy()
     _, _, recorded = _step(model, xs)
     for layer in other.layers:
         layer.router.__class__ = BypassingRouter
