@@ -98,7 +98,9 @@ def offloads(v: Variant) -> bool:
     return bool(v.offload_modules) or v.teo_scope is not None
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """The launcher's options; its workers get the same ones (through torchrun at EP > 1, whose own
+    parser must not mistake one of them for an abbreviation of its options)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = GPTShape()
     for name, default, help_ in [("layers", d.layers, "transformer layers (each an MoE layer)"),
@@ -133,7 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--job-timeout", type=float, default=300.0,
                    help="seconds one job (a variant at one EP, a numerics job, a cap trial) may run before it is "
                         "stopped (default 300)")
-    p.add_argument("--logs", type=Path, default=None,
+    p.add_argument("--job-logs", type=Path, default=None,
                    help="keep every job's whole output here (default: a failing job's last lines are printed)")
     p.add_argument("--out", type=Path, default=HERE / "results", help="folder for JSON, markdown, PNG")
     # set by the launcher for a worker: one job at one EP
@@ -142,6 +144,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker-job", choices=JOBS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-micro-batch", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = parser()
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what the workers are launched with
     for name in ("layers", "hidden", "heads", "ffn", "experts", "topk", "seq", "micro_batch", "microbatches",
@@ -442,13 +449,13 @@ def run_job(args, ep: int, label: str, job: str, **what) -> dict:
     env = worker_env()
     if job == "numerics":  # bitwise comparisons need TE's deterministic kernels
         env["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
-    if args.logs is not None:
-        args.logs.mkdir(parents=True, exist_ok=True)
+    if args.job_logs is not None:
+        args.job_logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = jobs.command(Path(__file__).resolve(), job_argv(args, ep, Path(tmp), job, **what), ep)
         found = jobs.run(cmd, Path(tmp), env=env, cwd=HERE.parent, timeout=args.job_timeout,
                          show=lambda text: log(f"    {label}: {text}"),
-                         log_path=None if args.logs is None else args.logs / f"{stem}.log")
+                         log_path=None if args.job_logs is None else args.job_logs / f"{stem}.log")
     found["failure"] = jobs.failure(found, ep)
     if found["failure"] is not None:
         log(f"{label} failed: {found['failure']}; its output ends:\n{found['tail']}")

@@ -536,3 +536,15 @@ def test_the_multi_gpu_and_fp8_tests_skip_with_their_reasons_here():
     if not torch.cuda.is_available():
         assert "needs a CUDA GPU" in proc.stdout
     assert " passed" not in proc.stdout and " failed" not in proc.stdout
+
+
+def test_torchrun_passes_every_launcher_option_through_to_the_ranks(tmp_path):
+    # torchrun's parser rejects an option of the script that abbreviates two of its own
+    from torch.distributed.run import get_args_parser
+
+    options = [a.option_strings[0] for a in mg.parser()._actions if a.option_strings and a.option_strings[0] != "-h"]
+    assert "--job-logs" in options and len(options) > 20
+    cmd = mgj.command(Path(mg.__file__).resolve(), [*options, "--worker-job", "time"], 2)
+    launched = get_args_parser().parse_args(cmd[3:])
+    assert launched.training_script == str(Path(mg.__file__).resolve())
+    assert launched.training_script_args == [*options, "--worker-job", "time"]
