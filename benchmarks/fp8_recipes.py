@@ -13,7 +13,8 @@ implementation:
 - bytes TE's V2 engine moves per layer, measured: a two-layer stack under
   ``offload_context("v2", num_layers=1)``, the first layer's bytes as the engine's counter adds them.
 
-Where a recipe fails (TE raises), the row holds TE's error for both. Writes JSON, markdown and a
+Where an implementation fails under a recipe (TE raises), its row holds the error; the other is
+still measured. Writes JSON, markdown and a
 PNG into ``--out``.
 """
 
@@ -163,21 +164,23 @@ def measure(recipe_name: str, args) -> list[dict]:
 
     rows = {impl: {"impl": impl, "recipe": recipe_name} for impl in IMPLS}
     mlps, inputs = {impl: make_mlp(impl, args) for impl in IMPLS}, make_inputs(args)
-    try:
-        times = time_ms({impl: (lambda m=mlp: step(m, inputs, recipe_name)) for impl, mlp in mlps.items()},
+    runs = {}
+    for impl in IMPLS:  # each alone first: one that raises (TE's error is its result) leaves the other timed
+        try:
+            step(mlps[impl], inputs, recipe_name)
+            torch.cuda.synchronize()
+            runs[impl] = mlps[impl]
+        except Exception as exc:  # noqa: BLE001
+            rows[impl]["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    if runs:
+        times = time_ms({impl: (lambda m=mlp: step(m, inputs, recipe_name)) for impl, mlp in runs.items()},
                         args.iters)
-        for impl, row in rows.items():
+        for impl in runs:
+            row = rows[impl]
             row["ms"] = times[impl]
             row["saved_MiB"] = saved_bytes(mlps[impl], inputs, recipe_name, args)
             row["v2_moved_MiB"] = v2_moved(impl, args, recipe_name)
             row["plan"] = [type(op).__name__ for group in mlps[impl]._module_groups for op, _ in group._forward_ops]
-    except Exception as exc:  # noqa: BLE001 (TE's own error is the result for this recipe)
-        for impl, row in rows.items():  # each implementation alone, to record its own error
-            try:
-                step(mlps[impl], inputs, recipe_name)
-                row["error"] = f"ran alone, failed beside the other: {type(exc).__name__}: {exc}"
-            except Exception as own:  # noqa: BLE001
-                row["error"] = f"{type(own).__name__}: {str(own).splitlines()[0][:300]}"
     torch.cuda.synchronize()
     return [rows[impl] for impl in IMPLS]
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from transformer_engine.pytorch.ops.fuser import OperationFuser
 
 import te_offload_ops as teo
@@ -60,6 +60,28 @@ def test_explain_fusion_reports_reasons_per_window(hopper):
     report = dict(explain_fusion(seq))
     assert report[0] == []
     assert "not te_offload_ops" in report[1][0]
+
+
+def test_block_scaling_fuses_on_hopper_through_te_fuser(hopper):
+    assert static_blockers(*mlp_ops(), recipe=Float8BlockScaling()) == []
+    assert fused_plan(mlp_ops(), recipe=Float8BlockScaling()) == ([FusedScaledSReLUMLP], [FusedScaledSReLUMLP])
+
+
+@pytest.mark.parametrize("recipe, said", [
+    (Float8BlockScaling(fp8_format=Format.HYBRID), "fp8_format=HYBRID"),
+    (Float8BlockScaling(w_block_scaling_dim=1), "block dims (1, 1, 1)"),
+    (Float8BlockScaling(w_block_scaling_dim=1, grad_block_scaling_dim=2), "block dims (1, 1, 2)"),
+], ids=["hybrid", "w-1d", "grad-2d"])
+def test_block_scaling_the_kernels_do_not_read_falls_back_with_the_reason(hopper, recipe, said):
+    reasons = static_blockers(*mlp_ops(), recipe=recipe)
+    assert any(said in r for r in reasons), reasons
+    assert fused_plan(mlp_ops(), recipe=recipe)[0] == [teo.GroupedLinear, teo.ScaledSReLU, teo.GroupedLinear]
+
+
+def test_block_scaling_needs_fp8_rows_of_16_bytes(hopper):
+    reasons = static_blockers(*mlp_ops(H=64, F=40), recipe=Float8BlockScaling())
+    assert any("out_features=40" in r and "multiple of 16" in r for r in reasons), reasons
+    assert static_blockers(*mlp_ops(H=64, F=40)) == []  # bf16 takes rows of 8
 
 
 @pytest.mark.parametrize("capability, expected", [((10, 0), "sm_100"), ((8, 0), "sm_80"), ((12, 0), "sm_120")])

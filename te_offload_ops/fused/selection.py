@@ -20,12 +20,14 @@ from typing import Any, Optional
 import torch
 
 from .. import te_internals
+from . import block_fp8
 from .expert_weights import weight_dtype
 
 DISABLE_ENV = "TEO_FUSED_SRELU_MLP"  # "0" turns the fusion off (read when TE's fuser fuses)
 
-# TMA needs 16-byte aligned rows: 8 elements of a 16-bit type.
+# TMA needs 16-byte aligned rows: 8 elements of a 16-bit type, 16 of FP8.
 ROW_ALIGNMENT = 8
+FP8_ROW_ALIGNMENT = 16
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -57,9 +59,7 @@ def active_recipe() -> Any:
 
 
 def _recipe_blocker(recipe: Any) -> Optional[str]:
-    if recipe is None:
-        return None
-    return f"a quantization recipe is active ({type(recipe).__name__}); the Hopper kernels are bf16/fp16 only"
+    return block_fp8.recipe_problem(recipe)
 
 
 def _linear_blockers(name: str, op: Any) -> list[str]:
@@ -108,6 +108,12 @@ def static_blockers(fc1: Any, act: Any, fc2: Any, *, recipe: Any = None,
     if act.activation_recompute_in_mlp:
         reasons.append("activation_recompute_in_mlp is set (the fused op chooses what to recompute)")
     reasons += _linear_blockers("fc1", fc1) + _linear_blockers("fc2", fc2)
+    if recipe is not None:  # every dimension is some FP8 GEMM's K
+        for name, op in (("fc1", fc1), ("fc2", fc2)):
+            for dim_name in ("in_features", "out_features"):
+                if getattr(op, dim_name) % FP8_ROW_ALIGNMENT:
+                    reasons.append(f"{name}.{dim_name}={getattr(op, dim_name)} is not a multiple of "
+                                   f"{FP8_ROW_ALIGNMENT}, which FP8 rows need")
     if fc1.num_groups != fc2.num_groups:
         reasons.append(f"fc1 has {fc1.num_groups} groups and fc2 {fc2.num_groups}")
     if fc1.out_features != fc2.in_features:

@@ -27,7 +27,8 @@ from ..capture import GraphCaptureError, capturing
 from ..ops.input_checks import check_input, check_scales, check_split_sizes
 from .expert_weights import expert_weights, weight_dtype, weight_params
 from .row_chunks import block_split_sizes, chunk_rows, expert_row_ranges
-from .selection import runtime_blockers
+from . import block_fp8
+from .selection import active_recipe, runtime_blockers
 from .split_check import check_now, resolve_in_backward, start_check
 from .weight_grads import check_main_grad, weight_grad_bytes, weight_grads
 
@@ -118,24 +119,29 @@ class FusedScaledSReLUMLP(FusedOperation):
             )
         return x, [() for _ in ops]
 
-    def _forward_fused(self, ctxs, x, split_sizes, probs):
-        from .. import kernels
-
-        fc1, act_op, fc2 = self.basic_ops
-        x2d = x.contiguous()  # (tokens, hidden): other ranks run unfused (selection.runtime_blockers)
-        tokens = x2d.shape[0]
-        where = f"{type(self).__name__} ({fc1.num_groups} experts)"
-        check = None
+    def _device_split_sizes(self, x2d, split_sizes):
+        """Split sizes on the GPU, and their pending check (None where they were read on the host)."""
+        where = f"{type(self).__name__} ({self.fc1.num_groups} experts)"
         if split_sizes.device.type == "cpu":  # readable now: check at once, then hand them over
             if capturing():
                 raise GraphCaptureError(
                     f"{where}: split_sizes are on the CPU inside a CUDA graph capture; the captured copy to "
                     "the GPU would read this call's host memory again on every replay. Pass split sizes as a "
                     "CUDA tensor (e.g. a static buffer you copy each step's sizes into before replaying)")
-            check_now(split_sizes, tokens, where)
-            split_sizes = split_sizes.to(x2d.device, non_blocking=True)
-        else:
-            check = start_check(split_sizes, tokens, where)
+            check_now(split_sizes, x2d.shape[0], where)
+            return split_sizes.to(x2d.device, non_blocking=True), None
+        return split_sizes, start_check(split_sizes, x2d.shape[0], where)
+
+    def _forward_fused(self, ctxs, x, split_sizes, probs):
+        from .. import kernels
+
+        fc1, act_op, fc2 = self.basic_ops
+        x2d = x.contiguous()  # (tokens, hidden): other ranks run unfused (selection.runtime_blockers)
+        tokens = x2d.shape[0]
+        split_sizes, check = self._device_split_sizes(x2d, split_sizes)
+        recipe = active_recipe()
+        if recipe is not None:  # selection lets through Float8BlockScaling alone
+            return self._forward_fp8(ctxs, x, x2d, split_sizes, probs, check, recipe)
         probs_flat = probs.reshape(-1)
         ffn, itemsize = fc1.out_features, x2d.element_size()
         rows = chunk_rows(tokens, ffn, itemsize)
@@ -170,6 +176,33 @@ class FusedScaledSReLUMLP(FusedOperation):
         policy.save_for_backward(ctx1, x2d, split_sizes, *w1, offload=fc1.offload, weights=w1, owner=fc1)
         policy.save_for_backward(ctx_act, z, probs_flat, offload=act_op.offload, owner=act_op)
         policy.save_for_backward(ctx2, *w2, offload=fc2.offload, weights=w2, owner=fc2)
+        return y, [(), (), ()]
+
+    def _forward_fp8(self, ctxs, x, x2d, split_sizes, probs, check, recipe):
+        """The forward under Float8BlockScaling (:mod:`.block_fp8`)."""
+        fc1, act_op, fc2 = self.basic_ops
+        probs_flat = probs.reshape(-1)
+        tokens, itemsize = x2d.shape[0], x2d.element_size()
+        # z, act and y in bf16, x and z in FP8 (tokens x (hidden + ffn) bytes)
+        hints.make_room([tokens * fc1.out_features * itemsize, tokens * fc1.out_features * itemsize,
+                         tokens * fc2.out_features * itemsize, tokens * (fc1.in_features + fc1.out_features)],
+                        x2d.device)
+        y, xq, zq, w1, w2 = block_fp8.forward(fc1, fc2, recipe, x2d, split_sizes, probs_flat)
+        if check is not None:
+            self._pending_checks.append(check)
+        if not any(ctx.requires_grad for ctx in ctxs):
+            return y, [(), (), ()]
+        ctx1, ctx_act, ctx2 = ctxs
+        ctx1.teo_fused, ctx1.teo_recipe = True, recipe
+        ctx1.teo_split_check = check
+        ctx1.input_requires_grad = x.requires_grad
+        ctx_act.probs_require_grad = probs.requires_grad
+        ctx_act.probs_shape = probs.shape
+        w1_cols, w2_cols = (w1.cols, w1.col_scales), (w2.cols, w2.col_scales)
+        policy.save_for_backward(ctx1, xq.data, xq.scale_inv, split_sizes, *w1_cols, offload=fc1.offload,
+                                 weights=w1_cols, owner=fc1)
+        policy.save_for_backward(ctx_act, zq.data, zq.scale_inv, probs_flat, offload=act_op.offload, owner=act_op)
+        policy.save_for_backward(ctx2, *w2_cols, offload=fc2.offload, weights=w2_cols, owner=fc2)
         return y, [(), (), ()]
 
     def _forward_in_blocks(self, x2d, split_sizes, probs_flat, rows):
@@ -211,6 +244,9 @@ class FusedScaledSReLUMLP(FusedOperation):
     def _backward_fused(self, ctxs, dy):
         from .. import kernels
 
+        if getattr(ctxs[0], "teo_recipe", None) is not None:
+            return self._backward_fp8(ctxs, dy)
+
         fc1, _, fc2 = self.basic_ops
         ctx1, ctx_act, ctx2 = ctxs
         check, ctx1.teo_split_check = ctx1.teo_split_check, None
@@ -244,4 +280,33 @@ class FusedScaledSReLUMLP(FusedOperation):
         _make_room(weight_grad_bytes(fc1), device)
         dw1 = weight_grads(fc1, dz, x, split_sizes, temporaries=[dz])
         dprobs = dprobs.view(ctx_act.probs_shape) if ctx_act.probs_require_grad else None
+        return dx, [dw1, (), dw2], [(None,), (dprobs,), (None,)]
+
+    def _backward_fp8(self, ctxs, dy):
+        """The backward under Float8BlockScaling (:mod:`.block_fp8`)."""
+        fc1, _, fc2 = self.basic_ops
+        ctx1, ctx_act, ctx2 = ctxs
+        check, ctx1.teo_split_check = ctx1.teo_split_check, None
+        resolve_in_backward(check)
+        recipe = ctx1.teo_recipe
+        x_data, x_scales, split_sizes, *w1_cols = ctx1.saved_tensors
+        z_data, z_scales, probs = ctx_act.saved_tensors
+        w2_cols = ctx2.saved_tensors
+        dy = dy.contiguous()
+        device, itemsize = dy.device, dy.element_size()
+        tokens, ffn = z_data.shape
+        hints.make_room([tokens * ffn * itemsize, tokens * 4, tokens * ffn * itemsize], device)  # dact/dz, dprobs, act
+        dz, dprobs, act = block_fp8.dgrads(recipe, dy, block_fp8.Rows(z_data, z_scales), probs, split_sizes, w2_cols)
+        del z_data, z_scales
+        _make_room(weight_grad_bytes(fc2), device)
+        dw2 = weight_grads(fc2, dy, act, split_sizes, temporaries=[act])
+        del act
+        dx = None
+        if ctx1.input_requires_grad:
+            _make_room([tokens * fc1.in_features * itemsize], device)
+            dx = block_fp8.input_grad(recipe, dz, split_sizes, tuple(w1_cols))
+        _make_room([tokens * fc1.in_features * itemsize, *weight_grad_bytes(fc1)], device)
+        x = block_fp8.dequantize_rows(block_fp8.Rows(x_data, x_scales), dy.dtype)
+        dw1 = weight_grads(fc1, dz, x, split_sizes, temporaries=[dz, x])
+        dprobs = dprobs.to(probs.dtype).view(ctx_act.probs_shape) if ctx_act.probs_require_grad else None
         return dx, [dw1, (), dw2], [(None,), (dprobs,), (None,)]

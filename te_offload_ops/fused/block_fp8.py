@@ -1,0 +1,197 @@
+"""The fused SReLU grouped MLP under Transformer Engine's ``Float8BlockScaling`` on Hopper.
+
+Every dgrad and fprop GEMM reads FP8 e4m3 operands with TE's block scales (1x128 for activations
+and gradients, 128x128 for weights), made by TE's ``Float8BlockQuantizer`` with the recipe's
+settings, and promotes its partial sums to fp32 once per 128-wide K block
+(:func:`..kernels.grouped_gemm_fp8_blockwise`):
+
+* forward: ``z = q(x) @ q(W1)^T``; ``act = srelu(z) * prob``; ``y = q(act) @ q(W2)^T``;
+* backward: ``dact = q(dy) @ q(W2)``; ``dz = dact * 2 relu(z) * prob`` and
+  ``dprob = sum(dact * relu(z)^2)``; ``dx = q(dz) @ q(W1)``; the wgrads run in bf16 on the saved
+  FP8 operands dequantized (x, and act recomputed from z), with Megatron's settings
+  (:mod:`.weight_grads`).
+
+Saved for backward, each through the policy: x and z in FP8 with their 1x128 scales (half the bytes
+of the bf16 path's x and z), probs and the split sizes; the weights' FP8 columnwise data for the
+dgrads as weights (never offloaded). Weights are quantized in every forward, as TE's ops quantize
+theirs: an optimizer may write them through ``.data``, which leaves no version to compare.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .expert_weights import stacked_weight
+
+BLOCK = 128  # TE's block length for both 1x128 and 128x128 scales
+BLOCK_DIMS = (1, 2, 1)  # (x, w, grad) block_scaling_dim the kernels take
+ROWS_PER_PASS = 4096  # token rows per elementwise pass (bounds the fp32 temporaries)
+
+
+def recipe_problem(recipe: Any) -> Optional[str]:
+    """Why the fused op cannot run under ``recipe`` (None: it can, in FP8 when a recipe is set)."""
+    if recipe is None:
+        return None
+    from transformer_engine.common.recipe import Float8BlockScaling, Format
+
+    if not isinstance(recipe, Float8BlockScaling):
+        return (f"a quantization recipe is active ({type(recipe).__name__}); the Hopper kernels take bf16/fp16, "
+                "or FP8 under Float8BlockScaling")
+    if recipe.fp8_format != Format.E4M3:
+        return (f"Float8BlockScaling with fp8_format={recipe.fp8_format.name}: the FP8 kernels read e4m3 only, "
+                "gradients included")
+    dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim)
+    if dims != BLOCK_DIMS:
+        return f"Float8BlockScaling with (x, w, grad) block dims {dims}: the FP8 kernels take {BLOCK_DIMS}"
+    return None
+
+
+@functools.lru_cache(maxsize=32)
+def _quantizer(dim: int, columnwise: bool, amax_epsilon: float, pow_2_scales: bool):
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch import Float8BlockQuantizer
+
+    return Float8BlockQuantizer(fp8_dtype=tex.DType.kFloat8E4M3, rowwise=True, columnwise=columnwise,
+                                amax_epsilon=amax_epsilon, force_pow_2_scales=pow_2_scales,
+                                block_scaling_dim=dim)
+
+
+def quantizer(recipe: Any, role: str):
+    """TE's quantizer for ``role`` ("input", "weight" with its columnwise copy, or "grad") as the
+    recipe makes it for GroupedLinear."""
+    params = {"input": recipe.fp8_quant_fwd_inp, "weight": recipe.fp8_quant_fwd_weight,
+              "grad": recipe.fp8_quant_bwd_grad}[role]
+    weight = role == "weight"
+    return _quantizer(2 if weight else 1, weight, float(params.amax_epsilon), bool(params.power_2_scale))
+
+
+@dataclass
+class Rows:
+    """Token rows in FP8: ``data`` (T, K) e4m3 as uint8, ``scale_inv`` TE's 1x128 layout
+    (ceil(K / 128), T padded to a multiple of 4)."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+
+def quantize_rows(t: torch.Tensor, q) -> Rows:
+    if t.shape[0] == 0:  # TE's quantizer takes no empty tensor; nothing reads these
+        return Rows(t.new_empty(t.shape, dtype=torch.uint8), t.new_empty((-(-t.shape[1] // BLOCK), 0),
+                                                                         dtype=torch.float32))
+    parts = q(t).get_metadata()
+    return Rows(parts["rowwise_data"], parts["rowwise_scale_inv"])
+
+
+def _dequantized_pass(rows: Rows, first: int, stop: int) -> torch.Tensor:
+    """fp32 values of rows ``first:stop``."""
+    data = rows.data[first:stop].view(torch.float8_e4m3fn)
+    k = data.shape[1]
+    scales = rows.scale_inv[:, first:stop].t()  # (rows, k-blocks)
+    out = data.float()
+    whole = k // BLOCK
+    if whole:
+        out[:, : whole * BLOCK].view(-1, whole, BLOCK).mul_(scales[:, :whole, None])
+    if k % BLOCK:  # a partial last block has a scale of its own
+        out[:, whole * BLOCK:].mul_(scales[:, whole:whole + 1])
+    return out
+
+
+def dequantize_rows(rows: Rows, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(rows.data.shape, dtype=dtype, device=rows.data.device)
+    for first in range(0, rows.data.shape[0], ROWS_PER_PASS):
+        stop = min(rows.data.shape[0], first + ROWS_PER_PASS)
+        out[first:stop] = _dequantized_pass(rows, first, stop)
+    return out
+
+
+@dataclass
+class Weights:
+    """An op's experts in FP8 with 128x128 scales, expert order: ``rows`` (E, N, K) and
+    ``row_scales`` (E, ceil(N / 128), ceil(K / 128) padded to 4) for the forward; ``cols``
+    (E, K, N) and ``col_scales`` (E, ceil(K / 128), ceil(N / 128) padded to 4) for the dgrad."""
+
+    rows: torch.Tensor
+    row_scales: torch.Tensor
+    cols: torch.Tensor
+    col_scales: torch.Tensor
+
+
+def quantize_weights(op, q) -> Weights:
+    """Each expert's weight through TE's 2D quantizer (rowwise and columnwise at once). With
+    ``out_features`` a multiple of 128 no block straddles two experts and one call takes all."""
+    w = stacked_weight(op)
+    e, n, k = w.shape
+    if n % BLOCK == 0:
+        parts = q(w.reshape(e * n, k)).get_metadata()
+        nb, kb = n // BLOCK, -(-k // BLOCK)
+        cols = parts["columnwise_data"].view(k, e, n).transpose(0, 1).contiguous()
+        col_scales = parts["columnwise_scale_inv"][:, : e * nb].reshape(kb, e, nb).transpose(0, 1)
+        pad = -(-nb // 4) * 4 - nb  # each expert's scale rows padded as TE pads one expert's
+        col_scales = torch.nn.functional.pad(col_scales, (0, pad)).contiguous()
+        return Weights(parts["rowwise_data"].view(e, n, k), parts["rowwise_scale_inv"].view(e, nb, -1),
+                       cols, col_scales)
+    per_expert = [q(w[i]).get_metadata() for i in range(e)]
+    return Weights(*(torch.stack([p[name] for p in per_expert]) for name in
+                     ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")))
+
+
+def gemm(a: Rows, b_data: torch.Tensor, b_scales: torch.Tensor, split_sizes: torch.Tensor,
+         out_dtype: torch.dtype) -> torch.Tensor:
+    from .. import kernels
+
+    return kernels.grouped_gemm_fp8_blockwise(a.data, a.scale_inv, b_data, b_scales, split_sizes, out_dtype)
+
+
+def scaled_srelu(z: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``relu(z)^2 * prob`` per row, in fp32, rounded to z's dtype."""
+    act = torch.empty_like(z)
+    for first in range(0, z.shape[0], ROWS_PER_PASS):
+        stop = min(z.shape[0], first + ROWS_PER_PASS)
+        r = torch.relu(z[first:stop].float())
+        act[first:stop] = r.square_().mul_(probs[first:stop, None].float())
+    return act
+
+
+def dscaled_srelu(dact: torch.Tensor, z: Rows, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor]:
+    """From the FP8 z: ``dz = dact * 2 relu(z) * prob`` (in place of dact), ``dprob`` (fp32) and
+    the recomputed ``act`` (dact's dtype), in fp32 a pass of rows at a time."""
+    act = torch.empty_like(dact)
+    dprobs = torch.empty(dact.shape[0], dtype=torch.float32, device=dact.device)
+    for first in range(0, dact.shape[0], ROWS_PER_PASS):
+        stop = min(dact.shape[0], first + ROWS_PER_PASS)
+        r = torch.relu_(_dequantized_pass(z, first, stop))
+        d = dact[first:stop].float()
+        p = probs[first:stop, None].float()
+        r2 = r.square()
+        dprobs[first:stop] = (d * r2).sum(dim=1)
+        act[first:stop] = r2.mul_(p)
+        dact[first:stop] = d.mul_(r).mul_(p).mul_(2.0)
+    return dact, dprobs, act
+
+
+def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs: torch.Tensor):
+    """Returns ``(y, x in FP8, z in FP8, fc1's weights, fc2's weights)``."""
+    qx, qw = quantizer(recipe, "input"), quantizer(recipe, "weight")
+    xq = quantize_rows(x, qx)
+    w1 = quantize_weights(fc1, qw)
+    z = gemm(xq, w1.rows, w1.row_scales, split_sizes, x.dtype)
+    act = quantize_rows(scaled_srelu(z, probs), qx)
+    w2 = quantize_weights(fc2, qw)
+    y = gemm(act, w2.rows, w2.row_scales, split_sizes, x.dtype)
+    return y, xq, quantize_rows(z, qx), w1, w2
+
+
+def dgrads(recipe, dy: torch.Tensor, z: Rows, probs: torch.Tensor, split_sizes: torch.Tensor,
+           w2_cols: tuple[torch.Tensor, torch.Tensor]):
+    """fc2's dgrad and the activation's backward: ``(dz, dprobs, act)``."""
+    dact = gemm(quantize_rows(dy, quantizer(recipe, "grad")), *w2_cols, split_sizes, dy.dtype)
+    return dscaled_srelu(dact, z, probs)
+
+
+def input_grad(recipe, dz: torch.Tensor, split_sizes: torch.Tensor, w1_cols: tuple[torch.Tensor, torch.Tensor]):
+    return gemm(quantize_rows(dz, quantizer(recipe, "grad")), *w1_cols, split_sizes, dz.dtype)

@@ -1,0 +1,164 @@
+"""GPU (sm_90): the fused SReLU grouped MLP under TE's Float8BlockScaling.
+
+Against an fp32 computation on operands quantized by TE's own ``Float8BlockQuantizer`` the way the
+recipe asks (the same quantization points), against the bf16 fp32 reference (the FP8 error's
+size), with Megatron's settings, and the saved bytes and what an engine moves.
+"""
+
+import pytest
+import torch
+
+from mlp_steps import (POLICIES, Config, assert_moves_follow_policy, attach_main_grads, copy_weights, forward_plan,
+                       fused_path_problem, make_inputs, make_stack, recipe_problem, run_step)
+from te_offload_ops.fused import block_fp8
+
+pytestmark = pytest.mark.skipif((fused_path_problem() or recipe_problem("block")) is not None,
+                                reason=fused_path_problem() or recipe_problem("block") or "")
+
+CASES = {  # name -> (experts, hidden, ffn, splits)
+    "uneven-zero-partial-ffn": (4, 384, 320, (0, 130, 1, 253)),  # ffn not a multiple of 128
+    "mlp-shape": (8, 2688, 1856, (2048, 0, 4096, 1, 1500, 2047, 300, 2500)),
+    "one-token-experts": (4, 256, 256, (1, 1, 0, 1)),
+}
+
+
+def _deq_rows(t, q):
+    parts = q(t.contiguous()).get_metadata()
+    return block_fp8.dequantize_rows(block_fp8.Rows(parts["rowwise_data"], parts["rowwise_scale_inv"]),
+                                     torch.float32)
+
+
+def _deq_weight(w, q):
+    return q(w.contiguous()).dequantize(dtype=torch.float32)
+
+
+def quantized_reference(mlp, x, probs, dy, splits, recipe):
+    """fp32 forward and backward with FP8 operands where the recipe quantizes them, TE's quantizers."""
+    qx, qw, qg = (block_fp8.quantizer(recipe, r) for r in ("input", "weight", "grad"))
+    fc1, _, fc2 = mlp
+    E = fc1.num_groups
+    w1 = [_deq_weight(getattr(fc1, f"weight{e}").detach(), qw) for e in range(E)]
+    w2 = [_deq_weight(getattr(fc2, f"weight{e}").detach(), qw) for e in range(E)]
+    rows = splits.tolist()
+    xq = _deq_rows(x.detach(), qx).split(rows)
+    p = probs.detach().float().split(rows)
+    z = [xe @ w1[e].t() for e, xe in enumerate(xq)]
+    act = [torch.relu(ze) ** 2 * pe[:, None] for ze, pe in zip(z, p)]
+    actq = _deq_rows(torch.cat(act).bfloat16(), qx).split(rows)
+    y = torch.cat([ae @ w2[e].t() for e, ae in enumerate(actq)])
+    dyq = _deq_rows(dy, qg).split(rows)
+    dys = dy.float().split(rows)
+    zq = _deq_rows(torch.cat(z).bfloat16(), qx).split(rows)  # z is saved in FP8
+    grads = {"x": [], "probs0": [], **{f"L0.0.weight{e}": None for e in range(E)},
+             **{f"L0.2.weight{e}": None for e in range(E)}}
+    dzs = []
+    for e in range(E):
+        dact = dyq[e] @ w2[e]
+        r = torch.relu(zq[e])
+        grads["probs0"].append((dact * r * r).sum(1))
+        grads[f"L0.2.weight{e}"] = dys[e].t() @ (r * r * p[e][:, None])
+        dzs.append(dact * 2 * r * p[e][:, None])
+    dzq = _deq_rows(torch.cat(dzs).bfloat16(), qg).split(rows)
+    for e in range(E):
+        grads["x"].append(dzq[e] @ w1[e])
+        grads[f"L0.0.weight{e}"] = dzs[e].t() @ xq[e]
+    grads["x"], grads["probs0"] = torch.cat(grads["x"]), torch.cat(grads["probs0"])
+    return y, grads
+
+
+def plain_reference(mlp, x, probs, dy, splits):
+    """The same step in fp32 without quantization (autograd, expert by expert)."""
+    fc1, _, fc2 = mlp
+    E = fc1.num_groups
+    x32 = x.detach().float().requires_grad_()
+    p32 = probs.detach().float().requires_grad_()
+    w1 = [getattr(fc1, f"weight{e}").detach().float().requires_grad_() for e in range(E)]
+    w2 = [getattr(fc2, f"weight{e}").detach().float().requires_grad_() for e in range(E)]
+    rows = splits.tolist()
+    y = torch.cat([(torch.relu(xe @ w1[e].t()) ** 2 * pe[:, None]) @ w2[e].t()
+                   for e, (xe, pe) in enumerate(zip(x32.split(rows), p32.split(rows)))])
+    y.backward(dy.float())
+    grads = {"x": x32.grad, "probs0": p32.grad, **{f"L0.0.weight{e}": w.grad for e, w in enumerate(w1)},
+             **{f"L0.2.weight{e}": w.grad for e, w in enumerate(w2)}}
+    return y.detach(), grads
+
+
+def rel_err(a, ref):
+    return ((a.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _block_stack(E, H, F, splits, **kw):
+    cfg = Config(layers=1, experts=E, hidden=H, ffn=F, splits=splits, recipe="block", **kw)
+    return cfg, make_stack(cfg)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_block_scaling_runs_fused_and_matches_fp32_on_the_same_fp8_operands(case):
+    E, H, F, splits = CASES[case]
+    cfg, stack = _block_stack(E, H, F, splits)
+    inputs = make_inputs(cfg)
+    got = run_step(stack, inputs, "none")
+    assert forward_plan(stack[0]) == ["FusedScaledSReLUMLP"]
+    assert stack[0]._module_groups[0]._forward_ops[0][0].last_fallback_reasons == []
+    x, probs, dy, s = inputs
+    from transformer_engine.common.recipe import Float8BlockScaling
+
+    ref_y, ref_grads = quantized_reference(stack[0], x, probs[0], dy, s, Float8BlockScaling())
+    plain_y, plain_grads = plain_reference(stack[0], x, probs[0], dy, s)
+    checks = {"out": (got["out"], ref_y, plain_y)}
+    checks.update({k: (got["grads"][k], ref_grads[k], plain_grads[k]) for k in ref_grads})
+    for name, (ours, ref, plain) in checks.items():
+        assert ours is not None and ours.shape == ref.shape, name
+        assert torch.isfinite(ours).all(), name
+        if plain.abs().max() == 0:  # an expert without tokens
+            assert torch.count_nonzero(ours) == 0, name
+            continue
+        # same FP8 operands: bf16 rounding of outputs and intermediates, and the few values that
+        # round to the next FP8 step because an intermediate differs by a bf16 ulp
+        assert rel_err(ours, ref) < 2e-2, (name, rel_err(ours, ref))
+        # the FP8 error itself (e4m3: 3 mantissa bits) against the unquantized step
+        assert rel_err(ours, plain) < 1e-1, (name, rel_err(ours, plain))
+
+
+@pytest.mark.parametrize("megatron", [("main_grad",), ("main_grad", "delay"), ("single", "main_grad", "delay")],
+                         ids=["main_grad", "main_grad+delay", "single+main_grad+delay"])
+def test_block_scaling_with_megatrons_settings_gives_the_plain_ops_grads(megatron, monkeypatch):
+    if "single" in megatron:
+        monkeypatch.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1")
+    E, H, F, splits = CASES["uneven-zero-partial-ffn"]
+    cfg, plain = _block_stack(E, H, F, splits)
+    cfg_m, ours = _block_stack(E, H, F, splits, megatron=megatron)
+    copy_weights(plain, ours)
+    attach_main_grads(ours)
+    inputs = make_inputs(cfg)
+    base = run_step(plain, inputs, "none")
+    got = run_step(ours, inputs, "none")
+    assert forward_plan(ours[0]) == ["FusedScaledSReLUMLP"]
+    torch.testing.assert_close(got["out"], base["out"], rtol=0, atol=0)
+    for name, g in base["grads"].items():
+        if name.startswith("L0."):  # main_grad gains the fp32 wgrad; .grad holds it in bf16
+            assert rel_err(got["grads"][name], g.float()) < 1e-2 if g.abs().max() > 0 else \
+                torch.count_nonzero(got["grads"][name]) == 0, name
+        else:
+            assert torch.equal(got["grads"][name], g), name
+
+
+def test_fp8_saves_about_half_the_bf16_paths_bytes_and_offloads_them_under_the_policy():
+    E, H, F, splits = CASES["mlp-shape"]
+    cfg, fp8 = _block_stack(E, H, F, splits)
+    bf16 = make_stack(Config(layers=1, experts=E, hidden=H, ffn=F, splits=splits))
+    inputs = make_inputs(cfg)
+    got = {name: run_step(stack, inputs, "spy") for name, stack in (("fp8", fp8), ("bf16", bf16))}
+    assert forward_plan(fp8[0]) == forward_plan(bf16[0]) == ["FusedScaledSReLUMLP"]
+    moved = {name: sum(n for (op, kind), n in r["moved"].items() if kind == "activation") for name, r in got.items()}
+    assert 0.45 < moved["fp8"] / moved["bf16"] <= 0.55, moved
+    for r in got.values():
+        assert_moves_follow_policy(r["moved"], POLICIES["all"], r["recorder"].entries, layers=[0])
+
+
+@pytest.mark.parametrize("policy", ["keep-fc1", "keep-act"])
+def test_fp8_saves_of_an_op_with_offload_false_stay(policy):
+    E, H, F, splits = CASES["uneven-zero-partial-ffn"]
+    cfg, stack = _block_stack(E, H, F, splits, offload=POLICIES[policy])
+    got = run_step(stack, make_inputs(cfg), "spy")
+    assert_moves_follow_policy(got["moved"], POLICIES[policy], got["recorder"].entries, layers=[0])
