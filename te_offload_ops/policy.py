@@ -14,11 +14,15 @@ marks it leaves on each tensor at the moment the op fuser hands the tensors to a
 
 So weights get ``mark_not_offload`` (never moved: they stay resident anyway and would only waste
 PCIe), activations of an op with ``offload=False`` get ``mark_not_offload`` too, and the other
-activations get ``mark_activation_offload`` plus ``start_offload``.
+activations get ``mark_activation_offload`` plus ``start_offload``. A weight's mark is for good;
+an activation's holds for the forward that set it: a tensor that outlives the step (the caller's
+split sizes, an input reused) is offloaded again in a later forward where no op keeps it. A
+forward ends where an op saves a second time (each op saves once a forward).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
@@ -44,6 +48,11 @@ __all__ = [
 KEEP_ATTR = "_TE_do_not_offload"
 V1_OFFLOAD_ATTR = "activation_offloading"
 _V1_FORCE_CLEAR_ATTR = "needs_force_clear"
+# The forward an op's offload=False kept an activation in. Each op saves once a forward, so a
+# forward ends where an op saves a second time in it; the mark is spent after that.
+_KEPT_IN_ATTR = "_teo_kept_in"
+_LAST_SAVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # op -> forward of its last save
+_forward = 0
 # TE V2 leaves smaller saved tensors where they are (cpu_offload.py, _check_if_offload).
 MIN_OFFLOAD_NUMEL = 256 * 1024
 # The device whose saved tensors may move; a seam for CPU tests of engines, CUDA otherwise.
@@ -134,15 +143,41 @@ def _clear_v1_marks(t: torch.Tensor) -> None:
             delattr(t, attr)
 
 
-def _keep_resident(obj: Any) -> None:
-    if type(obj) in _PLAIN and getattr(obj, KEEP_ATTR, False) and not _has_v1_marks(obj):
+def _keep_resident(obj: Any, owner: Any = None) -> None:
+    """``owner``: the op whose offload=False keeps this activation (None: a weight, kept for good)."""
+    carriers = _mark_carriers(obj)
+    if owner is not None:
+        for t in carriers:
+            setattr(t, _KEPT_IN_ATTR, _forward)
+    elif type(obj) in _PLAIN and getattr(obj, KEEP_ATTR, False) and not _has_v1_marks(obj):
+        _mark_for_good(carriers)
         return  # marked by an earlier step (a weight is saved every step): nothing would change
+    else:
+        _mark_for_good(carriers)
     cpu_offload.mark_not_offload(obj)
-    for t in _mark_carriers(obj):
+    for t in carriers:
         setattr(t, KEEP_ATTR, True)
         # mark_not_offload cannot undo a V1 mark set earlier (TE's own ops mark their inputs
         # when offload is enabled), and V1 offloads whatever carries it: take it off.
         _clear_v1_marks(t)
+
+
+def _mark_for_good(carriers) -> None:
+    for t in carriers:
+        if hasattr(t, _KEPT_IN_ATTR):
+            delattr(t, _KEPT_IN_ATTR)
+
+
+def _kept_now(t: torch.Tensor) -> bool:
+    """Whether ``t``'s keep mark holds: for good, or set in this forward."""
+    if not getattr(t, KEEP_ATTR, False):
+        return False
+    kept_in = getattr(t, _KEPT_IN_ATTR, None)
+    if kept_in is None or kept_in == _forward:
+        return True
+    delattr(t, KEEP_ATTR)  # kept by an op in an earlier forward: the mark is spent
+    delattr(t, _KEPT_IN_ATTR)
+    return False
 
 
 def _offload(obj: Any) -> None:
@@ -150,7 +185,7 @@ def _offload(obj: Any) -> None:
     # Storages can share a data tensor with another op's storage (grouped storages of one MLP
     # share their split sizes): the kept part stays kept, the rest is still offloaded.
     carriers = _mark_carriers(obj)
-    kept = [t for t in carriers if getattr(t, KEEP_ATTR, False)]
+    kept = [t for t in carriers if _kept_now(t)]
     if len(kept) == len(carriers):
         return
     if capture.capturing():  # pinned buffers must exist before a graph copies into them
@@ -167,12 +202,15 @@ def mark_saved_tensors(
     *,
     offload: bool,
     weights: Iterable[Optional[Any]] = (),
+    owner: Optional[Any] = None,
 ) -> None:
     """Mark each saved tensor for the offload engines.
 
     ``weights`` are the entries of ``tensors`` that are weights (parameters, weight workspaces,
     quantized or grouped weight storages), matched by identity; any ``nn.Parameter`` counts as a
     weight too. Everything else is an activation of the op; ``offload`` is the op's flag.
+    ``owner``: the op saving (its keep marks on activations then last for this forward); without
+    one, a keep mark lasts for good.
     """
     if not isinstance(offload, bool):
         raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
@@ -180,8 +218,10 @@ def mark_saved_tensors(
     for obj in tensors:
         if obj is None:
             continue
-        if _is_weight(obj, weight_ids) or not offload:
+        if _is_weight(obj, weight_ids):
             _keep_resident(obj)
+        elif not offload:
+            _keep_resident(obj, owner)
         else:
             _offload(obj)
 
@@ -195,15 +235,20 @@ def save_for_backward(
 ) -> None:
     """Mark ``tensors`` by the policy, then save them on ``ctx`` (an OperationContext).
 
-    ``owner`` is the op whose tensors these are (for tools that attribute saved tensors).
+    ``owner`` is the op whose tensors these are: a keep mark it leaves on an activation lasts for
+    this forward (one save of each op).
     """
-    del owner
     if not isinstance(offload, bool):
         raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
     if capture.capturing():
         capture.check_offload_engine()
+    if owner is not None:
+        global _forward
+        if _LAST_SAVE.get(owner) == _forward:  # its second save in this forward: a new one began
+            _forward += 1
+        _LAST_SAVE[owner] = _forward
     if engine_sees_saves():
-        mark_saved_tensors(tensors, offload=offload, weights=weights)
+        mark_saved_tensors(tensors, offload=offload, weights=weights, owner=owner)
     ctx.save_for_backward(*tensors)
 
 

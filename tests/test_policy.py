@@ -181,3 +181,43 @@ def test_a_weight_kept_again_stays_kept_and_loses_a_v1_mark_set_since():
     setattr(w, policy.V1_OFFLOAD_ATTR, True)  # as TE's own ops mark their inputs under V1
     policy.mark_saved_tensors([w], offload=True, weights=[w])
     assert getattr(w, policy.KEEP_ATTR) is True and not hasattr(w, policy.V1_OFFLOAD_ATTR)
+
+
+class _Op:
+    """An op saving through the policy (weak-referenceable, as modules are)."""
+
+    def __init__(self, offload: bool):
+        self.offload = offload
+
+    def save(self, *ts, weights=()):
+        class Ctx:
+            def save_for_backward(self, *saved):
+                self.saved = saved
+
+        policy.save_for_backward(Ctx(), *ts, offload=self.offload, weights=weights, owner=self)
+
+
+def test_an_activation_kept_in_one_forward_is_offloaded_in_a_later_one_where_no_op_keeps_it(engine, started):
+    """A tensor that outlives the step (the caller's split sizes) saved by two layers' ops."""
+    splits, weight = torch.randn(4), torch.nn.Parameter(torch.randn(3))
+    layer0, layer1 = _Op(offload=False), _Op(offload=True)
+    for op in (layer0, layer1):  # forward 1: layer 0 keeps it, and keep wins in its forward
+        op.save(splits, weight, weights=[weight])
+        assert kept(splits) and started == []
+    layer0.offload, layer1.offload = True, False  # forward 2: layer 1 keeps it
+    layer0.save(splits, weight, weights=[weight])
+    assert not kept(splits) and sum(t is splits for t in started) == 1
+    layer1.save(splits, weight, weights=[weight])
+    assert kept(splits)
+    layer1.offload = True  # forward 3: no op keeps it
+    for op in (layer0, layer1):
+        op.save(splits, weight, weights=[weight])
+        assert not kept(splits)
+    assert sum(t is splits for t in started) == 3 and kept(weight)  # a weight's mark is for good
+
+
+def test_a_keep_mark_without_an_owner_lasts(engine, started):
+    shared = torch.randn(4)
+    mark_saved_tensors([shared], offload=False)
+    _Op(offload=True).save(shared)
+    assert kept(shared) and started == []
