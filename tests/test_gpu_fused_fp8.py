@@ -162,3 +162,57 @@ def test_fp8_saves_of_an_op_with_offload_false_stay(policy):
     cfg, stack = _block_stack(E, H, F, splits, offload=POLICIES[policy])
     got = run_step(stack, make_inputs(cfg), "spy")
     assert_moves_follow_policy(got["moved"], POLICIES[policy], got["recorder"].entries, layers=[0])
+
+
+@pytest.mark.parametrize("pow2", [True, False], ids=["pow2-scales", "fp32-scales"])
+def test_row_kernels_write_te_quantizers_bytes(pow2):
+    from te_offload_ops.kernels import fp8_rows
+    from transformer_engine.common.recipe import Float8BlockScaling, QParams
+
+    if (reason := fp8_rows.unavailable()) is not None:
+        pytest.skip(reason)
+    recipe = Float8BlockScaling()
+    recipe.fp8_quant_fwd_inp = recipe.fp8_quant_bwd_grad = QParams(power_2_scale=pow2, amax_epsilon=0.0)
+    qx, qg = block_fp8.quantizer(recipe, "input"), block_fp8.quantizer(recipe, "grad")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    t, f = 301, 320  # rows not a multiple of 4, a partial last block
+    z = (torch.randn(t, f, device="cuda", generator=g) * 4).bfloat16()
+    z[7] = 0  # an all-zero row: scale 1
+    z[9, :128] = -1  # a block that SReLU zeroes
+    probs = torch.rand(t, device="cuda", generator=g).bfloat16()
+
+    def same_rows(got_data, got_scales, ref: block_fp8.Rows):
+        assert torch.equal(got_data, ref.data)
+        assert torch.equal(got_scales[:, :t], ref.scale_inv[:, :t])
+
+    act_d, act_s, z_d, z_s = fp8_rows.srelu_quantize(z, probs, 0.0, pow2)
+    same_rows(act_d, act_s, block_fp8.quantize_rows(block_fp8.scaled_srelu(z, probs), qx))
+    same_rows(z_d, z_s, block_fp8.quantize_rows(z, qx))
+    zq = block_fp8.Rows(z_d, z_s)
+    assert torch.equal(fp8_rows.dequantize(z_d, z_s, torch.bfloat16), block_fp8._dequantized_pass(zq, 0, t).bfloat16())
+
+    dact = torch.randn(t, f, device="cuda", generator=g).bfloat16()
+    ref_dz, ref_dprobs, ref_act = block_fp8.dscaled_srelu(dact.clone(), zq, probs)
+    dz, dz_d, dz_s, dprobs, act = fp8_rows.dsrelu_quantize(dact, z_d, z_s, probs, 0.0, pow2)
+    assert torch.equal(dz, ref_dz) and torch.equal(act, ref_act)
+    torch.testing.assert_close(dprobs, ref_dprobs, rtol=1e-5, atol=1e-5)  # another summation order
+    same_rows(dz_d, dz_s, block_fp8.quantize_rows(ref_dz, qg))
+
+
+def test_row_kernels_and_torch_passes_give_the_same_step(monkeypatch):
+    from te_offload_ops.kernels import fp8_rows
+
+    if (reason := fp8_rows.unavailable()) is not None:
+        pytest.skip(reason)
+    E, H, F, splits = CASES["uneven-zero-partial-ffn"]
+    runs = {}
+    for rows in ("torch", "triton"):
+        monkeypatch.setenv(block_fp8.ROWS_ENV, rows)
+        cfg, stack = _block_stack(E, H, F, splits)
+        runs[rows] = run_step(stack, make_inputs(cfg), "none")
+    assert torch.equal(runs["torch"]["out"], runs["triton"]["out"])
+    for name, g in runs["torch"]["grads"].items():
+        if name.startswith("probs"):
+            torch.testing.assert_close(runs["triton"]["grads"][name], g, rtol=1e-2, atol=1e-3)
+        else:
+            assert torch.equal(runs["triton"]["grads"][name], g), name

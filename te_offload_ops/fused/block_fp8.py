@@ -11,6 +11,10 @@ settings, and promotes its partial sums to fp32 once per 128-wide K block
   FP8 operands dequantized (x, and act recomputed from z), with Megatron's settings
   (:mod:`.weight_grads`).
 
+The row passes between the GEMMs (SReLU and its backward, the activations' quantization, x's
+dequantization) are Triton kernels (:mod:`..kernels.fp8_rows`) that write what TE's quantizer
+would; with ``TEO_FP8_ROWS=torch``, or without Triton, torch ops and TE's quantizer do them.
+
 Saved for backward, each through the policy: x and z in FP8 with their 1x128 scales (half the bytes
 of the bf16 path's x and z), probs and the split sizes; the weights' FP8 columnwise data for the
 dgrads as weights (never offloaded). Weights are quantized in every forward, as TE's ops quantize
@@ -20,6 +24,7 @@ theirs: an optimizer may write them through ``.data``, which leaves no version t
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -29,7 +34,22 @@ from .expert_weights import stacked_weight
 
 BLOCK = 128  # TE's block length for both 1x128 and 128x128 scales
 BLOCK_DIMS = (1, 2, 1)  # (x, w, grad) block_scaling_dim the kernels take
-ROWS_PER_PASS = 4096  # token rows per elementwise pass (bounds the fp32 temporaries)
+ROWS_PER_PASS = 4096  # token rows per elementwise pass of the torch fallback (bounds its fp32 temporaries)
+ROWS_ENV = "TEO_FP8_ROWS"  # "torch": the row passes in torch ops instead of the Triton kernels
+
+
+def _row_kernels():
+    """:mod:`..kernels.fp8_rows` where Triton runs (one pass per step piece), else None (torch ops)."""
+    from ..kernels import fp8_rows
+
+    if os.environ.get(ROWS_ENV) == "torch" or fp8_rows.unavailable() is not None:
+        return None
+    return fp8_rows
+
+
+def _qparams(recipe, role: str) -> tuple[float, bool]:
+    params = recipe.fp8_quant_fwd_inp if role == "input" else recipe.fp8_quant_bwd_grad
+    return float(params.amax_epsilon), bool(params.power_2_scale)
 
 
 def recipe_problem(recipe: Any) -> Optional[str]:
@@ -101,6 +121,8 @@ def _dequantized_pass(rows: Rows, first: int, stop: int) -> torch.Tensor:
 
 
 def dequantize_rows(rows: Rows, dtype: torch.dtype) -> torch.Tensor:
+    if rows.data.is_cuda and (fast := _row_kernels()) is not None:
+        return fast.dequantize(rows.data, rows.scale_inv, dtype)
     out = torch.empty(rows.data.shape, dtype=dtype, device=rows.data.device)
     for first in range(0, rows.data.shape[0], ROWS_PER_PASS):
         stop = min(rows.data.shape[0], first + ROWS_PER_PASS)
@@ -180,18 +202,31 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
     xq = quantize_rows(x, qx)
     w1 = quantize_weights(fc1, qw)
     z = gemm(xq, w1.rows, w1.row_scales, split_sizes, x.dtype)
-    act = quantize_rows(scaled_srelu(z, probs), qx)
+    if (fast := _row_kernels()) is not None:  # act and z quantized in one pass over z
+        act_data, act_scales, z_data, z_scales = fast.srelu_quantize(z, probs.contiguous(), *_qparams(recipe, "input"))
+        act, zq = Rows(act_data, act_scales), Rows(z_data, z_scales)
+    else:
+        act = quantize_rows(scaled_srelu(z, probs), qx)
+        zq = quantize_rows(z, qx)
+    del z
     w2 = quantize_weights(fc2, qw)
     y = gemm(act, w2.rows, w2.row_scales, split_sizes, x.dtype)
-    return y, xq, quantize_rows(z, qx), w1, w2
+    return y, xq, zq, w1, w2
 
 
 def dgrads(recipe, dy: torch.Tensor, z: Rows, probs: torch.Tensor, split_sizes: torch.Tensor,
            w2_cols: tuple[torch.Tensor, torch.Tensor]):
-    """fc2's dgrad and the activation's backward: ``(dz, dprobs, act)``."""
+    """fc2's dgrad and the activation's backward: ``(dz, dz in FP8 or None, dprobs, act)``."""
     dact = gemm(quantize_rows(dy, quantizer(recipe, "grad")), *w2_cols, split_sizes, dy.dtype)
-    return dscaled_srelu(dact, z, probs)
+    if dact.is_cuda and (fast := _row_kernels()) is not None:
+        dz, dz_data, dz_scales, dprobs, act = fast.dsrelu_quantize(dact, z.data, z.scale_inv, probs.contiguous(),
+                                                                   *_qparams(recipe, "grad"))
+        return dz, Rows(dz_data, dz_scales), dprobs, act
+    dz, dprobs, act = dscaled_srelu(dact, z, probs)
+    return dz, None, dprobs, act
 
 
-def input_grad(recipe, dz: torch.Tensor, split_sizes: torch.Tensor, w1_cols: tuple[torch.Tensor, torch.Tensor]):
-    return gemm(quantize_rows(dz, quantizer(recipe, "grad")), *w1_cols, split_sizes, dz.dtype)
+def input_grad(recipe, dz: torch.Tensor, dz_fp8: Optional[Rows], split_sizes: torch.Tensor,
+               w1_cols: tuple[torch.Tensor, torch.Tensor]):
+    dz_fp8 = dz_fp8 if dz_fp8 is not None else quantize_rows(dz, quantizer(recipe, "grad"))
+    return gemm(dz_fp8, *w1_cols, split_sizes, dz.dtype)

@@ -296,7 +296,8 @@ class FusedScaledSReLUMLP(FusedOperation):
         device, itemsize = dy.device, dy.element_size()
         tokens, ffn = z_data.shape
         hints.make_room([tokens * ffn * itemsize, tokens * 4, tokens * ffn * itemsize], device)  # dact/dz, dprobs, act
-        dz, dprobs, act = block_fp8.dgrads(recipe, dy, block_fp8.Rows(z_data, z_scales), probs, split_sizes, w2_cols)
+        dz, dz_fp8, dprobs, act = block_fp8.dgrads(recipe, dy, block_fp8.Rows(z_data, z_scales), probs, split_sizes,
+                                                   w2_cols)
         del z_data, z_scales
         _make_room(weight_grad_bytes(fc2), device)
         dw2 = weight_grads(fc2, dy, act, split_sizes, temporaries=[act])
@@ -304,7 +305,8 @@ class FusedScaledSReLUMLP(FusedOperation):
         dx = None
         if ctx1.input_requires_grad:
             _make_room([tokens * fc1.in_features * itemsize], device)
-            dx = block_fp8.input_grad(recipe, dz, split_sizes, tuple(w1_cols))
+            dx = block_fp8.input_grad(recipe, dz, dz_fp8, split_sizes, tuple(w1_cols))
+        del dz_fp8
         _make_room([tokens * fc1.in_features * itemsize, *weight_grad_bytes(fc1)], device)
         x = block_fp8.dequantize_rows(block_fp8.Rows(x_data, x_scales), dy.dtype)
         dw1 = weight_grads(fc1, dz, x, split_sizes, temporaries=[dz, x])

@@ -1,0 +1,157 @@
+"""Triton kernels for the token-row passes of the fused MLP under Float8BlockScaling.
+
+Each reads its inputs once and writes FP8 rows with TE's 1x128 block scales (e4m3, scale from
+the block's amax as TE's ``compute_scale_from_amax``: the recipe's epsilon floor, power-of-two
+rounding by clearing the mantissa, fp32 scale-inverses laid out ``(ceil(F / 128), roundup(T, 4))``),
+so the bytes equal those of TE's ``Float8BlockQuantizer`` applied to the same bf16/fp16 values:
+
+* :func:`srelu_quantize`: ``act = relu(z)^2 * prob`` (rounded to z's dtype, as the GEMM would
+  read it) quantized for fc2, and z quantized to be saved; one pass over z;
+* :func:`dsrelu_quantize`: from ``dact`` and the saved FP8 z, ``dz = dact * 2 relu(z) * prob``
+  (written over ``dact``) and quantized for fc1's dgrad, ``dprob = sum(dact * relu(z)^2)`` (fp32)
+  and ``act`` recomputed for fc2's wgrad; one pass;
+* :func:`dequantize`: FP8 rows back to bf16/fp16 (fc1's wgrad reads x).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+BLOCK = 128
+ROWS = 16  # token rows per program
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as _exc:  # torch's CUDA wheels bring Triton; elsewhere the callers use torch
+    triton, _IMPORT_ERROR = None, _exc
+else:
+    _IMPORT_ERROR = None
+
+
+def unavailable() -> Optional[str]:
+    """Why the Triton kernels cannot run here, or None."""
+    return None if triton is not None else f"Triton does not import: {_IMPORT_ERROR}"
+
+
+if triton is not None:
+    @triton.jit
+    def block_scale(amax, eps, POW2: tl.constexpr, INF_VALUE: tl.constexpr):
+        amax = tl.maximum(amax, eps)
+        scale = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)  # e4m3 largest
+        scale = tl.where(scale > 3.4028234663852886e38, INF_VALUE, scale)
+        if POW2:
+            scale = (scale.to(tl.uint32, bitcast=True) & 0xFF800000).to(tl.float32, bitcast=True)
+        return tl.where((amax == 0.0) | (amax > 3.4028234663852886e38) | (amax != amax), 1.0, scale)
+
+    @triton.jit
+    def store_fp8(x, data_ptr, scale_ptr, rows, cols, mask, row_mask, kb, F, scale_stride, eps,
+                  POW2: tl.constexpr, INF_VALUE: tl.constexpr):
+        scale = block_scale(tl.max(tl.abs(x), axis=1), eps, POW2, INF_VALUE)
+        q = (x * scale[:, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        tl.store(data_ptr + rows[:, None] * F + cols[None, :], q, mask=mask)
+        tl.store(scale_ptr + kb * scale_stride + rows, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale),
+                 mask=row_mask)
+
+    @triton.jit
+    def srelu_quantize_kernel(z_ptr, p_ptr, act_ptr, act_s_ptr, zq_ptr, zq_s_ptr, T, F, scale_stride, eps,
+                              POW2: tl.constexpr, INF_VALUE: tl.constexpr, ROWS: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        kb = tl.program_id(1)
+        cols = kb * 128 + tl.arange(0, 128)
+        row_mask = rows < T
+        mask = row_mask[:, None] & (cols < F)[None, :]
+        z16 = tl.load(z_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0)
+        z = z16.to(tl.float32)
+        p = tl.load(p_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        r = tl.maximum(z, 0.0)
+        act = (r * r * p[:, None]).to(z16.dtype).to(tl.float32)
+        store_fp8(act, act_ptr, act_s_ptr, rows, cols, mask, row_mask, kb, F, scale_stride, eps, POW2, INF_VALUE)
+        store_fp8(z, zq_ptr, zq_s_ptr, rows, cols, mask, row_mask, kb, F, scale_stride, eps, POW2, INF_VALUE)
+
+    @triton.jit
+    def dsrelu_quantize_kernel(dact_ptr, zq_ptr, zq_s_ptr, p_ptr, act_ptr, dzq_ptr, dzq_s_ptr, dp_ptr, T, F,
+                               scale_stride, eps, K_BLOCKS: tl.constexpr, POW2: tl.constexpr,
+                               INF_VALUE: tl.constexpr, ROWS: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < T
+        p = tl.load(p_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        dprob = tl.zeros((ROWS,), tl.float32)
+        for kb in range(K_BLOCKS):
+            cols = kb * 128 + tl.arange(0, 128)
+            mask = row_mask[:, None] & (cols < F)[None, :]
+            offs = rows[:, None] * F + cols[None, :]
+            d16 = tl.load(dact_ptr + offs, mask=mask, other=0.0)
+            d = d16.to(tl.float32)
+            zq = tl.load(zq_ptr + offs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            zs = tl.load(zq_s_ptr + kb * scale_stride + rows, mask=row_mask, other=0.0)
+            r = tl.maximum(zq * zs[:, None], 0.0)
+            r2 = r * r
+            dprob += tl.sum(d * r2, axis=1)
+            tl.store(act_ptr + offs, (r2 * p[:, None]).to(d16.dtype), mask=mask)
+            dz = (d * r * p[:, None] * 2.0).to(d16.dtype)
+            tl.store(dact_ptr + offs, dz, mask=mask)  # dz over dact: each element read before
+            store_fp8(dz.to(tl.float32), dzq_ptr, dzq_s_ptr, rows, cols, mask, row_mask, kb, F, scale_stride, eps,
+                      POW2, INF_VALUE)
+        tl.store(dp_ptr + rows, dprob, mask=row_mask)
+
+    @triton.jit
+    def dequantize_kernel(q_ptr, s_ptr, out_ptr, T, K, scale_stride, ROWS: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        kb = tl.program_id(1)
+        cols = kb * 128 + tl.arange(0, 128)
+        row_mask = rows < T
+        mask = row_mask[:, None] & (cols < K)[None, :]
+        offs = rows[:, None] * K + cols[None, :]
+        q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s = tl.load(s_ptr + kb * scale_stride + rows, mask=row_mask, other=0.0)
+        tl.store(out_ptr + offs, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _scales(t: int, k: int, device) -> torch.Tensor:
+    return torch.empty((-(-k // BLOCK), -(-t // 4) * 4), dtype=torch.float32, device=device)
+
+
+def _inf_value(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max  # TE: the input type's largest finite value where the scale overflows
+
+
+def srelu_quantize(z: torch.Tensor, probs: torch.Tensor, eps: float, pow2: bool):
+    """``(act data, act scales, z data, z scales)`` from bf16/fp16 ``z`` (T, F) and ``probs`` (T,)."""
+    t, f = z.shape
+    act, zq = (torch.empty((t, f), dtype=torch.uint8, device=z.device) for _ in range(2))
+    act_s, zq_s = _scales(t, f, z.device), _scales(t, f, z.device)
+    if t:
+        kern = srelu_quantize_kernel
+        grid = (-(-t // ROWS), -(-f // BLOCK))
+        kern[grid](z, probs, act, act_s, zq, zq_s, t, f, act_s.stride(0), float(eps), POW2=pow2,
+                   INF_VALUE=_inf_value(z.dtype), ROWS=ROWS)
+    return act, act_s, zq, zq_s
+
+
+def dsrelu_quantize(dact: torch.Tensor, z_data: torch.Tensor, z_scales: torch.Tensor, probs: torch.Tensor,
+                    eps: float, pow2: bool):
+    """``(dz, dz data, dz scales, dprobs, act)``; ``dz`` is written over ``dact``, dprobs in fp32."""
+    t, f = dact.shape
+    act = torch.empty_like(dact)
+    dzq = torch.empty((t, f), dtype=torch.uint8, device=dact.device)
+    dzq_s = _scales(t, f, dact.device)
+    dprobs = torch.empty(t, dtype=torch.float32, device=dact.device)
+    if t:
+        kern = dsrelu_quantize_kernel
+        kern[(-(-t // ROWS),)](dact, z_data, z_scales, probs, act, dzq, dzq_s, dprobs, t, f, z_scales.stride(0),
+                               float(eps), K_BLOCKS=-(-f // BLOCK), POW2=pow2, INF_VALUE=_inf_value(dact.dtype),
+                               ROWS=ROWS)
+    return dact, dzq, dzq_s, dprobs, act
+
+
+def dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    t, k = data.shape
+    out = torch.empty((t, k), dtype=dtype, device=data.device)
+    if t:
+        kern = dequantize_kernel
+        kern[(-(-t // ROWS), -(-k // BLOCK))](data, scales, out, t, k, scales.stride(0), ROWS=ROWS)
+    return out
