@@ -19,7 +19,8 @@ sys.path.insert(0, str(BENCH / "experiments"))
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 @pytest.mark.parametrize("script", ["moe_step.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
                                     "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py",
-                                    "megatron_gpt.py", "first_step.py", "bench_fp8_gemm.py", "experiments/ablate_epilogue.py",
+                                    "megatron_gpt.py", "first_step.py", "bench_fp8_gemm.py", "fp8_training_loss.py",
+                                    "experiments/ablate_epilogue.py", "experiments/profile_fp8_mlp.py",
                                     "experiments/bench_copy_interference.py", "experiments/bench_cluster2x2.py",
                                     "experiments/profile_gemm.py", "experiments/diagnose_fp8_gemm.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
@@ -35,7 +36,8 @@ def test_every_benchmark_script_is_kept_run_or_an_experiment_with_a_line():
             "bench_common.py", "timing.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
             "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py", "megatron_gpt.py",
             "megatron_gpt_model.py", "megatron_gpt_report.py", "megatron_gpt_jobs.py", "megatron_gpt_numerics.py",
-            "comm_copy_overlap.py", "teo_budget_check.py", "first_step.py", "bench_fp8_gemm.py"}
+            "comm_copy_overlap.py", "teo_budget_check.py", "first_step.py", "bench_fp8_gemm.py",
+            "fp8_training_loss.py"}
     assert {p.name for p in BENCH.glob("*.py")} == kept
     readme = (BENCH / "experiments" / "README.md").read_text()
     for script in (BENCH / "experiments").glob("*.py"):
@@ -284,3 +286,18 @@ def test_first_step_report_compares_each_mode_with_stock(tmp_path):
     assert by["mlp", "cold"]["dsl_imported"] == 2 and by["mlp", "warm"]["dsl_imported"] == 0
     assert by["mlp", "warm"]["loaded_by"] == ["shared object"] and by["mlp", "stock"]["loaded_by"] == []
     assert "| mlp | warm | 1.50 | +0.40 | 0.020 | 6.00 | 0.00 (0/2) | 0 | 0.00 | 6 | 0.018 | shared object | " in text
+
+
+def test_fp8_training_loss_report_says_whether_fp8_ends_within_the_bf16_spread():
+    import fp8_training_loss as ftl
+
+    args = ftl.parse_args(["--steps", "4", "--tail", "2", "--seeds", "2"])
+    runs = [{"precision": p, "seed": s, "losses": [1.0, 0.5, f, f], "final": f, "plan": ["FusedScaledSReLUMLP"]}
+            for p, s, f in (("bf16", 0, 0.10), ("fp8-block", 0, 0.13), ("bf16", 1, 0.12), ("fp8-block", 1, 0.11))]
+    result = {"gpu": "GPU", "date": "d", "args": vars(args) | {"out": "results"}, "command": "c", "runs": runs,
+              "finals": {"bf16": [0.10, 0.12], "fp8-block": [0.13, 0.11]}, "bf16_spread": [0.10, 0.12],
+              "fp8_within_bf16_spread": True}
+    md = ftl.markdown(result)
+    assert "| fp8-block | 0 | 1.0000 | 0.13000 | FusedScaledSReLUMLP |" in md and "within the bf16 spread" in md
+    with pytest.raises(SystemExit):
+        ftl.parse_args(["--tail", "400"])

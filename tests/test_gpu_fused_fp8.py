@@ -195,7 +195,10 @@ def test_row_kernels_write_te_quantizers_bytes(pow2):
     ref_dz, ref_dprobs, ref_act = block_fp8.dscaled_srelu(dact.clone(), zq, probs)
     dz, dz_d, dz_s, dprobs, act = fp8_rows.dsrelu_quantize(dact, z_d, z_s, probs, 0.0, pow2)
     assert torch.equal(dz, ref_dz) and torch.equal(act, ref_act)
-    torch.testing.assert_close(dprobs, ref_dprobs, rtol=1e-5, atol=1e-5)  # another summation order
+    # another summation order: within fp32's rounding of a sum of F terms, relative to their sizes
+    r = torch.relu(block_fp8._dequantized_pass(zq, 0, t))
+    sizes = (dact.float().abs() * r * r).sum(dim=1)
+    assert ((dprobs - ref_dprobs).abs() <= 1e-6 * f * sizes.clamp_min(1e-30)).all()
     same_rows(dz_d, dz_s, block_fp8.quantize_rows(ref_dz, qg))
 
 

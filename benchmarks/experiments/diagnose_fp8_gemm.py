@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parents[2]))  # the package, for the cases' own processes too
 CASES = ["te_quantize", "bf16_control", "fp8_c1_bn128", "fp8_c1_bn128_no_scales", "fp8_c2_bn128",
          "fp8_c1_bn64", "fp8_c1_bn192"]
 # (splits, N, K): small and aligned, then fc1 at H=2688, F=1792 with the GPU test's splits
