@@ -219,3 +219,27 @@ def test_row_kernels_and_torch_passes_give_the_same_step(monkeypatch):
             torch.testing.assert_close(runs["triton"]["grads"][name], g, rtol=1e-2, atol=1e-3)
         else:
             assert torch.equal(runs["triton"]["grads"][name], g), name
+
+
+@pytest.mark.parametrize("n, k", [(320, 384), (256, 200)], ids=["partial-n", "partial-k"])
+def test_weight_kernel_writes_te_quantizers_bytes_in_both_orientations(n, k):
+    from te_offload_ops.kernels import fp8_rows
+    from transformer_engine.common.recipe import Float8BlockScaling
+
+    if (reason := fp8_rows.unavailable()) is not None:
+        pytest.skip(reason)
+    e, pad = 3, 24
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = torch.randn(e, n, k, device="cuda", generator=g).bfloat16()
+    w[1, :128, :128] = 0  # an all-zero block: scale 1
+    buf = torch.zeros(e * (n * k + pad), device="cuda", dtype=torch.bfloat16)
+    for j in range(e):  # Megatron's layout: experts last first, with padding between them
+        buf[j * (n * k + pad): j * (n * k + pad) + n * k] = w[e - 1 - j].reshape(-1)
+    rows, row_s, cols, col_s = fp8_rows.quantize_weights(buf.as_strided((e, n, k), (n * k + pad, k, 1)), True, 0.0, True)
+    q = block_fp8.quantizer(Float8BlockScaling(), "weight")
+    nb, kb = -(-n // 128), -(-k // 128)
+    for i in range(e):
+        ref = q(w[i]).get_metadata()
+        assert torch.equal(rows[i], ref["rowwise_data"]) and torch.equal(cols[i], ref["columnwise_data"])
+        assert torch.equal(row_s[i, :, :kb], ref["rowwise_scale_inv"][:, :kb])
+        assert torch.equal(col_s[i, :, :nb], ref["columnwise_scale_inv"][:, :nb])

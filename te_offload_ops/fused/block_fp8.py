@@ -12,7 +12,7 @@ settings, and promotes its partial sums to fp32 once per 128-wide K block
   (:mod:`.weight_grads`).
 
 The row passes between the GEMMs (SReLU and its backward, the activations' quantization, x's
-dequantization) are Triton kernels (:mod:`..kernels.fp8_rows`) that write what TE's quantizer
+dequantization) and the weights' quantization are Triton kernels (:mod:`..kernels.fp8_rows`) that write what TE's quantizer
 would; with ``TEO_FP8_ROWS=torch``, or without Triton, torch ops and TE's quantizer do them.
 
 Saved for backward, each through the policy: x and z in FP8 with their 1x128 scales (half the bytes
@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from .expert_weights import stacked_weight
+from .expert_weights import expert_weights, stacked_weight
 
 BLOCK = 128  # TE's block length for both 1x128 and 128x128 scales
 BLOCK_DIMS = (1, 2, 1)  # (x, w, grad) block_scaling_dim the kernels take
@@ -142,9 +142,16 @@ class Weights:
     col_scales: torch.Tensor
 
 
-def quantize_weights(op, q) -> Weights:
-    """Each expert's weight through TE's 2D quantizer (rowwise and columnwise at once). With
-    ``out_features`` a multiple of 128 no block straddles two experts and one call takes all."""
+def quantize_weights(op, q, recipe=None) -> Weights:
+    """Each expert's weight in 128x128 blocks, both orientations: the Triton kernel where it runs
+    (``recipe`` given), else TE's 2D quantizer (rowwise and columnwise at once; with
+    ``out_features`` a multiple of 128 no block straddles two experts and one call takes all)."""
+    if recipe is not None and (fast := _row_kernels()) is not None:
+        w, reversed_experts = expert_weights(op)
+        params = recipe.fp8_quant_fwd_weight
+        if w.is_cuda and w.stride(1) == w.shape[2] and w.stride(2) == 1:
+            return Weights(*fast.quantize_weights(w, reversed_experts, float(params.amax_epsilon),
+                                                  bool(params.power_2_scale)))
     w = stacked_weight(op)
     e, n, k = w.shape
     if n % BLOCK == 0:
@@ -200,7 +207,7 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
     """Returns ``(y, x in FP8, z in FP8, fc1's weights, fc2's weights)``."""
     qx, qw = quantizer(recipe, "input"), quantizer(recipe, "weight")
     xq = quantize_rows(x, qx)
-    w1 = quantize_weights(fc1, qw)
+    w1 = quantize_weights(fc1, qw, recipe)
     z = gemm(xq, w1.rows, w1.row_scales, split_sizes, x.dtype)
     if (fast := _row_kernels()) is not None:  # act and z quantized in one pass over z
         act_data, act_scales, z_data, z_scales = fast.srelu_quantize(z, probs.contiguous(), *_qparams(recipe, "input"))
@@ -209,7 +216,7 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
         act = quantize_rows(scaled_srelu(z, probs), qx)
         zq = quantize_rows(z, qx)
     del z
-    w2 = quantize_weights(fc2, qw)
+    w2 = quantize_weights(fc2, qw, recipe)
     y = gemm(act, w2.rows, w2.row_scales, split_sizes, x.dtype)
     return y, xq, zq, w1, w2
 

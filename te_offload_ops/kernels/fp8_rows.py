@@ -10,7 +10,10 @@ so the bytes equal those of TE's ``Float8BlockQuantizer`` applied to the same bf
 * :func:`dsrelu_quantize`: from ``dact`` and the saved FP8 z, ``dz = dact * 2 relu(z) * prob``
   (written over ``dact``) and quantized for fc1's dgrad, ``dprob = sum(dact * relu(z)^2)`` (fp32)
   and ``act`` recomputed for fc2's wgrad; one pass;
-* :func:`dequantize`: FP8 rows back to bf16/fp16 (fc1's wgrad reads x).
+* :func:`dequantize`: FP8 rows back to bf16/fp16 (fc1's wgrad reads x);
+* :func:`quantize_weights`: each expert's weight in 128x128 blocks, both orientations at once (the
+  fprop reads W, the dgrad W^T), as TE's 2D quantizer writes each expert's rowwise and columnwise
+  data and scales; one pass over the weights, read in place (Megatron's reversed buffer too).
 """
 
 from __future__ import annotations
@@ -109,6 +112,48 @@ if triton is not None:
         q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         s = tl.load(s_ptr + kb * scale_stride + rows, mask=row_mask, other=0.0)
         tl.store(out_ptr + offs, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+    @triton.jit
+    def quantize_weights_kernel(w_ptr, expert_stride, rows_ptr, row_s_ptr, cols_ptr, col_s_ptr, E, N, K, NBP, KBP,
+                                eps, REVERSED: tl.constexpr, POW2: tl.constexpr, INF_VALUE: tl.constexpr):
+        e = tl.program_id(0)
+        nb = tl.program_id(1)
+        kb = tl.program_id(2)
+        src = (E - 1 - e) if REVERSED else e
+        n = nb * 128 + tl.arange(0, 128)
+        k = kb * 128 + tl.arange(0, 128)
+        mask = (n < N)[:, None] & (k < K)[None, :]
+        w = tl.load(w_ptr + src.to(tl.int64) * expert_stride + n[:, None] * K + k[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
+        scale = block_scale(amax, eps, POW2, INF_VALUE)
+        q = (w * scale).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        base = e.to(tl.int64) * N * K
+        tl.store(rows_ptr + base + n[:, None] * K + k[None, :], q, mask=mask)
+        tl.store(cols_ptr + base + k[None, :] * N + n[:, None], q, mask=mask)  # W^T: (K, N) rows
+        scale_inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        tl.store(row_s_ptr + (e * ((N + 127) // 128) + nb) * KBP + kb, scale_inv)
+        tl.store(col_s_ptr + (e * ((K + 127) // 128) + kb) * NBP + nb, scale_inv)
+
+
+def quantize_weights(w: torch.Tensor, reversed_experts: bool, eps: float, pow2: bool):
+    """``(rows (E, N, K), row scales (E, ceil(N/128), roundup(ceil(K/128), 4)), cols (E, K, N),
+    col scales (E, ceil(K/128), roundup(ceil(N/128), 4)))`` in expert order from ``w`` (E, N, K),
+    each expert's matrix contiguous and the experts ``w.stride(0)`` apart (``w[j]`` is expert
+    ``E - 1 - j`` where ``reversed_experts``)."""
+    e, n, k = w.shape
+    if w.stride(1) != k or w.stride(2) != 1:
+        raise ValueError(f"each expert's weight must be contiguous, got stride {tuple(w.stride())}")
+    nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+    nbp, kbp = -(-nb // 4) * 4, -(-kb // 4) * 4
+    rows = torch.empty((e, n, k), dtype=torch.uint8, device=w.device)
+    cols = torch.empty((e, k, n), dtype=torch.uint8, device=w.device)
+    row_s = torch.zeros((e, nb, kbp), dtype=torch.float32, device=w.device)
+    col_s = torch.zeros((e, kb, nbp), dtype=torch.float32, device=w.device)
+    quantize_weights_kernel[(e, nb, kb)](w, w.stride(0), rows, row_s, cols, col_s, e, n, k, nbp, kbp, float(eps),
+                                         REVERSED=reversed_experts, POW2=pow2, INF_VALUE=_inf_value(w.dtype))
+    return rows, row_s, cols, col_s
 
 
 def _scales(t: int, k: int, device) -> torch.Tensor:
