@@ -185,6 +185,7 @@ def test_row_kernels_write_te_quantizers_bytes(pow2):
         assert torch.equal(got_data, ref.data)
         assert torch.equal(got_scales[:, :t], ref.scale_inv[:, :t])
 
+    same_rows(*fp8_rows.quantize(z, 0.0, pow2), block_fp8.quantize_rows(z, qx))
     act_d, act_s, z_d, z_s = fp8_rows.srelu_quantize(z, probs, 0.0, pow2)
     same_rows(act_d, act_s, block_fp8.quantize_rows(block_fp8.scaled_srelu(z, probs), qx))
     same_rows(z_d, z_s, block_fp8.quantize_rows(z, qx))

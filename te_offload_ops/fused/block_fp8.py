@@ -11,8 +11,8 @@ settings, and promotes its partial sums to fp32 once per 128-wide K block
   FP8 operands dequantized (x, and act recomputed from z), with Megatron's settings
   (:mod:`.weight_grads`).
 
-The row passes between the GEMMs (SReLU and its backward, the activations' quantization, x's
-dequantization) and the weights' quantization are Triton kernels (:mod:`..kernels.fp8_rows`) that write what TE's quantizer
+The row passes (x's and dy's quantization, SReLU and its backward with the activations'
+quantization, x's dequantization) and the weights' quantization are Triton kernels (:mod:`..kernels.fp8_rows`) that write what TE's quantizer
 would; with ``TEO_FP8_ROWS=torch``, or without Triton, torch ops and TE's quantizer do them.
 
 Saved for backward, each through the policy: x and z in FP8 with their 1x128 scales (half the bytes
@@ -50,6 +50,13 @@ def _row_kernels():
 def _qparams(recipe, role: str) -> tuple[float, bool]:
     params = recipe.fp8_quant_fwd_inp if role == "input" else recipe.fp8_quant_bwd_grad
     return float(params.amax_epsilon), bool(params.power_2_scale)
+
+
+def quantize_for(recipe, role: str, t: torch.Tensor) -> "Rows":
+    """Rows ``t`` in FP8 as the recipe quantizes ``role`` ("input" or "grad")."""
+    if t.is_cuda and (fast := _row_kernels()) is not None:
+        return Rows(*fast.quantize(t.contiguous(), *_qparams(recipe, role)))
+    return quantize_rows(t, quantizer(recipe, role))
 
 
 def recipe_problem(recipe: Any) -> Optional[str]:
@@ -206,7 +213,7 @@ def dscaled_srelu(dact: torch.Tensor, z: Rows, probs: torch.Tensor) -> tuple[tor
 def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs: torch.Tensor):
     """Returns ``(y, x in FP8, z in FP8, fc1's weights, fc2's weights)``."""
     qx, qw = quantizer(recipe, "input"), quantizer(recipe, "weight")
-    xq = quantize_rows(x, qx)
+    xq = quantize_for(recipe, "input", x)
     w1 = quantize_weights(fc1, qw, recipe)
     z = gemm(xq, w1.rows, w1.row_scales, split_sizes, x.dtype)
     if (fast := _row_kernels()) is not None:  # act and z quantized in one pass over z
@@ -224,7 +231,7 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
 def dgrads(recipe, dy: torch.Tensor, z: Rows, probs: torch.Tensor, split_sizes: torch.Tensor,
            w2_cols: tuple[torch.Tensor, torch.Tensor]):
     """fc2's dgrad and the activation's backward: ``(dz, dz in FP8 or None, dprobs, act)``."""
-    dact = gemm(quantize_rows(dy, quantizer(recipe, "grad")), *w2_cols, split_sizes, dy.dtype)
+    dact = gemm(quantize_for(recipe, "grad", dy), *w2_cols, split_sizes, dy.dtype)
     if dact.is_cuda and (fast := _row_kernels()) is not None:
         dz, dz_data, dz_scales, dprobs, act = fast.dsrelu_quantize(dact, z.data, z.scale_inv, probs.contiguous(),
                                                                    *_qparams(recipe, "grad"))
@@ -235,5 +242,5 @@ def dgrads(recipe, dy: torch.Tensor, z: Rows, probs: torch.Tensor, split_sizes: 
 
 def input_grad(recipe, dz: torch.Tensor, dz_fp8: Optional[Rows], split_sizes: torch.Tensor,
                w1_cols: tuple[torch.Tensor, torch.Tensor]):
-    dz_fp8 = dz_fp8 if dz_fp8 is not None else quantize_rows(dz, quantizer(recipe, "grad"))
+    dz_fp8 = dz_fp8 if dz_fp8 is not None else quantize_for(recipe, "grad", dz)
     return gemm(dz_fp8, *w1_cols, split_sizes, dz.dtype)

@@ -10,6 +10,7 @@ so the bytes equal those of TE's ``Float8BlockQuantizer`` applied to the same bf
 * :func:`dsrelu_quantize`: from ``dact`` and the saved FP8 z, ``dz = dact * 2 relu(z) * prob``
   (written over ``dact``) and quantized for fc1's dgrad, ``dprob = sum(dact * relu(z)^2)`` (fp32)
   and ``act`` recomputed for fc2's wgrad; one pass;
+* :func:`quantize`: rows in 1x128 blocks (x for fc1, dy for fc2's dgrad);
 * :func:`dequantize`: FP8 rows back to bf16/fp16 (fc1's wgrad reads x);
 * :func:`quantize_weights`: each expert's weight in 128x128 blocks, both orientations at once (the
   fprop reads W, the dgrad W^T), as TE's 2D quantizer writes each expert's rowwise and columnwise
@@ -102,6 +103,17 @@ if triton is not None:
         tl.store(dp_ptr + rows, dprob, mask=row_mask)
 
     @triton.jit
+    def quantize_kernel(x_ptr, q_ptr, s_ptr, T, K, scale_stride, eps, POW2: tl.constexpr, INF_VALUE: tl.constexpr,
+                        ROWS: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        kb = tl.program_id(1)
+        cols = kb * 128 + tl.arange(0, 128)
+        row_mask = rows < T
+        mask = row_mask[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        store_fp8(x, q_ptr, s_ptr, rows, cols, mask, row_mask, kb, K, scale_stride, eps, POW2, INF_VALUE)
+
+    @triton.jit
     def dequantize_kernel(q_ptr, s_ptr, out_ptr, T, K, scale_stride, ROWS: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         kb = tl.program_id(1)
@@ -191,6 +203,17 @@ def dsrelu_quantize(dact: torch.Tensor, z_data: torch.Tensor, z_scales: torch.Te
                                float(eps), K_BLOCKS=-(-f // BLOCK), POW2=pow2, INF_VALUE=_inf_value(dact.dtype),
                                ROWS=ROWS)
     return dact, dzq, dzq_s, dprobs, act
+
+
+def quantize(x: torch.Tensor, eps: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scales)`` of contiguous bf16/fp16 rows ``x`` (T, K) in 1x128 blocks."""
+    t, k = x.shape
+    data = torch.empty((t, k), dtype=torch.uint8, device=x.device)
+    scales = _scales(t, k, x.device)
+    if t:
+        quantize_kernel[(-(-t // ROWS), -(-k // BLOCK))](x, data, scales, t, k, scales.stride(0), float(eps), POW2=pow2,
+                                                         INF_VALUE=_inf_value(x.dtype), ROWS=ROWS)
+    return data, scales
 
 
 def dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
