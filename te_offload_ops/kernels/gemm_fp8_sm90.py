@@ -225,7 +225,6 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         sb_layout: cute.ComposedLayout,
         ssa_layout: cute.Layout,
     ):
-        bm = self.bm
         ab = self.ab_dtype
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -246,12 +245,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         # real work: sum_e ceil(split_e / BM) m-blocks, each with n_tiles n-blocks, in groups of
         # cluster_n tiles (an odd tile count leaves the last group a phantom partner)
         num_tokens = cute.size(g_a, mode=[0])
-        m_total = cutlass.Int32(0)
-        rows_before = cutlass.Int32(0)
-        for ei in cutlass.range_constexpr(self.num_experts):
-            cnt = self._rows_of(m_split, ei, rows_before, num_tokens)
-            m_total = m_total + (cnt + bm - 1) // bm
-            rows_before = rows_before + cnt
+        m_total = self._m_blocks(m_split, num_tokens)
         n_work = (m_total * self.n_tiles + self.cluster_n - 1) // self.cluster_n
         cluster_mn = (1, self.cluster_n)
 

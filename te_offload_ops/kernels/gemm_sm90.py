@@ -283,6 +283,17 @@ class GroupedGemmSm90(GemmPlan):
         return same == 1
 
     @cute.jit
+    def _m_blocks(self, m_split, num_tokens):
+        """The real work's m-blocks: sum over experts of ceil(rows / BM), rows as :meth:`_rows_of`."""
+        m_total = cutlass.Int32(0)
+        rows_before = cutlass.Int32(0)
+        for ei in cutlass.range_constexpr(self.num_experts):
+            cnt = self._rows_of(m_split, ei, rows_before, num_tokens)
+            m_total = m_total + (cnt + self.bm - 1) // self.bm
+            rows_before = rows_before + cnt
+        return m_total
+
+    @cute.jit
     def _rows_of(self, m_split, ei, rows_before, num_tokens):
         """Expert ``ei``'s token count as the kernel uses it: clamped to [0, T - rows_before].
 
@@ -437,14 +448,8 @@ class GroupedGemmSm90(GemmPlan):
         if cutlass.const_expr(self.wgrad_m is not None):
             n_work = cutlass.Int32(self.num_experts * self.wgrad_groups)
         else:
-            # real work: sum_e ceil(split_e / BM) m-blocks, each with n_tiles n-blocks
-            m_total = cutlass.Int32(0)
-            rows_before = cutlass.Int32(0)
-            num_tokens = cute.size(m_prob)
-            for ei in cutlass.range_constexpr(self.num_experts):
-                cnt = self._rows_of(m_split, ei, rows_before, num_tokens)
-                m_total = m_total + (cnt + bm - 1) // bm
-                rows_before = rows_before + cnt
+            # real work: the m-blocks, each with n_tiles n-blocks
+            m_total = self._m_blocks(m_split, cute.size(m_prob))
             # tile groups; an odd tile count leaves the last group a phantom partner
             n_work = (m_total * self.n_tiles + self.cluster_n - 1) // self.cluster_n
             if cutlass.const_expr(self.cluster_m > 1):  # (m-pair, n-pair) groups
