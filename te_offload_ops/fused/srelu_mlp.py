@@ -295,7 +295,8 @@ class FusedScaledSReLUMLP(FusedOperation):
         dy = dy.contiguous()
         device, itemsize = dy.device, dy.element_size()
         tokens, ffn = z_data.shape
-        hints.make_room([tokens * ffn * itemsize, tokens * 4, tokens * ffn * itemsize], device)  # dact/dz, dprobs, act
+        # dact (dz over it), act, dz in FP8 and dprobs
+        hints.make_room([tokens * ffn * itemsize, tokens * ffn * itemsize, tokens * ffn, tokens * 4], device)
         dz, dz_fp8, dprobs, act = block_fp8.dgrads(recipe, dy, block_fp8.Rows(z_data, z_scales), probs, split_sizes,
                                                    w2_cols)
         del z_data, z_scales
