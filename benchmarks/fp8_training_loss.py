@@ -112,7 +112,8 @@ def measure(args) -> dict:
     with torch.no_grad():
         for p in teacher.parameters():  # a teacher whose output does not vanish through SReLU
             p.mul_(4.0)
-    router = torch.randn(args.hidden, args.experts, device="cuda", generator=torch.Generator(device="cuda").manual_seed(11))
+    router_gen = torch.Generator(device="cuda").manual_seed(11)
+    router = torch.randn(args.hidden, args.experts, device="cuda", generator=router_gen)
     runs = []
     for seed in range(args.seeds):
         for precision in PRECISIONS:
@@ -138,7 +139,8 @@ def markdown(result: dict) -> str:
              f"Command: `{result['command']}`", "",
              "| precision | seed | first loss | final loss | ran as |", "|---|---|---|---|---|"]
     for r in result["runs"]:
-        lines.append(f"| {r['precision']} | {r['seed']} | {r['losses'][0]:.4f} | {r['final']:.5f} | {'+'.join(r['plan'])} |")
+        lines.append(f"| {r['precision']} | {r['seed']} | {r['losses'][0]:.4f} | {r['final']:.5f} | "
+                     f"{'+'.join(r['plan'])} |")
     lo, hi = result["bf16_spread"]
     fp8 = result["finals"]["fp8-block"]
     lines += ["", f"bf16 final losses span {lo:.5f}-{hi:.5f}; FP8 {min(fp8):.5f}-{max(fp8):.5f}: "

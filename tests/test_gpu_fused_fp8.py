@@ -236,7 +236,8 @@ def test_weight_kernel_writes_te_quantizers_bytes_in_both_orientations(n, k):
     buf = torch.zeros(e * (n * k + pad), device="cuda", dtype=torch.bfloat16)
     for j in range(e):  # Megatron's layout: experts last first, with padding between them
         buf[j * (n * k + pad): j * (n * k + pad) + n * k] = w[e - 1 - j].reshape(-1)
-    rows, row_s, cols, col_s = fp8_rows.quantize_weights(buf.as_strided((e, n, k), (n * k + pad, k, 1)), True, 0.0, True)
+    laid_out = buf.as_strided((e, n, k), (n * k + pad, k, 1))
+    rows, row_s, cols, col_s = fp8_rows.quantize_weights(laid_out, True, 0.0, True)
     q = block_fp8.quantizer(Float8BlockScaling(), "weight")
     nb, kb = -(-n // 128), -(-k // 128)
     for i in range(e):

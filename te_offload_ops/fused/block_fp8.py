@@ -1,8 +1,8 @@
 """The fused SReLU grouped MLP under Transformer Engine's ``Float8BlockScaling`` on Hopper.
 
 Every dgrad and fprop GEMM reads FP8 e4m3 operands with TE's block scales (1x128 for activations
-and gradients, 128x128 for weights), made by TE's ``Float8BlockQuantizer`` with the recipe's
-settings, and promotes its partial sums to fp32 once per 128-wide K block
+and gradients, 128x128 for weights), quantized with the recipe's settings as TE's
+``Float8BlockQuantizer`` quantizes, and promotes its partial sums to fp32 once per 128-wide K block
 (:func:`..kernels.grouped_gemm_fp8_blockwise`):
 
 * forward: ``z = q(x) @ q(W1)^T``; ``act = srelu(z) * prob``; ``y = q(act) @ q(W2)^T``;
@@ -12,8 +12,9 @@ settings, and promotes its partial sums to fp32 once per 128-wide K block
   (:mod:`.weight_grads`).
 
 The row passes (x's and dy's quantization, SReLU and its backward with the activations'
-quantization, x's dequantization) and the weights' quantization are Triton kernels (:mod:`..kernels.fp8_rows`) that write what TE's quantizer
-would; with ``TEO_FP8_ROWS=torch``, or without Triton, torch ops and TE's quantizer do them.
+quantization, x's dequantization) and the weights' quantization are Triton kernels
+(:mod:`..kernels.fp8_rows`) that write the bytes TE's quantizer writes; with ``TEO_FP8_ROWS=torch``,
+or without Triton, torch ops and TE's quantizer do them.
 
 Saved for backward, each through the policy: x and z in FP8 with their 1x128 scales (half the bytes
 of the bf16 path's x and z), probs and the split sizes; the weights' FP8 columnwise data for the

@@ -25,6 +25,7 @@ import torch
 
 BLOCK = 128
 ROWS = 16  # token rows per program
+# Element offsets are 64-bit: an operand may pass 2^31 elements (tokens x ffn at large batches).
 
 
 try:
@@ -56,9 +57,9 @@ if triton is not None:
                   POW2: tl.constexpr, INF_VALUE: tl.constexpr):
         scale = block_scale(tl.max(tl.abs(x), axis=1), eps, POW2, INF_VALUE)
         q = (x * scale[:, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        tl.store(data_ptr + rows[:, None] * F + cols[None, :], q, mask=mask)
-        tl.store(scale_ptr + kb * scale_stride + rows, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale),
-                 mask=row_mask)
+        tl.store(data_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], q, mask=mask)
+        scale_inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        tl.store(scale_ptr + (rows.to(tl.int64) + kb * scale_stride), scale_inv, mask=row_mask)
 
     @triton.jit
     def srelu_quantize_kernel(z_ptr, p_ptr, act_ptr, act_s_ptr, zq_ptr, zq_s_ptr, T, F, scale_stride, eps,
@@ -68,7 +69,7 @@ if triton is not None:
         cols = kb * 128 + tl.arange(0, 128)
         row_mask = rows < T
         mask = row_mask[:, None] & (cols < F)[None, :]
-        z16 = tl.load(z_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0)
+        z16 = tl.load(z_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], mask=mask, other=0.0)
         z = z16.to(tl.float32)
         p = tl.load(p_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         r = tl.maximum(z, 0.0)
@@ -87,11 +88,11 @@ if triton is not None:
         for kb in range(K_BLOCKS):
             cols = kb * 128 + tl.arange(0, 128)
             mask = row_mask[:, None] & (cols < F)[None, :]
-            offs = rows[:, None] * F + cols[None, :]
+            offs = rows.to(tl.int64)[:, None] * F + cols[None, :]
             d16 = tl.load(dact_ptr + offs, mask=mask, other=0.0)
             d = d16.to(tl.float32)
             zq = tl.load(zq_ptr + offs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            zs = tl.load(zq_s_ptr + kb * scale_stride + rows, mask=row_mask, other=0.0)
+            zs = tl.load(zq_s_ptr + (rows.to(tl.int64) + kb * scale_stride), mask=row_mask, other=0.0)
             r = tl.maximum(zq * zs[:, None], 0.0)
             r2 = r * r
             dprob += tl.sum(d * r2, axis=1)
@@ -110,7 +111,7 @@ if triton is not None:
         cols = kb * 128 + tl.arange(0, 128)
         row_mask = rows < T
         mask = row_mask[:, None] & (cols < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         store_fp8(x, q_ptr, s_ptr, rows, cols, mask, row_mask, kb, K, scale_stride, eps, POW2, INF_VALUE)
 
     @triton.jit
@@ -120,9 +121,9 @@ if triton is not None:
         cols = kb * 128 + tl.arange(0, 128)
         row_mask = rows < T
         mask = row_mask[:, None] & (cols < K)[None, :]
-        offs = rows[:, None] * K + cols[None, :]
+        offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
         q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        s = tl.load(s_ptr + kb * scale_stride + rows, mask=row_mask, other=0.0)
+        s = tl.load(s_ptr + (rows.to(tl.int64) + kb * scale_stride), mask=row_mask, other=0.0)
         tl.store(out_ptr + offs, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -136,14 +137,14 @@ if triton is not None:
         n = nb * 128 + tl.arange(0, 128)
         k = kb * 128 + tl.arange(0, 128)
         mask = (n < N)[:, None] & (k < K)[None, :]
-        w = tl.load(w_ptr + src.to(tl.int64) * expert_stride + n[:, None] * K + k[None, :], mask=mask,
+        w = tl.load(w_ptr + src.to(tl.int64) * expert_stride + n.to(tl.int64)[:, None] * K + k[None, :], mask=mask,
                     other=0.0).to(tl.float32)
         amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
         scale = block_scale(amax, eps, POW2, INF_VALUE)
         q = (w * scale).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         base = e.to(tl.int64) * N * K
-        tl.store(rows_ptr + base + n[:, None] * K + k[None, :], q, mask=mask)
-        tl.store(cols_ptr + base + k[None, :] * N + n[:, None], q, mask=mask)  # W^T: (K, N) rows
+        tl.store(rows_ptr + base + n.to(tl.int64)[:, None] * K + k[None, :], q, mask=mask)
+        tl.store(cols_ptr + base + k.to(tl.int64)[None, :] * N + n[:, None], q, mask=mask)  # W^T: (K, N) rows
         scale_inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
         tl.store(row_s_ptr + (e * ((N + 127) // 128) + nb) * KBP + kb, scale_inv)
         tl.store(col_s_ptr + (e * ((K + 127) // 128) + kb) * NBP + nb, scale_inv)
