@@ -40,8 +40,9 @@ Targets checked: ours at EP=2 at least 1.7x stock's step; each offloading varian
 3% of ours' step; teo freeing at least what Megatron's offloading frees at no more step time, and
 fitting more tokens under a cap (predicted from the peaks, and measured with ``--cap-gib``, each
 trial a job of its own); the numerics bounds (megatron_gpt_numerics.checks). ``--profile`` adds,
-per offloading variant, two steps under torch.profiler and where the offload copies meet NCCL's
-kernels and the dispatcher's copies (``benchmarks/comm_copy_overlap.py``). Writes
+per variant, two steps under torch.profiler: where the offload copies meet NCCL's kernels and the
+dispatcher's copies (``benchmarks/comm_copy_overlap.py``), and why the compute stream sat idle
+(``benchmarks/step_profile.py``: the host not yet launching, or a wait on another stream). Writes
 megatron_gpt_<GPU>.{json,md,png} into ``--out`` (the report: ``benchmarks/megatron_gpt_report.py``).
 """
 
@@ -94,10 +95,6 @@ def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=N
     return replace(found, kernel_dtoh=kdtoh)
 
 
-def offloads(v: Variant) -> bool:
-    return bool(v.offload_modules) or v.teo_scope is not None
-
-
 def parser() -> argparse.ArgumentParser:
     """The launcher's options; its workers get the same ones (through torchrun at EP > 1, whose own
     parser must not mistake one of them for an abbreviation of its options)."""
@@ -128,7 +125,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cap-max-micro-batch", type=int, default=None,
                    help="largest micro-batch tried under --cap-gib (default twice --micro-batch)")
     p.add_argument("--profile", action="store_true",
-                   help="also profile two steps of each offloading variant: offload copies against NCCL kernels")
+                   help="also profile two steps of each variant: offload copies against NCCL kernels, and the "
+                        "compute stream's idle time by cause")
     p.add_argument("--trace-dir", type=Path, default=None, help="keep the profiled chrome traces here (gzipped)")
     p.add_argument("--no-numerics", action="store_true",
                    help="skip the first-step numerics of ours against stock (one job per EP)")
@@ -281,6 +279,7 @@ def time_variant(args, rank: int, weights: dict) -> dict:
             floor = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             moved0 = (teo.counter.total if teo is not None else 0, getattr(megatron, "bytes", 0))
+            pinned0 = pinned_allocations()
             times = []
             for i in range(args.iters):
                 torch.cuda.synchronize()
@@ -289,10 +288,11 @@ def time_variant(args, rank: int, weights: dict) -> dict:
                 torch.cuda.synchronize()
                 times.append((time.perf_counter() - t0) * 1e3)
             peak = torch.cuda.max_memory_allocated()
+            pinned = [now - before for now, before in zip(pinned_allocations(), pinned0)]
             moved = ((teo.counter.total if teo is not None else 0) - moved0[0]
                      + getattr(megatron, "bytes", 0) - moved0[1]) / args.iters
             profile = None
-            if args.profile and offloads(v):
+            if args.profile:
                 profile = profile_steps(args, name, ep, rank, ddp, optimizer, data)
     finally:
         if kdtoh is not None:
@@ -302,7 +302,18 @@ def time_variant(args, rank: int, weights: dict) -> dict:
     return {"variant": name, "ep": ep, "rank": rank, "experts_path": experts_path(model),
             "step_ms": statistics.median(times), "step_ms_min": min(times), "step_ms_max": max(times),
             "floor_GiB": floor / 2**30, "peak_GiB": peak / 2**30, "peak_above_floor_GiB": (peak - floor) / 2**30,
-            "offloaded_MiB_per_step": moved / 2**20, "first_loss": first_loss, "profile": profile}
+            "offloaded_MiB_per_step": moved / 2**20, "step_ms_each": times,
+            "teo_pinned_allocations_timed": pinned[0] if teo is not None else None,
+            "teo_pinned_MiB_timed": pinned[1] / 2**20 if teo is not None else None,
+            "first_loss": first_loss, "profile": profile}
+
+
+def pinned_allocations() -> tuple[int, int]:
+    """(pinned buffers, bytes) teo's shared pool has allocated so far."""
+    from te_offload_ops.engines.teo import default_pool
+
+    pool = default_pool()
+    return pool.allocations, pool.allocated_bytes
 
 
 def profile_steps(args, name, ep, rank, ddp, optimizer, data) -> dict:
@@ -310,14 +321,17 @@ def profile_steps(args, name, ep, rank, ddp, optimizer, data) -> dict:
 
     import torch
 
+    import step_profile
     from comm_copy_overlap import analyze
     from megatron_gpt_model import train_step
 
     steps = 2
+    kwargs = {"experimental_config": config} if (config := step_profile.profiler_config()) is not None else {}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+                                            torch.profiler.ProfilerActivity.CUDA], **kwargs) as prof:
         for i in range(steps):
-            train_step(ddp, optimizer, args.shape, data[i % 2])
+            with torch.profiler.record_function(f"{step_profile.STEP_MARK} {i}"):
+                train_step(ddp, optimizer, args.shape, data[i % 2])
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
@@ -328,12 +342,34 @@ def profile_steps(args, name, ep, rank, ddp, optimizer, data) -> dict:
         stem = f"megatron_gpt_ep{ep}_{name.replace('+', '_')}_rank{rank}.trace.json.gz"
         with gzip.open(args.trace_dir / stem, "wt") as f:
             f.write(text)
-    summary = analyze(json.loads(text)["traceEvents"], steps=steps)
+    trace = json.loads(text)
+    summary = analyze(trace["traceEvents"], steps=steps)
+    summary["idle"] = compute_idle(trace, [f"{step_profile.STEP_MARK} {i}" for i in range(steps)])
     say(rank, f"profile: NCCL {summary['nccl_ms']:.1f} ms/step, offload copies {summary['offload_d2h_ms']:.1f} d2h + "
               f"{summary['offload_h2d_ms']:.1f} h2d ms, beside NCCL {summary['overlap_ms']:.1f} ms; dispatcher copies "
               f"waited {summary['small_d2h']['wait_ms']:.2f} ms ({summary['small_d2h']['wait_behind_offload_ms']:.2f} "
               "behind offload copies)")
     return summary
+
+
+def compute_idle(trace: dict, step_names: list[str]) -> dict:
+    """Per step (mean over ``step_names``), the compute stream's idle ms by cause (the host had not
+    launched the next op yet, busy or blocked in a sync; or it waited on another stream's work,
+    named) and the step's longest gaps, from ``step_profile``'s analysis."""
+    import step_profile as sp
+
+    events = sp.events_from_trace(trace)
+    compute = sp.default_compute_stream(events)
+    steps = [sp.analyze_step(events, name, compute, top_gaps=6) for name in step_names]
+    causes: dict[str, float] = {}
+    for s in steps:
+        for per_cause in s["idle_ms"].values():
+            for cause, ms in per_cause.items():
+                causes[cause] = causes.get(cause, 0.0) + ms / len(steps)
+    return {"gpu_ms": sum(s["gpu_ms"] for s in steps) / len(steps),
+            "compute_busy_ms": sum(s["compute_busy_ms"] for s in steps) / len(steps),
+            "idle_ms_by_cause": dict(sorted(causes.items(), key=lambda kv: -kv[1])),
+            "largest_gaps": steps[-1]["largest_gaps"]}
 
 
 def cap_trial(args, weights: dict) -> dict:

@@ -31,6 +31,9 @@ def merge_variant(per_rank: list[dict], ep: int, name: str, failure: str | None 
     row["first_losses"] = [r["first_loss"] for r in rows]
     row["first_loss"] = sum(row["first_losses"]) / len(rows)
     row["weights_digest"] = [r.get("weights_digest") for r in per_rank]
+    for key in ("teo_pinned_allocations_timed", "teo_pinned_MiB_timed", "step_ms_each"):
+        row[key + "_per_rank"] = [r.get(key) for r in rows]
+        row.pop(key, None)
     row["profile_per_rank"] = [r.get("profile") for r in rows] if any(r.get("profile") for r in rows) else None
     row.pop("profile", None)
     return row
@@ -196,7 +199,49 @@ def markdown(result: dict) -> str:
                 lines.append(f"| {row['ep']} | {row['variant']} | {rank} | {p['nccl_ms']:.1f} | {p['offload_d2h_ms']:.1f} | "
                              f"{p['offload_h2d_ms']:.1f} | {p['overlap_ms']:.1f} | {s['count']:.0f} | {s['wait_ms']:.2f} | "
                              f"{s['wait_behind_offload_ms']:.2f} | {k['count']:.0f}, {k['wait_ms']:.2f} |")
+        lines += idle_lines(profiled)
+    pinned = [r for r in result["rows"]
+              if any(n is not None for n in r.get("teo_pinned_allocations_timed_per_rank") or [])]
+    if pinned:
+        lines += ["", "Pinned host buffers teo allocated during the timed steps (per rank):", "",
+                  "| EP | variant | buffers | MiB |", "|---|---|---|---|"]
+        for r in pinned:
+            buffers = " / ".join(str(n) for n in r["teo_pinned_allocations_timed_per_rank"])
+            mib = " / ".join(f"{m:.0f}" for m in r["teo_pinned_MiB_timed_per_rank"])
+            lines.append(f"| {r['ep']} | {r['variant']} | {buffers} | {mib} |")
     return "\n".join(lines) + "\n"
+
+
+IDLE_GROUPS = (("host busy", ("host: busy",)), ("host blocked in a sync", ("host: blocked",)),
+               ("waiting on another stream's kernel (NCCL)", ("wait: kernel",)),
+               ("waiting on a copy", ("wait: D2H", "wait: H2D", "wait: D2D")))
+
+
+def idle_lines(profiled: list[dict]) -> list[str]:
+    """The compute stream's idle time per step by cause, per rank (``--profile``)."""
+    rows = []
+    for row in profiled:
+        for rank, p in enumerate(row["profile_per_rank"]):
+            idle = (p or {}).get("idle")
+            if not idle:
+                continue
+            grouped = {name: 0.0 for name, _ in IDLE_GROUPS}
+            other = 0.0
+            for cause, ms in idle["idle_ms_by_cause"].items():
+                group = next((name for name, prefixes in IDLE_GROUPS if cause.startswith(prefixes)), None)
+                if group is None:
+                    other += ms
+                else:
+                    grouped[group] += ms
+            rows.append(f"| {row['ep']} | {row['variant']} | {rank} | {idle['gpu_ms']:.1f} | "
+                        f"{idle['compute_busy_ms']:.1f} | " + " | ".join(f"{grouped[name]:.1f}" for name, _ in IDLE_GROUPS)
+                        + f" | {other:.1f} |")
+    if not rows:
+        return []
+    return ["", "The compute stream's idle time per step (mean of the profiled steps; host: the next op not yet "
+            "launched; waiting: launched, held by another stream's work):", "",
+            "| EP | variant | rank | step on GPU ms | compute busy ms | " + " | ".join(n for n, _ in IDLE_GROUPS)
+            + " | other ms |", "|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def numerics_lines(numerics: dict) -> list[str]:

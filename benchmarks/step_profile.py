@@ -694,7 +694,7 @@ def layer_marks(layers: Sequence):
             mark.__exit__(None, None, None)
 
 
-def _experimental_config():
+def profiler_config():
     """CUPTI's synchronization records (stream waits, host syncs) where this torch offers them."""
     import torch
 
@@ -715,7 +715,7 @@ def profile_steps(step: Callable[[], None], layers: Sequence, steps: int, trace_
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     kwargs = {}
-    config = _experimental_config()
+    config = profiler_config()
     if config is not None:
         kwargs["experimental_config"] = config
     names = []

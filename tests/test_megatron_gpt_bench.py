@@ -128,6 +128,33 @@ def test_a_jobs_ranks_merge_to_the_slowest_step_the_largest_peak_and_every_loss(
     assert "no rank" in mgr.merge_variant([], 1, "ours")["error"]
 
 
+def test_the_report_shows_idle_causes_and_pinned_allocations_per_rank():
+    idle = lambda host, nccl: {"gpu_ms": 120.0, "compute_busy_ms": 90.0, "largest_gaps": [],  # noqa: E731
+                               "idle_ms_by_cause": {"host: busy": host, "wait: kernel on stream 21": nccl,
+                                                    "wait: H2D copy": 2.0, "host: blocked in cudaStreamSynchronize": 1.5,
+                                                    "launch latency": 0.5}}
+    prof = lambda host, nccl: {"nccl_ms": 1.0, "offload_d2h_ms": 1.0, "offload_h2d_ms": 1.0, "overlap_ms": 0.0,  # noqa: E731
+                               "small_d2h": {"count": 3, "wait_ms": 0.1, "wait_behind_offload_ms": 0.0},
+                               "kernel_dtoh": {"count": 0, "wait_ms": 0.0}, "idle": idle(host, nccl)}
+    teo = mgr.merge_variant(_job(
+        _row("ours+teo", 2, 150.0, 6.0, profile=prof(20.0, 3.0), teo_pinned_allocations_timed=4,
+             teo_pinned_MiB_timed=512.0, step_ms_each=[150.0, 140.0]),
+        _row("ours+teo", 2, 140.0, 6.0, rank=1, profile=prof(2.0, 25.0), teo_pinned_allocations_timed=0,
+             teo_pinned_MiB_timed=0.0, step_ms_each=[140.0, 150.0])), 2, "ours+teo")
+    assert teo["teo_pinned_allocations_timed_per_rank"] == [4, 0] and "teo_pinned_MiB_timed" not in teo
+    result = {"gpu": "g", "date": "d", "versions": {"megatron-core": "0.19.2", "transformer-engine": "2.20.2",
+                                                     "torch": "2.11"},
+              "config": {"layers": 4, "hidden": 2048, "heads": 16, "experts": 16, "topk": 4, "ffn": 1408,
+                         "vocab": 32768, "microbatches": 2, "micro_batch": 4, "seq": 2048, "iters": 8, "warmup": 3},
+              "rows": [teo], "targets": []}
+    mgr.add_comparisons(result["rows"], 16384)
+    lines = mgr.markdown(result).splitlines()
+    # per rank: host busy, blocked, another stream's kernel, copies, the rest
+    assert "| 2 | ours+teo | 0 | 120.0 | 90.0 | 20.0 | 1.5 | 3.0 | 2.0 | 0.5 |" in lines
+    assert "| 2 | ours+teo | 1 | 120.0 | 90.0 | 2.0 | 1.5 | 25.0 | 2.0 | 0.5 |" in lines
+    assert "| 2 | ours+teo | 4 / 0 | 512 / 0 |" in lines
+
+
 def _rows(ep2_digest=1.5):
     rows = [mgr.merge_variant(_job(_row("stock", 2, 200.0, 8.0), digest=ep2_digest), 2, "stock"),
             mgr.merge_variant(_job(_row("ours", 2, 110.0, 7.0, loss=10.01)), 2, "ours"),

@@ -1,6 +1,6 @@
 """CPU: teo's pinned host buffers by size class, reused from step to step."""
 
-from te_offload_ops.engines.teo.pool import class_bytes, size_class
+from te_offload_ops.engines.teo.pool import allocation_class, class_bytes, size_class
 from teo_fakes import fake_pool
 
 
@@ -48,3 +48,24 @@ def test_pool_clear_drops_free_buffers_only():
     assert pool.free_bytes == 0
     pool.release(held, None)
     assert pool.free_bytes == held.tensor.numel()
+
+
+def test_new_buffers_are_powers_of_two_with_room_to_grow():
+    pool, made = fake_pool()
+    # what a rank receives under expert parallelism changes from step to step by tens of percent
+    first = pool.acquire(100 << 20)
+    size = first.tensor.numel()
+    assert size & (size - 1) == 0 and size >= 1.29 * (100 << 20)  # torch pins a power of two anyway
+    pool.release(first, None)
+    for n in (100 << 20, 129 << 20, 80 << 20, 125 << 20, 100 << 20):  # same, +29%, -20%, ...
+        buf = pool.acquire(n)
+        assert buf is first
+        pool.release(buf, None)
+    assert pool.allocations == 1
+    for n in (1, 65536, 70_000, 1 << 20, 100 << 20, 123_456_789):
+        k = size_class(n)
+        got = class_bytes(allocation_class(k))
+        assert got >= 1.29 * n and got & (got - 1) == 0 and (got <= 2.6 * n or n <= 65536)
+        again = pool.acquire(n)  # a request of the same size finds the buffer it would allocate
+        pool.release(again, None)
+        assert pool.acquire(n) is again

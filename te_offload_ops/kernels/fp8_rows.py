@@ -25,6 +25,7 @@ import torch
 
 BLOCK = 128
 ROWS = 16  # token rows per program
+WEIGHT_WARPS = 8  # a 128x128 weight block per program: 8 warps keep it in registers
 # Element offsets are 64-bit: an operand may pass 2^31 elements (tokens x ffn at large batches).
 
 
@@ -144,7 +145,8 @@ if triton is not None:
         q = (w * scale).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         base = e.to(tl.int64) * N * K
         tl.store(rows_ptr + base + n.to(tl.int64)[:, None] * K + k[None, :], q, mask=mask)
-        tl.store(cols_ptr + base + k.to(tl.int64)[None, :] * N + n[:, None], q, mask=mask)  # W^T: (K, N) rows
+        # W^T: (K, N) rows; transposed in registers so both stores write whole rows
+        tl.store(cols_ptr + base + k.to(tl.int64)[:, None] * N + n[None, :], tl.trans(q), mask=tl.trans(mask))
         scale_inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
         tl.store(row_s_ptr + (e * ((N + 127) // 128) + nb) * KBP + kb, scale_inv)
         tl.store(col_s_ptr + (e * ((K + 127) // 128) + kb) * NBP + nb, scale_inv)
@@ -165,7 +167,8 @@ def quantize_weights(w: torch.Tensor, reversed_experts: bool, eps: float, pow2: 
     row_s = torch.zeros((e, nb, kbp), dtype=torch.float32, device=w.device)
     col_s = torch.zeros((e, kb, nbp), dtype=torch.float32, device=w.device)
     quantize_weights_kernel[(e, nb, kb)](w, w.stride(0), rows, row_s, cols, col_s, e, n, k, nbp, kbp, float(eps),
-                                         REVERSED=reversed_experts, POW2=pow2, INF_VALUE=_inf_value(w.dtype))
+                                         REVERSED=reversed_experts, POW2=pow2, INF_VALUE=_inf_value(w.dtype),
+                                         num_warps=WEIGHT_WARPS)
     return rows, row_s, cols, col_s
 
 

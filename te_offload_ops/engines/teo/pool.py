@@ -1,9 +1,14 @@
 """Pinned host buffers by size class, reused from step to step by every teo context.
 
-Buffer sizes form a geometric series (8 classes per octave, so at most ~9% of a buffer is unused),
-so that slightly different sizes, such as per-expert slices under new routing, share buffers. A
-buffer handed back is given out again after the GPU work that last used it (its ``ready`` event):
-a steady sequence of steps allocates pinned memory in its first step only.
+Requests fall into a geometric series of size classes (8 per octave); a request takes a free
+buffer from its class up to twice the size it would allocate. New buffers are whole powers of two
+at least three classes (30%) above the request: torch's pinned-memory allocator rounds every
+allocation up to a power of two, so that size costs no more host memory than the request rounded,
+and a tensor that grows by 30% or more from step to step (what a rank receives under expert
+parallelism changes with routing) still fits the buffer it had. Pinning new host memory is slow
+and stalls the GPU's queue; a buffer handed back is given out again after the GPU work that last
+used it (its ``ready`` event), so a steady sequence of steps allocates pinned memory in its first
+steps only.
 """
 
 from __future__ import annotations
@@ -15,13 +20,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["HostBuffer", "PinnedBufferPool", "class_bytes", "default_pool", "free_pinned_buffers", "size_class"]
+__all__ = ["HostBuffer", "PinnedBufferPool", "allocation_class", "class_bytes", "default_pool", "free_pinned_buffers",
+           "size_class"]
 
 _CLASSES_PER_OCTAVE = 8
 _MIN_CLASS_BYTES = 64 * 1024
-# A new buffer is this many classes larger than needed, so that a tensor a little larger next step
-# (per-expert slices under new routing) still fits the buffer it had.
-_HEADROOM_CLASSES = 1
+# A new buffer is at least this many classes larger than needed (then rounded up to a power of two).
+_HEADROOM_CLASSES = 3
 
 
 def size_class(nbytes: int) -> int:
@@ -40,6 +45,12 @@ def class_bytes(k: int) -> int:
     """Bytes of a buffer of size class ``k`` (whole 512-byte blocks)."""
     size = math.ceil(_MIN_CLASS_BYTES * 2 ** (k / _CLASSES_PER_OCTAVE))
     return -(-size // 512) * 512
+
+
+def allocation_class(k: int) -> int:
+    """The size class a new buffer for a request of class ``k`` gets: a power of two (classes that
+    are multiples of an octave) at least ``_HEADROOM_CLASSES`` above ``k``."""
+    return -(-(k + _HEADROOM_CLASSES) // _CLASSES_PER_OCTAVE) * _CLASSES_PER_OCTAVE
 
 
 @dataclass
@@ -64,16 +75,17 @@ class PinnedBufferPool:
         self.in_use = 0
 
     def acquire(self, nbytes: int) -> HostBuffer:
-        """A buffer of at least ``nbytes``: a free one of its size class or up to an octave above."""
+        """A buffer of at least ``nbytes``: a free one from its size class up to twice the size a new
+        one would have (so a tensor that shrinks a little finds the buffer it had), else a new one."""
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         k = size_class(nbytes)
-        for larger in range(k, k + _CLASSES_PER_OCTAVE + 1):
+        for larger in range(k, allocation_class(k) + _CLASSES_PER_OCTAVE + 1):
             bucket = self._free.get(larger)
             if bucket:
                 self.in_use += 1
                 return bucket.pop()
-        k += _HEADROOM_CLASSES
+        k = allocation_class(k)
         buf = HostBuffer(self._allocate(class_bytes(k)), k)
         self.allocations += 1
         self.allocated_bytes += class_bytes(k)
