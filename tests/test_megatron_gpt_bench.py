@@ -185,6 +185,9 @@ def test_comparisons_and_targets_are_computed_per_ep():
     assert found["ours+teo fits more tokens than ours+megatron under ours' peak (EP=2, predicted)"]["met"] is True
     assert found["ours+megatron's first loss equals ours' bitwise (EP=2)"]["met"] is True
     assert found["ours+teo's first loss equals ours' bitwise (EP=2)"]["met"] is False
+    alone = [r for r in _rows() if r["variant"] == "ours+teo"]  # --variants ours+teo: nothing to compare with
+    mgr.add_comparisons(alone, 16384)
+    assert {t["target"]: t["met"] for t in mgr.targets(alone)}["ours+teo at EP=2 costs <= 3% over ours"] is None
 
 
 def test_losses_are_compared_only_between_jobs_from_the_same_weights():
