@@ -124,6 +124,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cap-variants", default="ours,ours+megatron,ours+teo", help="variants for --cap-gib")
     p.add_argument("--cap-max-micro-batch", type=int, default=None,
                    help="largest micro-batch tried under --cap-gib (default twice --micro-batch)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also run three steps of each variant under cProfile: the host's time by Python function")
     p.add_argument("--profile", action="store_true",
                    help="also profile two steps of each variant: offload copies against NCCL kernels, and the "
                         "compute stream's idle time by cause")
@@ -291,6 +293,7 @@ def time_variant(args, rank: int, weights: dict) -> dict:
             pinned = [now - before for now, before in zip(pinned_allocations(), pinned0)]
             moved = ((teo.counter.total if teo is not None else 0) - moved0[0]
                      + getattr(megatron, "bytes", 0) - moved0[1]) / args.iters
+            host = host_profile(args, ddp, optimizer, data) if args.host_profile else None
             profile = None
             if args.profile:
                 profile = profile_steps(args, name, ep, rank, ddp, optimizer, data)
@@ -305,7 +308,37 @@ def time_variant(args, rank: int, weights: dict) -> dict:
             "offloaded_MiB_per_step": moved / 2**20, "step_ms_each": times,
             "teo_pinned_allocations_timed": pinned[0] if teo is not None else None,
             "teo_pinned_MiB_timed": pinned[1] / 2**20 if teo is not None else None,
-            "first_loss": first_loss, "profile": profile}
+            "first_loss": first_loss, "profile": profile, "host_profile": host}
+
+
+def host_profile(args, ddp, optimizer, data, steps: int = 3, top: int = 25) -> dict:
+    """Three steps under cProfile: the host's wall time per step and the functions that took the
+    most of it themselves (ms per step, calls per step). cProfile slows Python calls, so the
+    figures rank where the host's time goes rather than give it."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    from megatron_gpt_model import train_step
+
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    prof.enable()
+    for i in range(steps):
+        train_step(ddp, optimizer, args.shape, data[i % 2])
+    torch.cuda.synchronize()
+    prof.disable()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    stats = pstats.Stats(prof)
+    rows = []
+    for (path, line, func), (_, calls, tottime, cumtime, _) in stats.stats.items():
+        where = f"{Path(path).parent.name}/{Path(path).name}:{line}({func})" if line else func
+        rows.append({"function": where, "self_ms": tottime * 1e3 / steps, "cum_ms": cumtime * 1e3 / steps,
+                     "calls": calls / steps})
+    rows.sort(key=lambda r: -r["self_ms"])
+    return {"wall_ms": wall_ms, "self_ms_total": sum(r["self_ms"] for r in rows), "top": rows[:top]}
 
 
 def pinned_allocations() -> tuple[int, int]:

@@ -31,7 +31,7 @@ def merge_variant(per_rank: list[dict], ep: int, name: str, failure: str | None 
     row["first_losses"] = [r["first_loss"] for r in rows]
     row["first_loss"] = sum(row["first_losses"]) / len(rows)
     row["weights_digest"] = [r.get("weights_digest") for r in per_rank]
-    for key in ("teo_pinned_allocations_timed", "teo_pinned_MiB_timed", "step_ms_each"):
+    for key in ("teo_pinned_allocations_timed", "teo_pinned_MiB_timed", "step_ms_each", "host_profile"):
         row[key + "_per_rank"] = [r.get(key) for r in rows]
         row.pop(key, None)
     row["profile_per_rank"] = [r.get("profile") for r in rows] if any(r.get("profile") for r in rows) else None
@@ -201,6 +201,7 @@ def markdown(result: dict) -> str:
                              f"{p['offload_h2d_ms']:.1f} | {p['overlap_ms']:.1f} | {s['count']:.0f} | {s['wait_ms']:.2f} | "
                              f"{s['wait_behind_offload_ms']:.2f} | {k['count']:.0f}, {k['wait_ms']:.2f} |")
         lines += idle_lines(profiled)
+    lines += host_lines(result["rows"])
     pinned = [r for r in result["rows"]
               if any(n is not None for n in r.get("teo_pinned_allocations_timed_per_rank") or [])]
     if pinned:
@@ -211,6 +212,22 @@ def markdown(result: dict) -> str:
             mib = " / ".join(f"{m:.0f}" for m in r["teo_pinned_MiB_timed_per_rank"])
             lines.append(f"| {r['ep']} | {r['variant']} | {buffers} | {mib} |")
     return "\n".join(lines) + "\n"
+
+
+def host_lines(rows: list[dict], top: int = 12) -> list[str]:
+    """Per variant, rank 0's host time per step under cProfile and the functions that took most of
+    it themselves (``--host-profile``)."""
+    out = []
+    for row in rows:
+        host = (row.get("host_profile_per_rank") or [None])[0]
+        if not host:
+            continue
+        out += ["", f"Host time under cProfile, EP={row['ep']} {row['variant']} (rank 0): {host['wall_ms']:.1f} ms "
+                    "per step; the functions that took most of it themselves:", "",
+                "| function | self ms/step | cumulative ms/step | calls/step |", "|---|---|---|---|"]
+        out += [f"| `{r['function']}` | {r['self_ms']:.2f} | {r['cum_ms']:.2f} | {r['calls']:.0f} |"
+                for r in host["top"][:top]]
+    return out
 
 
 IDLE_GROUPS = (("host busy", ("host: busy",)), ("host blocked in a sync", ("host: blocked",)),

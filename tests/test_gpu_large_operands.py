@@ -1,5 +1,6 @@
 """GPU: the fused path on operands past 2^31 elements (8 experts x 102,400 tokens, H=2688, F=1856:
-x, y, dy and dx have 2.2e9 elements each), checked on sampled rows against an fp32 reference.
+x, y, dy and dx have 2.2e9 elements each), in bf16 and under Float8BlockScaling, checked on
+sampled rows against an fp32 reference.
 
 About 40 GB of GPU memory; skipped on smaller GPUs."""
 
@@ -60,3 +61,65 @@ def test_fused_mlp_past_2_31_elements(monkeypatch):
         torch.backends.cuda.matmul.allow_tf32 = tf32
     got = list(mlp[2].parameters())[e].grad.float()
     assert ((got - ref_dw2).norm() / ref_dw2.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu("sm_90", free_gib=(NEEDED_BYTES >> 30) + 8)
+@pytest.mark.skipif(fused_path_problem() is not None, reason=fused_path_problem() or "")
+def test_fused_fp8_mlp_past_2_31_elements(monkeypatch):
+    """The same shapes under Float8BlockScaling: x, y, dy, dx and their FP8 copies past 2^31
+    elements; sampled rows against fp32 on the same FP8 operands (row quantization is row-local, so
+    the rows' reference quantizes only them), and against the unquantized step."""
+    from test_gpu_fused_fp8 import _deq_rows, _deq_weight, rel_err
+    from transformer_engine.common.recipe import Float8BlockScaling
+
+    from mlp_steps import quantized
+    from te_offload_ops.fused import block_fp8
+
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    torch.manual_seed(0)
+    mlp = make_stack(Config(layers=1, experts=E, hidden=H, ffn=F, splits=(PER_EXPERT,) * E, recipe="block"))[0]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    probs = torch.rand(T, device="cuda", dtype=torch.bfloat16, generator=g)
+    splits = torch.full((E,), PER_EXPERT, device="cuda", dtype=torch.int64)
+    with quantized("block"):
+        y = mlp(x, splits, probs, splits)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    y.backward(dy)
+    torch.cuda.synchronize()
+    assert mlp._module_groups[0]._forward_ops[0][0].last_fallback_reasons == []
+
+    recipe = Float8BlockScaling()
+    qx, qw, qg = (block_fp8.quantizer(recipe, r) for r in ("input", "weight", "grad"))
+    w1 = [_deq_weight(w.detach(), qw) for w in mlp[0].parameters()]
+    w2 = [_deq_weight(w.detach(), qw) for w in mlp[2].parameters()]
+    first_past = 2**31 // H + 1
+    rows = torch.cat([torch.arange(0, 64), torch.arange(first_past - 32, first_past + 32), torch.arange(T - 64, T)])
+    rows = rows.to("cuda")
+    experts = rows // PER_EXPERT
+    for e in experts.unique().tolist():
+        r = rows[experts == e]
+        pe = probs[r].float()[:, None]
+        z = _deq_rows(x.detach()[r], qx) @ w1[e].t()
+        ref_y = _deq_rows((torch.relu(z) ** 2 * pe).bfloat16(), qx) @ w2[e].t()
+        zr = torch.relu(_deq_rows(z.bfloat16(), qx))  # z is saved in FP8
+        dz = (_deq_rows(dy[r], qg) @ w2[e]) * 2 * zr * pe
+        ref_dx = _deq_rows(dz.bfloat16(), qg) @ w1[e]
+        assert rel_err(y.detach()[r], ref_y) < 2e-2, (e, rel_err(y.detach()[r], ref_y))
+        assert rel_err(x.grad[r], ref_dx) < 2e-2, (e, rel_err(x.grad[r], ref_dx))
+        # the FP8 error itself against the unquantized step
+        w1p, w2p = list(mlp[0].parameters())[e].detach().float(), list(mlp[2].parameters())[e].detach().float()
+        plain_y = (torch.relu(x.detach()[r].float() @ w1p.t()) ** 2 * pe) @ w2p.t()
+        assert rel_err(y.detach()[r], plain_y) < 1e-1
+    # the last expert's fc2 weight gradient (bf16 GEMM on the saved FP8 z), rows all past 2^31 / H
+    e = E - 1
+    lo = e * PER_EXPERT
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True  # TF32's 1e-3 is well inside the bound
+    try:
+        zr = torch.relu(_deq_rows((_deq_rows(x.detach()[lo:], qx) @ w1[e].t()).bfloat16(), qx))
+        ref_dw2 = dy[lo:].float().t() @ (zr * zr * probs[lo:].float()[:, None])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    got = list(mlp[2].parameters())[e].grad
+    assert rel_err(got, ref_dw2) < 2e-2, rel_err(got, ref_dw2)

@@ -321,10 +321,10 @@ _RUN = textwrap.dedent("""
 """)
 
 
-def _run(cache: Path, **env) -> tuple[dict, list[str]]:
+def _run(cache: Path, script: str = _RUN, **env) -> tuple[dict, list[str]]:
     full = {**os.environ, "PYTHONPATH": str(ROOT), "CUTE_DSL_ARCH": "sm_90a", "TEO_KERNEL_CACHE": "1",
             "TEO_KERNEL_CACHE_DIR": str(cache), **env}
-    proc = subprocess.run([sys.executable, "-c", _RUN], capture_output=True, text=True, env=full, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=full, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
     logs = [ln for ln in proc.stderr.splitlines() if ln.startswith("LOG ")]
@@ -351,6 +351,39 @@ def test_a_kernel_compiled_in_one_process_loads_in_the_next(tmp_path, call):
     assert second["type"] == ("Function" if call == "tvm-ffi" else first["type"])
     assert _entries(cache) == [path]
     print(f"{call}: two processes in {time.perf_counter() - t0:.1f} s")
+
+
+_RUN_FP8 = textwrap.dedent("""
+    import json, logging, sys
+    logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(name)s: %(message)s")
+    import torch
+    from te_offload_ops.kernels import api, api_fp8
+    kern, compiled = api_fp8.get_kernel_fp8(torch.bfloat16, 384, 256, 3, 4)
+    print("RESULT " + json.dumps({"compiled": len(api.compile_times()), "loaded": len(api.load_times()),
+                                  "type": type(compiled).__name__, "call": kern.call, "n_tiles": kern.n_tiles,
+                                  "bm": kern.bm, "cluster_n": kern.cluster_n, "experts": kern.num_experts,
+                                  "dsl_imported": "cutlass" in sys.modules}))
+""")
+
+
+@needs_dsl
+@pytest.mark.parametrize("call", ["tvm-ffi", "python"])
+def test_an_fp8_kernel_compiled_in_one_process_loads_in_the_next(tmp_path, call):
+    if call == "tvm-ffi" and importlib.util.find_spec("tvm_ffi") is None:
+        pytest.skip("apache-tvm-ffi is not installed")
+    cache = tmp_path / "cache"
+    first, logs = _run(cache, _RUN_FP8, TEO_KERNEL_CALL=call)
+    assert (first["compiled"], first["loaded"], first["call"]) == (1, 0, call) and logs == []
+    [path] = _entries(cache)
+    second, logs = _run(cache, _RUN_FP8, TEO_KERNEL_CALL=call)
+    assert (second["compiled"], second["loaded"], second["call"]) == (0, 1, call) and logs == []
+    # the launch reads the same tile walk from the DSL-free plan as from the kernel object
+    walk = ("n_tiles", "bm", "cluster_n", "experts")
+    assert [second[w] for w in walk] == [first[w] for w in walk] == [3, 128, first["cluster_n"], 3]
+    assert _entries(cache) == [path]
+    if call == "python":
+        assert second["type"] == first["type"]
+    print(f"{call}: the second process imported the DSL: {second['dsl_imported']}")
 
 
 @needs_dsl

@@ -93,3 +93,36 @@ def test_the_warm_up_command_leaves_the_step_nothing_to_compile(tmp_path, settin
     assert warmed and all(": compiled in " in ln for ln in warmed), proc.stdout
     step = _step(cache, tmp_path / "s.pt", layout, main_grad, call)
     assert step["compiled"] == [] and len(step["loaded"]) >= 6, step
+
+
+_FP8_GEMM = """
+import json, sys, torch
+from te_offload_ops.kernels import api, api_fp8
+g = torch.Generator(device="cuda").manual_seed(0)
+t, n, k, e = 700, 384, 256, 3
+a = torch.randint(0, 120, (t, k), dtype=torch.uint8, device="cuda", generator=g)  # finite e4m3 bytes
+sa = torch.rand((k // 128, -(-t // 4) * 4), device="cuda", generator=g)
+b = torch.randint(0, 120, (e, n, k), dtype=torch.uint8, device="cuda", generator=g)
+sb = torch.rand((e, n // 128, 4), device="cuda", generator=g)
+out = api_fp8.grouped_gemm_fp8_blockwise(a, sa, b, sb, torch.tensor([300, 0, 400], device="cuda"))
+torch.save(out.cpu(), sys.argv[1])
+print("RESULT " + json.dumps({"compiled": len(api.compile_times()), "loaded": len(api.load_times()),
+                              "loaded_by": sorted(set(api.loaded_by().values())),
+                              "dsl_imported": "cutlass" in sys.modules}))
+"""
+
+
+@requires_sm90
+@pytest.mark.parametrize("call", [None, "python"], ids=["tvm-ffi", "python-call"])
+def test_a_second_process_loads_the_fp8_gemm_and_gives_the_same_bits(tmp_path, call):
+    cache, results = tmp_path / "cache", []
+    for name in ("a", "b"):
+        proc = subprocess.run([sys.executable, "-c", _FP8_GEMM, str(tmp_path / f"{name}.pt")], capture_output=True,
+                              text=True, env=_env(cache, call), timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results.append(json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:]))
+    a, b = results
+    assert (a["compiled"], a["loaded"], b["compiled"], b["loaded"]) == (1, 0, 0, 1), results
+    if call is None and shared_object.compiler() is not None:
+        assert b["loaded_by"] == ["shared object"] and not b["dsl_imported"], b
+    assert torch.equal(torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt"))

@@ -138,7 +138,10 @@ def test_the_report_shows_idle_causes_and_pinned_allocations_per_rank():
                                "kernel_dtoh": {"count": 0, "wait_ms": 0.0}, "idle": idle(host, nccl)}
     teo = mgr.merge_variant(_job(
         _row("ours+teo", 2, 150.0, 6.0, profile=prof(20.0, 3.0), teo_pinned_allocations_timed=4,
-             teo_pinned_MiB_timed=512.0, step_ms_each=[150.0, 140.0]),
+             teo_pinned_MiB_timed=512.0, step_ms_each=[150.0, 140.0],
+             host_profile={"wall_ms": 180.0, "self_ms_total": 170.0,
+                           "top": [{"function": "teo/engine.py:203(pack)", "self_ms": 4.25, "cum_ms": 9.5,
+                                    "calls": 48}]}),
         _row("ours+teo", 2, 140.0, 6.0, rank=1, profile=prof(2.0, 25.0), teo_pinned_allocations_timed=0,
              teo_pinned_MiB_timed=0.0, step_ms_each=[140.0, 150.0])), 2, "ours+teo")
     assert teo["teo_pinned_allocations_timed_per_rank"] == [4, 0] and "teo_pinned_MiB_timed" not in teo
@@ -153,6 +156,7 @@ def test_the_report_shows_idle_causes_and_pinned_allocations_per_rank():
     assert "| 2 | ours+teo | 0 | 120.0 | 90.0 | 20.0 | 1.5 | 3.0 | 2.0 | 0.5 |" in lines
     assert "| 2 | ours+teo | 1 | 120.0 | 90.0 | 2.0 | 1.5 | 25.0 | 2.0 | 0.5 |" in lines
     assert "| 2 | ours+teo | 4 / 0 | 512 / 0 |" in lines
+    assert "| `teo/engine.py:203(pack)` | 4.25 | 9.50 | 48 |" in lines  # rank 0's host time by function
 
 
 def _rows(ep2_digest=1.5):

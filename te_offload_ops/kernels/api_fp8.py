@@ -3,9 +3,11 @@
 :func:`grouped_gemm_fp8_blockwise` takes the raw pieces of TE's ``Float8BlockwiseQTensor``
 (data and ``scale_inv``; see :mod:`.gemm_fp8_sm90` for the scale layouts), never reads
 ``split_sizes`` on the host (no device sync) and launches on the current CUDA stream. Compiled
-kernels share the cache of :mod:`.api` (so :func:`.api.compile_times` and
-:func:`.api.clear_cache` cover them), keyed by
-``("fp8_blockwise", output dtype, tile, cluster_n, N, K, E, scale row length of B, call convention)``.
+kernels share the caches of :mod:`.api`: in memory (so :func:`.api.compile_times`,
+:func:`.api.load_times` and :func:`.api.clear_cache` cover them), keyed by
+``("fp8_blockwise", output dtype, tile, cluster_n, N, K, E, scale row length of B, call convention)``,
+and on disk (:mod:`.disk_cache`), where a later process loads them, through TVM-FFI without
+importing the DSL.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import time
 import torch
 
 from ..capture import GraphCaptureError, capturing
-from . import api
+from . import api, disk_cache
+from .gemm_plan import GemmPlan
 
 SCALE_BLOCK = 128  # gemm_fp8_sm90.SCALE_BLOCK, without the DSL import
 TILE_NS = (64, 128, 192)  # gemm_fp8_sm90.TILE_NS, likewise
@@ -78,6 +81,51 @@ def compile_variant_fp8(n: int, k: int, e: int, *, out_dtype=torch.bfloat16, til
     return _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call, options)
 
 
+def launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols) -> GemmPlan:
+    """What launching a compiled FP8 variant reads (its tile walk: BM, N tiles, experts, cluster),
+    as its kernel object derives it, without the DSL."""
+    plan = GemmPlan(out_dtype.itemsize, n, k, e, b_n_major=False, epilogue="plain", tile_mn=tile,
+                    cluster_n=cluster_n, schedule="cooperative")
+    plan.sb_cols = sb_cols  # part of the disk cache's key, with the plan's own parameters
+    return plan
+
+
+def _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call):
+    """(kernel or launch plan, compiled) of one FP8 variant: from the disk cache where it holds it,
+    else compiled (and written there), one process at a time per variant, as :mod:`.api` does."""
+    if not disk_cache.enabled():
+        return _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call)
+    plan = launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols)
+    entry = disk_cache.Entry(key, api._kernel_params(plan), call)
+    with entry.claim():
+        compiled = entry.load()
+        if compiled is None:
+            kern, compiled = _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call)
+            entry.store(compiled)
+            return kern, compiled
+    if call == "tvm-ffi":  # addresses and ints: the plan's tile walk is all the launch needs
+        kern = plan
+    else:  # the Python executor's launch takes the DSL's types from the kernel object
+        api._cutlass()
+        from .gemm_fp8_sm90 import GroupedGemmFp8Sm90
+
+        kern = GroupedGemmFp8Sm90(api._cutlass_dtype(out_dtype), n, k, e, tile_mn=tile, cluster_n=cluster_n,
+                                  sb_cols=sb_cols)
+    kern.call = call
+    api._LOAD_SECONDS[key] = disk_cache.LOADED[entry.name]
+    api._LOADED_BY[key] = disk_cache.LOADED_BY[entry.name]
+    api._log.info("loaded grouped FP8 GEMM %s from %s (%s) in %.3f s", key, entry.path, api._LOADED_BY[key],
+                  api._LOAD_SECONDS[key])
+    return kern, compiled
+
+
+def _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call):
+    kern, compiled, secs = _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call)
+    api._COMPILE_SECONDS[key] = secs
+    api._log.info("compiled grouped FP8 GEMM %s in %.2f s", key, secs)
+    return kern, compiled
+
+
 def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None):
     """Compiled FP8 kernel for one variant (compiles and caches on first use)."""
     tile = _check_tile(tile) if tile is not None else pick_tile_fp8(n)
@@ -92,19 +140,18 @@ def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None):
             hit = api._CACHE.get(key)
             if hit is None:
                 try:
-                    kern, compiled, secs = _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call)
+                    kern, compiled = _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call)
                 except Exception as exc:
                     if call != "tvm-ffi" or os.environ.get(api.CALL_ENV):
                         raise
                     # as api.get_kernel does: an apache-tvm-ffi the DSL cannot use falls back to the
                     # Python executor for good (a broken kernel raises here again)
-                    kern, compiled, secs = _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, "python")
+                    key = key[:-1] + ("python",)
+                    kern, compiled = _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols,
+                                                          "python")
                     api._TVM_FFI_FAILED.append(repr(exc)[:300])
                     api._log.warning("the TVM-FFI kernel call path failed to compile (%s); using the "
                                      "CuTe DSL's Python executor", api._TVM_FFI_FAILED[-1])
-                    key = key[:-1] + ("python",)
-                api._COMPILE_SECONDS[key] = secs
-                api._log.info("compiled grouped FP8 GEMM %s in %.2f s", key, secs)
                 kern.cache_key = key
                 hit = api._CACHE[key] = (kern, compiled)
     return hit
@@ -238,5 +285,5 @@ def _launch_fp8(kern, compiled, a, b, c, s, sa, sb, num_tokens):
              cuda.CUstream(stream))
 
 
-__all__ = ["grouped_gemm_fp8_blockwise", "compile_variant_fp8", "get_kernel_fp8", "pick_tile_fp8",
-           "SCALE_BLOCK", "TILE_NS", "OUT_DTYPES"]
+__all__ = ["grouped_gemm_fp8_blockwise", "compile_variant_fp8", "get_kernel_fp8", "launch_plan_fp8",
+           "pick_tile_fp8", "SCALE_BLOCK", "TILE_NS", "OUT_DTYPES"]
