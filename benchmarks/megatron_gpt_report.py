@@ -227,6 +227,12 @@ def host_lines(rows: list[dict], top: int = 12) -> list[str]:
                 "| function | self ms/step | cumulative ms/step | calls/step |", "|---|---|---|---|"]
         out += [f"| `{r['function']}` | {r['self_ms']:.2f} | {r['cum_ms']:.2f} | {r['calls']:.0f} |"
                 for r in host["top"][:top]]
+        if host.get("package_top"):
+            out += ["", f"Of it, te_offload_ops' own functions: {host['package_self_ms']:.1f} ms per step; by "
+                        "cumulative time:", "", "| function | self ms/step | cumulative ms/step | calls/step |",
+                    "|---|---|---|---|"]
+            out += [f"| `{r['function']}` | {r['self_ms']:.2f} | {r['cum_ms']:.2f} | {r['calls']:.0f} |"
+                    for r in host["package_top"][:top]]
     return out
 
 

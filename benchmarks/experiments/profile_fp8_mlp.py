@@ -1,5 +1,6 @@
 """Where the fused MLP's step under Float8BlockScaling spends its time: GPU time per kernel family,
-and the step's wall time against its GPU time (host-bound or not).
+the step's wall time against its GPU time (host-bound or not), and the host's time to queue it
+by Python function.
 
     python3 benchmarks/experiments/profile_fp8_mlp.py [--experts 8 --tokens 2048 --hidden 2688 --ffn 1856]
 
@@ -16,6 +17,39 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def host_time(step, steps: int) -> dict:
+    """The host's time to queue one step while the GPU is kept busy behind it (a long kernel ahead
+    of the steps), then the functions it runs, under cProfile, by cumulative time."""
+    import cProfile
+    import pstats
+    import time
+
+    import torch
+
+    def queued_ms() -> float:
+        torch.cuda._sleep(int(2e9))  # ~1 s of GPU time ahead: the steps only queue
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        ms = (time.perf_counter() - t0) * 1e3 / steps
+        torch.cuda.synchronize()
+        return ms
+
+    host_ms = min(queued_ms() for _ in range(3))
+    prof = cProfile.Profile()
+    torch.cuda._sleep(int(2e9))
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    rows = [{"function": f"{Path(path).name}:{line}({func})" if line else func, "calls": calls / steps,
+             "self_ms": tottime * 1e3 / steps, "cum_ms": cumtime * 1e3 / steps}
+            for (path, line, func), (_, calls, tottime, cumtime, _) in pstats.Stats(prof).stats.items()]
+    rows.sort(key=lambda r: -r["cum_ms"])
+    return {"host_ms": host_ms, "top": rows[:60]}
 
 
 def main() -> int:
@@ -60,7 +94,11 @@ def main() -> int:
     print(f"step: {wall_ms:.2f} ms wall (host ahead), {gpu_ms:.2f} ms of kernels")
     for r in rows[:40]:
         print(f"{r['us_per_step']:9.1f} us  x{r['calls']:<3d} {r['kernel']}")
-    args.out.write_text(json.dumps({"wall_ms": wall_ms, "gpu_ms": gpu_ms, "kernels": rows,
+    host = host_time(lambda: fr.step(mlp, inputs, "Float8BlockScaling"), args.steps)
+    print(f"host: {host['host_ms']:.2f} ms per step to queue it (no profiler); under cProfile, by cumulative time:")
+    for r in host["top"][:30]:
+        print(f"{r['cum_ms']:8.3f} ms cum {r['self_ms']:8.3f} ms self  x{r['calls']:<4.0f} {r['function']}")
+    args.out.write_text(json.dumps({"wall_ms": wall_ms, "gpu_ms": gpu_ms, "kernels": rows, "host": host,
                                     "gpu": torch.cuda.get_device_name()}, indent=1))
     return 0
 
