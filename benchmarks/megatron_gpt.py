@@ -562,6 +562,19 @@ def cap_search(args) -> list:
     return rows
 
 
+def command_line(argv: list) -> str:
+    """The command that made the result, without where it wrote its files and logs."""
+    shown, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--out", "--job-logs", "--trace-dir"):
+            skip = True
+        elif not a.startswith(("--out=", "--job-logs=", "--trace-dir=")):
+            shown.append(a)
+    return " ".join(["python benchmarks/megatron_gpt.py", *shown])
+
+
 def launch(args) -> int:
     import torch
     import transformer_engine
@@ -604,7 +617,7 @@ def launch(args) -> int:
     gpu = gpus[0] if gpus else "unknown GPU"
     result = {
         "benchmark": "megatron_gpt", "gpu": gpu,
-        "date": utc_now(),
+        "date": utc_now(), "command": command_line(args.argv),
         "versions": {"megatron-core": installed_version(), "transformer-engine": transformer_engine.__version__,
                      "torch": torch.__version__},
         "config": {**{k: getattr(args.shape, k) for k in ("layers", "hidden", "heads", "ffn", "experts", "topk",

@@ -154,7 +154,7 @@ def markdown(result: dict) -> str:
         "own. Peak: memory allocated; floor: allocated between steps; freed vs ours: ours' peak above its floor "
         "less this one's. Offloaded: per rank per step. Tokens under ours' peak: predicted from the peak above the "
         "floor (activations scale with tokens). Loss: the first step against stock's and ours' (same weights and "
-        "tokens).", "",
+        "tokens)." + (f" Command: `{result['command']}`" if result.get("command") else ""), "",
         "| " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
     ]
     for row in result["rows"]:

@@ -156,6 +156,8 @@ def test_the_report_shows_idle_causes_and_pinned_allocations_per_rank():
     assert "| 2 | ours+teo | 0 | 120.0 | 90.0 | 20.0 | 1.5 | 3.0 | 2.0 | 0.5 |" in lines
     assert "| 2 | ours+teo | 1 | 120.0 | 90.0 | 2.0 | 1.5 | 25.0 | 2.0 | 0.5 |" in lines
     assert "| 2 | ours+teo | 4 / 0 | 512 / 0 |" in lines
+    assert mg.command_line(["--ep", "2", "--out", "/tmp/r", "--job-logs=/tmp/l", "--profile"]) == \
+        "python benchmarks/megatron_gpt.py --ep 2 --profile"
     assert "| `teo/engine.py:203(pack)` | 4.25 | 9.50 | 48 |" in lines  # rank 0's host time by function
 
 
