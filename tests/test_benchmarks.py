@@ -22,7 +22,8 @@ sys.path.insert(0, str(BENCH / "experiments"))
                                     "megatron_gpt.py", "first_step.py", "bench_fp8_gemm.py", "fp8_training_loss.py",
                                     "experiments/ablate_epilogue.py", "experiments/profile_fp8_mlp.py",
                                     "experiments/bench_copy_interference.py", "experiments/bench_cluster2x2.py",
-                                    "experiments/profile_gemm.py", "experiments/diagnose_fp8_gemm.py"])
+                                    "experiments/profile_gemm.py", "experiments/diagnose_fp8_gemm.py",
+                                    "experiments/tune_fp8_rows.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
     proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
