@@ -513,3 +513,36 @@ def test_warm_up_command_refuses_bad_arguments_clearly(tmp_path, args, env, said
     proc = _warmup(tmp_path / "cache", *args, **env)
     assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_fp8_path_variants_are_the_fp8_gemms_and_the_same_wgrads(monkeypatch):
+    from te_offload_ops.kernels import api, mlp_variants
+
+    for env in (api.WGRAD_BACKEND_ENV, api.MAIN_GRAD_ADD_ENV, api.SCHEDULE_ENV):
+        monkeypatch.delenv(env, raising=False)
+    fp8 = mlp_variants(8, 2688, 1856, fp8=True)
+    # fc1's forward and fc2's dgrad read (N=F, K=H) weights, fc2's forward and fc1's dgrad (N=H, K=F);
+    # B's scale rows hold ceil(K / 128) blocks padded to 4, as TE's quantizer pads them
+    assert [(v.kwargs["n"], v.kwargs["k"], v.kwargs["sb_cols"]) for v in fp8[:2]] == [(1856, 2688, 24),
+                                                                                    (2688, 1856, 16)]
+    assert all(v.kwargs["fp8"] and "FP8" in v.describe() for v in fp8[:2])
+    assert fp8[2:] == mlp_variants(8, 2688, 1856)[4:]  # the wgrads run in bf16 either way
+    megatron = mlp_variants(8, 2688, 1856, fp8=True, main_grad=True, tokens=8 * 4096)
+    assert megatron[2:] == mlp_variants(8, 2688, 1856, main_grad=True, tokens=8 * 4096)[4:]
+    with pytest.raises(ValueError, match="multiples of 16"):
+        mlp_variants(8, 2688, 1864, fp8=True)
+
+
+@needs_dsl
+def test_warm_up_command_compiles_then_loads_the_fp8_path(tmp_path):
+    cache = tmp_path / "cache"
+    args = ("--num-experts", "2", "--hidden-size", "256", "--ffn-hidden-size", "128", "--fp8")
+    first = _warmup(cache, *args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    lines = [ln for ln in first.stdout.splitlines() if ln.startswith("[")]
+    assert len(lines) == 4 and all(": compiled in " in ln for ln in lines), first.stdout
+    assert sum("FP8 e4m3" in ln for ln in lines) == 2 and "FP8 block scaling" in first.stdout
+    assert len(_entries(cache)) == 4
+    second = _warmup(cache, *args)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "0 compiled and written, 4 already in" in second.stdout, second.stdout

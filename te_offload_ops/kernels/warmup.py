@@ -1,17 +1,18 @@
 """Compile ahead of a job the kernels the fused SReLU grouped MLP will use, into the disk cache.
 
     python -m te_offload_ops.kernels.warmup --num-experts 16 --hidden-size 2048 \\
-        --ffn-hidden-size 1024 [--expert-model-parallel-size 2] [--megatron] [--tokens 8192]
+        --ffn-hidden-size 1024 [--expert-model-parallel-size 2] [--megatron] [--tokens 8192] [--fp8]
 
 Each variant is loaded if the disk cache holds it and compiled (and written there) if not; the
 job's ranks then load every kernel in milliseconds. The variants are those the fused op launches
 for these shapes: fc1 forward with SReLU, fc2 forward, fc2 dgrad with dSReLU, fc1 dgrad, and both
 weight gradients (plain, or added into main_grad the way :func:`~.api.main_grad_way` picks for the
-tokens, or every way it can pick where ``tokens`` is not given). ``delay_wgrad_compute`` runs the
-same kernels later, so it needs nothing here. Without a GPU the kernels compile for sm_90a
-(``CUTE_DSL_ARCH``); the entries then serve GPU machines whose CuTe DSL is installed at the same
-path and picks the same CUDA flavour (the newest installed where no driver is found;
-``CUTE_DSL_LIBS`` sets it): the DSL's runtime library is part of the key.
+tokens, or every way it can pick where ``tokens`` is not given); with ``--fp8``, those of the
+``Float8BlockScaling`` path instead (the grouped FP8 GEMMs, the same wgrads).
+``delay_wgrad_compute`` runs the same kernels later, so it needs nothing here. Without a GPU the
+kernels compile for sm_90a (``CUTE_DSL_ARCH``); the entries then serve GPU machines whose CuTe DSL
+is installed at the same path and picks the same CUDA flavour (the newest installed where no
+driver is found; ``CUTE_DSL_LIBS`` sets it): the DSL's runtime library is part of the key.
 
 Any process that runs the kernels also fills the cache: one step of the job itself warms exactly
 what it uses, whatever its weight layout.
@@ -45,6 +46,8 @@ class Variant:
         """One line; with the kernel object, its schedule (picked where not given) too."""
         kw = self.kwargs
         n, k, e = kw["n"], kw["k"], kw["e"]
+        if kw.get("fp8"):
+            return f"{self.label} (N={n} K={k}, {e} experts, FP8 e4m3 with 1x128 / 128x128 scales)"
         shape = f"M={kw['wgrad_m']} N={n}" if kw.get("wgrad_m") is not None else f"N={n} K={k}"
         schedule = getattr(kern, "schedule", None) or kw.get("schedule")
         return f"{self.label} ({shape}, {e} experts, {kw['epilogue']}{', ' + schedule if schedule else ''})"
@@ -75,7 +78,7 @@ def _is_int(value) -> bool:
 
 def mlp_variants(num_experts: int, hidden_size: int, ffn_hidden_size: int, params_dtype=torch.bfloat16, *,
                  tokens: Optional[int] = None, main_grad: bool = False, overwrite_main_grad: bool = False,
-                 weight_layout: str = "te", expert_stride: Optional[int] = None) -> list[Variant]:
+                 weight_layout: str = "te", expert_stride: Optional[int] = None, fp8: bool = False) -> list[Variant]:
     """The kernel variants one fused SReLU MLP of these shapes launches in a forward and backward.
 
     ``num_experts``: experts of this rank's GroupedLinear. ``main_grad``: Megatron's gradient
@@ -83,7 +86,9 @@ def mlp_variants(num_experts: int, hidden_size: int, ffn_hidden_size: int, param
     instead). ``weight_layout``: "te" (TE's own parameters, or one grouped weight) or "megatron"
     (the DDP buffer: experts last first); ``expert_stride``: elements from one expert's weight to
     the next where the buffer pads them apart (default: packed). ``tokens``: rows the MLP sees per
-    call on a rank (picks the main_grad add; None: every add it could pick)."""
+    call on a rank (picks the main_grad add; None: every add it could pick). ``fp8``: under TE's
+    ``Float8BlockScaling`` (:mod:`..fused.block_fp8`): the forward and dgrad GEMMs are the grouped
+    FP8 kernel (two variants: fc1's forward and fc2's dgrad share one), the wgrads as in bf16."""
     if weight_layout not in LAYOUTS:
         raise ValueError(f"weight_layout must be one of {LAYOUTS}, got {weight_layout!r}")
     if params_dtype not in DTYPES.values():
@@ -95,6 +100,9 @@ def mlp_variants(num_experts: int, hidden_size: int, ffn_hidden_size: int, param
     if hidden_size % 8 or ffn_hidden_size % 8:
         raise ValueError(f"hidden_size and ffn_hidden_size must be multiples of 8 (16-byte rows), got "
                          f"{hidden_size} and {ffn_hidden_size}")
+    if fp8 and (hidden_size % 16 or ffn_hidden_size % 16):
+        raise ValueError(f"the FP8 path needs hidden_size and ffn_hidden_size multiples of 16 (16-byte FP8 rows), "
+                         f"got {hidden_size} and {ffn_hidden_size}")
     if tokens is not None and (not _is_int(tokens) or tokens <= 0):
         raise ValueError(f"tokens must be a positive integer or None, got {tokens!r}")
     if expert_stride is not None and (not _is_int(expert_stride) or expert_stride < hidden_size * ffn_hidden_size):
@@ -104,12 +112,16 @@ def mlp_variants(num_experts: int, hidden_size: int, ffn_hidden_size: int, param
     base = dict(dtype=params_dtype, e=e)
     w1 = _b_layout(f, h, e, weight_layout, expert_stride)  # fc1 weight: (E, F, H)
     w2 = _b_layout(h, f, e, weight_layout, expert_stride)  # fc2 weight: (E, H, F)
-    out = [  # srelu_mlp's forward and backward, in launch order
-        Variant("fc1 forward + SReLU", dict(base, n=f, k=h, b_n_major=False, epilogue="srelu", b_layout=w1)),
-        Variant("fc2 forward", dict(base, n=h, k=f, b_n_major=False, epilogue="plain", b_layout=w2)),
-        Variant("fc2 dgrad + dSReLU", dict(base, n=f, k=h, b_n_major=True, epilogue="dsrelu", b_layout=w2)),
-        Variant("fc1 dgrad", dict(base, n=h, k=f, b_n_major=True, epilogue="plain", b_layout=w1)),
-    ]
+    if fp8:  # B: each expert's FP8 weight (E, N, K), its 128x128 scales' rows padded to 4 as TE's
+        out = [Variant(label, dict(base, fp8=True, n=n, k=k, sb_cols=-(-(-(-k // 128)) // 4) * 4))
+               for label, n, k in (("fc1 forward, fc2 dgrad", f, h), ("fc2 forward, fc1 dgrad", h, f))]
+    else:
+        out = [  # srelu_mlp's forward and backward, in launch order
+            Variant("fc1 forward + SReLU", dict(base, n=f, k=h, b_n_major=False, epilogue="srelu", b_layout=w1)),
+            Variant("fc2 forward", dict(base, n=h, k=f, b_n_major=False, epilogue="plain", b_layout=w2)),
+            Variant("fc2 dgrad + dSReLU", dict(base, n=f, k=h, b_n_major=True, epilogue="dsrelu", b_layout=w2)),
+            Variant("fc1 dgrad", dict(base, n=h, k=f, b_n_major=True, epilogue="plain", b_layout=w1)),
+        ]
     # weight gradients dW = dy^T x: fc2's over (dy: H, act: F), fc1's over (dz: F, x: H)
     wgrads = [("fc2 wgrad", h, f), ("fc1 wgrad", f, h)]
     if not main_grad:
@@ -142,12 +154,16 @@ def mlp_variants(num_experts: int, hidden_size: int, ffn_hidden_size: int, param
 
 def _get(kwargs: dict):
     kw = dict(kwargs)
+    if kw.pop("fp8", False):
+        from .api_fp8 import get_kernel_fp8
+
+        return get_kernel_fp8(kw["dtype"], kw["n"], kw["k"], kw["e"], kw["sb_cols"])
     return api.get_kernel(kw.pop("dtype"), kw.pop("n"), kw.pop("k"), kw.pop("e"), **kw)
 
 
 def warm_up(num_experts: int, hidden_size: int, ffn_hidden_size: int, params_dtype=torch.bfloat16, *,
             tokens: Optional[int] = None, main_grad: bool = False, overwrite_main_grad: bool = False,
-            weight_layout: str = "te", expert_stride: Optional[int] = None,
+            weight_layout: str = "te", expert_stride: Optional[int] = None, fp8: bool = False,
             progress: Optional[Callable[[str], None]] = print) -> list[dict]:
     """Load or compile (and write to the disk cache) every kernel :func:`mlp_variants` lists for
     these shapes and settings; ``progress`` gets one line per kernel. Returns one record per
@@ -155,7 +171,7 @@ def warm_up(num_experts: int, hidden_size: int, ffn_hidden_size: int, params_dty
     process had it already) and the seconds that took."""
     variants = mlp_variants(num_experts, hidden_size, ffn_hidden_size, params_dtype, tokens=tokens,
                             main_grad=main_grad, overwrite_main_grad=overwrite_main_grad,
-                            weight_layout=weight_layout, expert_stride=expert_stride)
+                            weight_layout=weight_layout, expert_stride=expert_stride, fp8=fp8)
     say = progress or (lambda line: None)
     records = []
     for i, variant in enumerate(variants, 1):
@@ -196,6 +212,9 @@ def _parse(argv):
                    help="te: TE's own parameters (default); megatron: Megatron's DDP buffer, experts last first")
     p.add_argument("--expert-stride", type=int, default=None,
                    help="elements between consecutive experts' weights where a buffer pads them apart")
+    p.add_argument("--fp8", action="store_true",
+                   help="the kernels of the Float8BlockScaling path (Megatron's --fp8-recipe blockwise): the "
+                        "grouped FP8 GEMMs and the wgrads")
     args = p.parse_args(argv)
     for name in ("num_experts", "hidden_size", "ffn_hidden_size", "expert_model_parallel_size"):
         if getattr(args, name) <= 0:
@@ -216,7 +235,7 @@ def main(argv=None) -> int:
     p, args = _parse(argv)
     local = args.num_experts // args.expert_model_parallel_size
     settings = dict(tokens=args.tokens, main_grad=args.main_grad, overwrite_main_grad=args.overwrite_main_grad,
-                    weight_layout=args.weight_layout, expert_stride=args.expert_stride)
+                    weight_layout=args.weight_layout, expert_stride=args.expert_stride, fp8=args.fp8)
     try:
         mlp_variants(local, args.hidden_size, args.ffn_hidden_size, DTYPES[args.dtype], **settings)  # checks them
         if not disk_cache.enabled():
@@ -241,7 +260,8 @@ def main(argv=None) -> int:
     where = disk_cache.cache_dir()
     print(f"warming up the fused SReLU MLP's kernels: {local} experts per rank, hidden {args.hidden_size}, "
           f"ffn {args.ffn_hidden_size}, {args.dtype}, weights {args.weight_layout}, "
-          f"main_grad {'overwrite' if args.overwrite_main_grad else 'add' if args.main_grad else 'off'}; "
+          f"main_grad {'overwrite' if args.overwrite_main_grad else 'add' if args.main_grad else 'off'}"
+          f"{', FP8 block scaling' if args.fp8 else ''}; "
           f"cache {where}", flush=True)
     t0 = time.perf_counter()
     records = warm_up(local, args.hidden_size, args.ffn_hidden_size, DTYPES[args.dtype], **settings,
