@@ -186,6 +186,19 @@ def measure(recipe_name: str, args) -> list[dict]:
     return [rows[impl] for impl in IMPLS]
 
 
+def command_line(argv: list) -> str:
+    """The command that made the result, without where it wrote it."""
+    shown, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif not a.startswith("--out="):
+            shown.append(a)
+    return " ".join(["python benchmarks/fp8_recipes.py", *shown])
+
+
 def gpu_time_host_ahead(mlp, inputs, recipe_name: str):
     """The step's GPU time with the host ahead of the GPU (its queueing hidden, as in a deep model),
     or None where the step waits for the GPU on the host (TE's ops read the split sizes there).
@@ -281,7 +294,7 @@ def main(argv=None) -> int:
             print(f"[fp8_recipes]   {json.dumps(row)}", flush=True)
     result = {"gpu": gpu, "date": utc_now(), "args": {k: v for k, v in vars(args).items()
               if k in ("experts", "tokens", "hidden", "ffn", "iters")},
-              "command": "python benchmarks/fp8_recipes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": command_line(argv if argv is not None else sys.argv[1:]),
               "torch": torch.__version__, "rows": rows}
     paths = write_reports(args.out, file_stem("fp8_recipes", gpu), result, markdown, plot)
     print(f"wrote {', '.join(str(p) for p in paths)}")

@@ -339,7 +339,10 @@ def host_profile(args, ddp, optimizer, data, steps: int = 3, top: int = 25) -> d
         rows.append({"function": where, "self_ms": tottime * 1e3 / steps, "cum_ms": cumtime * 1e3 / steps,
                      "calls": calls / steps, "path": path})
     rows.sort(key=lambda r: -r["self_ms"])
-    ours = sorted((r for r in rows if "te_offload_ops" in r["path"]), key=lambda r: -r["cum_ms"])
+    import te_offload_ops
+
+    package = str(Path(te_offload_ops.__file__).parent)
+    ours = sorted((r for r in rows if r["path"].startswith(package)), key=lambda r: -r["cum_ms"])
     for r in rows:
         r.pop("path")
     return {"wall_ms": wall_ms, "self_ms_total": sum(r["self_ms"] for r in rows), "top": rows[:top],

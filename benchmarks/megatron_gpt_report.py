@@ -237,7 +237,7 @@ def host_lines(rows: list[dict], top: int = 12) -> list[str]:
 
 
 IDLE_GROUPS = (("host busy", ("host: busy",)), ("host blocked in a sync", ("host: blocked",)),
-               ("waiting on another stream's kernel (NCCL)", ("wait: kernel",)),
+               ("waiting on another stream's kernel (NCCL's, a side stream's)", ("wait: kernel",)),
                ("waiting on a copy", ("wait: D2H", "wait: H2D", "wait: D2D")))
 
 

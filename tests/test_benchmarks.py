@@ -257,6 +257,8 @@ def test_fp8_recipes_report_names_each_recipe_and_error():
     assert "| DelayedScaling | te_offload_ops | 2.00 | 490 | 1.00 | 981 | 129 | 76 | 129 |" in md
     assert "| DelayedScaling | TE ops | 2.00 | 490 | - | - | 129 |" in md  # the host never got ahead
     assert "| Float8BlockScaling | TE ops | RuntimeError: no algorithm |" in md
+    assert fp8_recipes.command_line(["--out", "/tmp/x", "--recipes", "none"]) == \
+        "python benchmarks/fp8_recipes.py --recipes none"
     assert math.isclose(fp8_recipes.tflops(argparse.Namespace(experts=8, tokens=2048, hidden=2688, ffn=1856), 1.0),
                         6 * 2 * 8 * 2048 * 2688 * 1856 / 1e9)
 

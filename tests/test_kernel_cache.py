@@ -378,12 +378,15 @@ def test_an_fp8_kernel_compiled_in_one_process_loads_in_the_next(tmp_path, call)
     second, logs = _run(cache, _RUN_FP8, TEO_KERNEL_CALL=call)
     assert (second["compiled"], second["loaded"], second["call"]) == (0, 1, call) and logs == []
     # the launch reads the same tile walk from the DSL-free plan as from the kernel object
+    from te_offload_ops.kernels import api, shared_object
+
     walk = ("n_tiles", "bm", "cluster_n", "experts")
-    assert [second[w] for w in walk] == [first[w] for w in walk] == [3, 128, first["cluster_n"], 3]
+    assert [second[w] for w in walk] == [first[w] for w in walk] == [3, 128, api.pick_cluster(384, (128, 128)), 3]
     assert _entries(cache) == [path]
     if call == "python":
-        assert second["type"] == first["type"]
-    print(f"{call}: the second process imported the DSL: {second['dsl_imported']}")
+        assert second["type"] == first["type"] and second["dsl_imported"]
+    elif shared_object.compiler() is not None:  # a linked shared object: loaded through tvm_ffi alone
+        assert not second["dsl_imported"]
 
 
 @needs_dsl

@@ -66,6 +66,9 @@ def test_new_buffers_are_powers_of_two_with_room_to_grow():
         k = size_class(n)
         got = class_bytes(allocation_class(k))
         assert got >= 1.29 * n and got & (got - 1) == 0 and (got <= 2.6 * n or n <= 65536)
-        again = pool.acquire(n)  # a request of the same size finds the buffer it would allocate
+        again = pool.acquire(n)
         pool.release(again, None)
-        assert pool.acquire(n) is again
+        before = pool.allocations
+        grown = pool.acquire(int(n * 1.29) + 1)  # grown by 29%: the buffer it had still serves it
+        pool.release(grown, None)
+        assert grown is again and pool.allocations == before

@@ -83,7 +83,9 @@ def compile_variant_fp8(n: int, k: int, e: int, *, out_dtype=torch.bfloat16, til
 
 def launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols) -> GemmPlan:
     """What launching a compiled FP8 variant reads (its tile walk: BM, N tiles, experts, cluster),
-    as its kernel object derives it, without the DSL."""
+    as its kernel object derives it, without the DSL. Its parameters key the disk cache; what the
+    FP8 kernel derives beyond them (stages, scale blocks) comes from its module's constants, which
+    the key's digest of the kernel sources covers."""
     plan = GemmPlan(out_dtype.itemsize, n, k, e, b_n_major=False, epilogue="plain", tile_mn=tile,
                     cluster_n=cluster_n, schedule="cooperative")
     plan.sb_cols = sb_cols  # part of the disk cache's key, with the plan's own parameters
@@ -101,7 +103,9 @@ def _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call
         compiled = entry.load()
         if compiled is None:
             kern, compiled = _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call)
-            entry.store(compiled)
+            # the key again, with the DSL's settings as it states them now that it is imported (those
+            # recalled for this context may be stale), as api does
+            disk_cache.Entry(key, api._kernel_params(plan), call).store(compiled)
             return kern, compiled
     if call == "tvm-ffi":  # addresses and ints: the plan's tile walk is all the launch needs
         kern = plan

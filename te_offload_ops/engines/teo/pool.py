@@ -1,11 +1,12 @@
 """Pinned host buffers by size class, reused from step to step by every teo context.
 
 Requests fall into a geometric series of size classes (8 per octave); a request takes a free
-buffer from its class up to twice the size it would allocate. New buffers are whole powers of two
-at least three classes (30%) above the request: torch's pinned-memory allocator rounds every
-allocation up to a power of two, so that size costs no more host memory than the request rounded,
-and a tensor that grows by 30% or more from step to step (what a rank receives under expert
-parallelism changes with routing) still fits the buffer it had. Pinning new host memory is slow
+buffer from its class up to twice the size it would allocate (so a buffer may serve a request of
+a fifth of its size). New buffers are whole powers of two at least three classes (30%) above the
+request, 1.3x to 2.6x its size: torch's pinned-memory allocator rounds every allocation up to a
+power of two, so that size costs no more host memory than the request's 30% rounded would, and a
+tensor that grows by up to 30% from step to step (what a rank receives under expert parallelism
+changes with routing) still fits the buffer it had. Pinning new host memory is slow
 and stalls the GPU's queue; a buffer handed back is given out again after the GPU work that last
 used it (its ``ready`` event), so a steady sequence of steps allocates pinned memory in its first
 steps only.
