@@ -41,6 +41,20 @@ def mlp_path(mlp) -> str:
     return "fused" if fused and not any(op.last_fallback_reasons for op in fused) else "unfused"
 
 
+def command_line(script: str, argv: list, paths: tuple = ("--out",)) -> str:
+    """``python <script> <argv>`` as a results page names it: without the options in ``paths``
+    (where its files and logs went) and their values."""
+    shown, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in paths:
+            skip = True
+        elif not a.startswith(tuple(p + "=" for p in paths)):
+            shown.append(a)
+    return " ".join([f"python {script}", *shown])
+
+
 def utc_now() -> str:
     """The date and time a result is stamped with."""
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

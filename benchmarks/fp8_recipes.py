@@ -187,16 +187,9 @@ def measure(recipe_name: str, args) -> list[dict]:
 
 
 def command_line(argv: list) -> str:
-    """The command that made the result, without where it wrote it."""
-    shown, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--out":
-            skip = True
-        elif not a.startswith("--out="):
-            shown.append(a)
-    return " ".join(["python benchmarks/fp8_recipes.py", *shown])
+    from bench_common import command_line as named
+
+    return named("benchmarks/fp8_recipes.py", argv)
 
 
 def gpu_time_host_ahead(mlp, inputs, recipe_name: str):

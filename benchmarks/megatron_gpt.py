@@ -566,16 +566,9 @@ def cap_search(args) -> list:
 
 
 def command_line(argv: list) -> str:
-    """The command that made the result, without where it wrote its files and logs."""
-    shown, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in ("--out", "--job-logs", "--trace-dir"):
-            skip = True
-        elif not a.startswith(("--out=", "--job-logs=", "--trace-dir=")):
-            shown.append(a)
-    return " ".join(["python benchmarks/megatron_gpt.py", *shown])
+    from bench_common import command_line as named
+
+    return named("benchmarks/megatron_gpt.py", argv, ("--out", "--job-logs", "--trace-dir"))
 
 
 def launch(args) -> int:
