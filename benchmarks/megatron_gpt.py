@@ -385,7 +385,8 @@ def profile_steps(args, name, ep, rank, ddp, optimizer, data) -> dict:
             f.write(text)
     trace = json.loads(text)
     summary = analyze(trace["traceEvents"], steps=steps)
-    summary["idle"] = compute_idle(trace, [f"{step_profile.STEP_MARK} {i}" for i in range(steps)])
+    summary["idle"] = compute_idle(step_profile.events_from_trace(trace),
+                                   [f"{step_profile.STEP_MARK} {i}" for i in range(steps)])
     say(rank, f"profile: NCCL {summary['nccl_ms']:.1f} ms/step, offload copies {summary['offload_d2h_ms']:.1f} d2h + "
               f"{summary['offload_h2d_ms']:.1f} h2d ms, beside NCCL {summary['overlap_ms']:.1f} ms; dispatcher copies "
               f"waited {summary['small_d2h']['wait_ms']:.2f} ms ({summary['small_d2h']['wait_behind_offload_ms']:.2f} "
@@ -393,13 +394,12 @@ def profile_steps(args, name, ep, rank, ddp, optimizer, data) -> dict:
     return summary
 
 
-def compute_idle(trace: dict, step_names: list[str]) -> dict:
+def compute_idle(events: list, step_names: list[str]) -> dict:
     """Per step (mean over ``step_names``), the compute stream's idle ms by cause (the host had not
     launched the next op yet, busy or blocked in a sync; or it waited on another stream's work,
     named) and the step's longest gaps, from ``step_profile``'s analysis."""
     import step_profile as sp
 
-    events = sp.events_from_trace(trace)
     compute = sp.default_compute_stream(events)
     steps = [sp.analyze_step(events, name, compute, top_gaps=6) for name in step_names]
     causes: dict[str, float] = {}

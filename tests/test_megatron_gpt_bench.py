@@ -584,3 +584,17 @@ def test_torchrun_passes_every_launcher_option_through_to_the_ranks(tmp_path):
     launched = get_args_parser().parse_args(cmd[3:])
     assert launched.training_script == str(Path(mg.__file__).resolve())
     assert launched.training_script_args == [*options, "--worker-job", "time"]
+
+
+def test_idle_causes_are_summed_over_phases_and_averaged_over_steps():
+    from test_step_profile import synthetic_step
+
+    events = sorted(synthetic_step() + synthetic_step(shift=2000.0), key=lambda e: (e.start, -e.dur))
+    renamed = [e if e.name != "teo_step 1" or e.start < 1000 else type(e)(**{**e.__dict__, "name": "teo_step 2"})
+               for e in events]
+    idle = mg.compute_idle(renamed, ["teo_step 1", "teo_step 2"])
+    # per step: host busy 20 (forward) + 35 (backward) + 305 (optimizer) us, the H2D wait 108 us
+    assert idle["idle_ms_by_cause"]["host: busy"] == pytest.approx(0.36)
+    assert idle["idle_ms_by_cause"]["wait: H2D copy"] == pytest.approx(0.108)
+    assert idle["gpu_ms"] == pytest.approx(0.97) and idle["largest_gaps"][0]["next"] == "F"
+    assert list(idle["idle_ms_by_cause"].values()) == sorted(idle["idle_ms_by_cause"].values(), reverse=True)
