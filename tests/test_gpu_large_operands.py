@@ -15,32 +15,44 @@ T = E * PER_EXPERT
 NEEDED_BYTES = 48 << 30
 
 
+def _step(recipe=None):
+    """One forward and backward of the fused MLP at these shapes (under ``recipe``'s autocast):
+    (mlp, y, x with its grad, probs, dy); the fused path ran, with no fallback."""
+    from mlp_steps import quantized
+
+    torch.manual_seed(0)
+    mlp = make_stack(Config(layers=1, experts=E, hidden=H, ffn=F, splits=(PER_EXPERT,) * E, recipe=recipe))[0]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    probs = torch.rand(T, device="cuda", dtype=torch.bfloat16, generator=g)
+    splits = torch.full((E,), PER_EXPERT, device="cuda", dtype=torch.int64)
+    with quantized(recipe):
+        y = mlp(x, splits, probs, splits)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    y.backward(dy)
+    torch.cuda.synchronize()
+    assert mlp._module_groups[0]._forward_ops[0][0].last_fallback_reasons == []
+    return mlp, y, x, probs, dy
+
+
+def _sampled_rows():
+    """(expert, its rows) for rows where row * H passes 2^31 (the last experts), and a few early ones."""
+    first_past = 2**31 // H + 1
+    rows = torch.cat([torch.arange(0, 64), torch.arange(first_past - 32, first_past + 32), torch.arange(T - 64, T)])
+    rows = rows.to("cuda")
+    experts = rows // PER_EXPERT
+    return [(e, rows[experts == e]) for e in experts.unique().tolist()]
+
+
 @pytest.mark.gpu("sm_90", free_gib=NEEDED_BYTES >> 30)
 @pytest.mark.skipif(fused_path_problem() is not None, reason=fused_path_problem() or "")
 def test_fused_mlp_past_2_31_elements(monkeypatch):
     assert T * H > 2**31 and T * F < 2**31  # y, dy, dx past 2^31; z, act below
     monkeypatch.setenv(DISABLE_ENV, "1")
-    torch.manual_seed(0)
-    mlp = make_stack(Config(layers=1, experts=E, hidden=H, ffn=F, splits=(PER_EXPERT,) * E))[0]
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    probs = torch.rand(T, device="cuda", dtype=torch.bfloat16, generator=g)
-    splits = torch.full((E,), PER_EXPERT, device="cuda", dtype=torch.int64)
-    y = mlp(x, splits, probs, splits)
-    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
-    y.backward(dy)
-    torch.cuda.synchronize()
-    assert mlp._module_groups[0]._forward_ops[0][0].last_fallback_reasons == []
-
+    mlp, y, x, probs, dy = _step()
     w1 = [w.detach().float() for w in list(mlp[0].parameters())]
     w2 = [w.detach().float() for w in list(mlp[2].parameters())]
-    # rows where row * H passes 2^31 (the last experts), and a few early ones
-    first_past = 2**31 // H + 1
-    rows = torch.cat([torch.arange(0, 64), torch.arange(first_past - 32, first_past + 32), torch.arange(T - 64, T)])
-    rows = rows.to("cuda")
-    experts = rows // PER_EXPERT
-    for e in experts.unique().tolist():
-        r = rows[experts == e]
+    for e, r in _sampled_rows():
         xe, pe, dye = x.detach()[r].float(), probs[r].float()[:, None], dy[r].float()
         z = xe @ w1[e].t()
         act = torch.relu(z) ** 2 * pe
@@ -72,33 +84,15 @@ def test_fused_fp8_mlp_past_2_31_elements(monkeypatch):
     from test_gpu_fused_fp8 import _deq_rows, _deq_weight, rel_err
     from transformer_engine.common.recipe import Float8BlockScaling
 
-    from mlp_steps import quantized
     from te_offload_ops.fused import block_fp8
 
     monkeypatch.setenv(DISABLE_ENV, "1")
-    torch.manual_seed(0)
-    mlp = make_stack(Config(layers=1, experts=E, hidden=H, ffn=F, splits=(PER_EXPERT,) * E, recipe="block"))[0]
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    probs = torch.rand(T, device="cuda", dtype=torch.bfloat16, generator=g)
-    splits = torch.full((E,), PER_EXPERT, device="cuda", dtype=torch.int64)
-    with quantized("block"):
-        y = mlp(x, splits, probs, splits)
-    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
-    y.backward(dy)
-    torch.cuda.synchronize()
-    assert mlp._module_groups[0]._forward_ops[0][0].last_fallback_reasons == []
-
+    mlp, y, x, probs, dy = _step("block")
     recipe = Float8BlockScaling()
     qx, qw, qg = (block_fp8.quantizer(recipe, r) for r in ("input", "weight", "grad"))
     w1 = [_deq_weight(w.detach(), qw) for w in mlp[0].parameters()]
     w2 = [_deq_weight(w.detach(), qw) for w in mlp[2].parameters()]
-    first_past = 2**31 // H + 1
-    rows = torch.cat([torch.arange(0, 64), torch.arange(first_past - 32, first_past + 32), torch.arange(T - 64, T)])
-    rows = rows.to("cuda")
-    experts = rows // PER_EXPERT
-    for e in experts.unique().tolist():
-        r = rows[experts == e]
+    for e, r in _sampled_rows():
         pe = probs[r].float()[:, None]
         z = _deq_rows(x.detach()[r], qx) @ w1[e].t()
         ref_y = _deq_rows((torch.relu(z) ** 2 * pe).bfloat16(), qx) @ w2[e].t()
