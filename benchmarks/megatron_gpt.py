@@ -311,10 +311,11 @@ def time_variant(args, rank: int, weights: dict) -> dict:
             "first_loss": first_loss, "profile": profile, "host_profile": host}
 
 
-def host_profile(args, ddp, optimizer, data, steps: int = 3, top: int = 25) -> dict:
+def host_profile(args, ddp, optimizer, data, steps: int = 3, top: int = 25, keep_ms: float = 0.02) -> dict:
     """Three steps under cProfile: the host's wall time per step, the functions that took the most
-    of it themselves (ms per step, calls per step), and this package's functions by cumulative
-    time. cProfile slows Python calls, so the figures rank where the host's time goes rather than
+    of it themselves (ms per step, calls per step), this package's functions by cumulative time,
+    and every function above ``keep_ms`` of self time a step (the report compares variants with
+    them). cProfile slows Python calls, so the figures rank where the host's time goes rather than
     give it."""
     import cProfile
     import pstats
@@ -346,7 +347,8 @@ def host_profile(args, ddp, optimizer, data, steps: int = 3, top: int = 25) -> d
     for r in rows:
         r.pop("path")
     return {"wall_ms": wall_ms, "self_ms_total": sum(r["self_ms"] for r in rows), "top": rows[:top],
-            "package_self_ms": sum(r["self_ms"] for r in ours), "package_top": ours[:top]}
+            "package_self_ms": sum(r["self_ms"] for r in ours), "package_top": ours[:top],
+            "functions": [r for r in rows if r["self_ms"] >= keep_ms]}
 
 
 def pinned_allocations() -> tuple[int, int]:

@@ -202,6 +202,7 @@ def markdown(result: dict) -> str:
                              f"{s['wait_behind_offload_ms']:.2f} | {k['count']:.0f}, {k['wait_ms']:.2f} |")
         lines += idle_lines(profiled)
     lines += host_lines(result["rows"])
+    lines += host_growth_lines(result["rows"])
     pinned = [r for r in result["rows"]
               if any(n is not None for n in r.get("teo_pinned_allocations_timed_per_rank") or [])]
     if pinned:
@@ -233,6 +234,43 @@ def host_lines(rows: list[dict], top: int = 12) -> list[str]:
                     "|---|---|---|---|"]
             out += [f"| `{r['function']}` | {r['self_ms']:.2f} | {r['cum_ms']:.2f} | {r['calls']:.0f} |"
                     for r in host["package_top"][:top]]
+    return out
+
+
+def host_growth(base: dict, other: dict) -> list[dict]:
+    """Per function, how much more self time a step ``other``'s host profile spent than ``base``'s
+    (functions kept in either; a function absent from one counts as zero there), largest first."""
+    def by_name(host):
+        return {r["function"]: r for r in host.get("functions", [])}
+
+    a, b = by_name(base), by_name(other)
+    grown = []
+    for name in a.keys() | b.keys():
+        ra, rb = a.get(name, {}), b.get(name, {})
+        grown.append({"function": name, "self_ms": rb.get("self_ms", 0.0) - ra.get("self_ms", 0.0),
+                      "calls": rb.get("calls", 0.0) - ra.get("calls", 0.0),
+                      "self_ms_base": ra.get("self_ms", 0.0), "self_ms_other": rb.get("self_ms", 0.0)})
+    return sorted(grown, key=lambda r: -r["self_ms"])
+
+
+def host_growth_lines(rows: list[dict], top: int = 15) -> list[str]:
+    """Where each offloading variant's host time went beyond ours' at the same EP (rank 0), by
+    function: the step's extra host time is spread over many functions or sits in a few."""
+    base = {row["ep"]: (row.get("host_profile_per_rank") or [None])[0] for row in rows if row["variant"] == "ours"}
+    out = []
+    for row in rows:
+        host, ref = (row.get("host_profile_per_rank") or [None])[0], base.get(row["ep"])
+        if row["variant"] == "ours" or not host or not ref or "functions" not in host or "functions" not in ref:
+            continue
+        grown = host_growth(ref, host)
+        more = sum(r["self_ms"] for r in grown if r["self_ms"] > 0)
+        less = sum(r["self_ms"] for r in grown if r["self_ms"] < 0)
+        out += ["", f"Host time under cProfile, EP={row['ep']} {row['variant']} against ours (rank 0): "
+                    f"{host['wall_ms'] - ref['wall_ms']:+.1f} ms per step; functions that grew add {more:.1f} ms, "
+                    f"those that shrank {less:.1f}; the {top} that grew most:", "",
+                "| function | ours self ms/step | this self ms/step | grew ms | calls/step more |", "|---|---|---|---|---|"]
+        out += [f"| `{r['function']}` | {r['self_ms_base']:.2f} | {r['self_ms_other']:.2f} | {r['self_ms']:+.2f} | "
+                f"{r['calls']:+.0f} |" for r in grown[:top]]
     return out
 
 

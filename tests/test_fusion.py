@@ -343,3 +343,18 @@ def test_fused_op_called_under_a_recipe_runs_unfused(recipe, monkeypatch):
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     reasons = runtime_blockers(x, torch.tensor([8]), torch.rand(8), weight_dtype=torch.bfloat16)
     assert any("quantization recipe" in r and type(recipe).__name__ in r for r in reasons), reasons
+
+
+def test_a_weight_written_between_forward_and_backward_is_refused_as_autograd_refuses_it():
+    from te_offload_ops.fused.expert_weights import check_weight_versions, weight_params, weight_versions
+
+    op = mlp_ops()[0]
+    saved = weight_versions(weight_params(op))
+    check_weight_versions(op, saved, "fc1")  # untouched: nothing to say
+    with torch.no_grad():
+        op.weight2.add_(1.0)  # an optimizer's in-place update, say
+    # (the experts' weights may be views of one buffer: they then share one counter, as autograd sees them)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: fc1's weight \d is at version \d+; "
+                                           r"expected version \d+ instead"):
+        check_weight_versions(op, saved, "fc1")
+    check_weight_versions(op, weight_versions(weight_params(op)), "fc1")  # a new forward records them again

@@ -161,6 +161,23 @@ def test_the_report_shows_idle_causes_and_pinned_allocations_per_rank():
     assert "| `teo/engine.py:203(pack)` | 4.25 | 9.50 | 48 |" in lines  # rank 0's host time by function
 
 
+def test_the_host_growth_table_compares_each_offloading_variant_with_ours_by_function():
+    fn = lambda name, ms, calls: {"function": name, "self_ms": ms, "cum_ms": ms, "calls": calls}  # noqa: E731
+    ours = {"wall_ms": 100.0, "functions": [fn("a", 10.0, 64), fn("b", 5.0, 10), fn("gone", 1.0, 2)]}
+    teo = {"wall_ms": 120.0, "functions": [fn("a", 13.0, 64), fn("b", 4.5, 10), fn("pack", 2.0, 32)]}
+    grown = mgr.host_growth(ours, teo)
+    assert [(r["function"], r["self_ms"], r["calls"]) for r in grown] == \
+        [("a", 3.0, 0.0), ("pack", 2.0, 32.0), ("b", -0.5, 0.0), ("gone", -1.0, -2.0)]
+    rows = [{"ep": 1, "variant": "ours", "host_profile_per_rank": [ours]},
+            {"ep": 1, "variant": "ours+teo", "host_profile_per_rank": [teo]},
+            {"ep": 2, "variant": "ours+teo", "host_profile_per_rank": [teo]}]  # no ours at EP=2: no table
+    lines = mgr.host_growth_lines(rows)
+    assert any(line.startswith("Host time under cProfile, EP=1 ours+teo against ours (rank 0): +20.0 ms per step; "
+                               "functions that grew add 5.0 ms, those that shrank -1.5") for line in lines)
+    assert "| `pack` | 0.00 | 2.00 | +2.00 | +32 |" in lines
+    assert not any("EP=2" in line for line in lines)
+
+
 def _rows(ep2_digest=1.5):
     rows = [mgr.merge_variant(_job(_row("stock", 2, 200.0, 8.0), digest=ep2_digest), 2, "stock"),
             mgr.merge_variant(_job(_row("ours", 2, 110.0, 7.0, loss=10.01)), 2, "ours"),

@@ -39,6 +39,24 @@ def weight_params(op) -> list[torch.Tensor]:
     return [getattr(op, n) for n in names]
 
 
+def weight_versions(params) -> tuple[int, ...]:
+    """The version counters of ``params`` (every in-place write bumps its tensor's)."""
+    return tuple(p._version for p in params)
+
+
+def check_weight_versions(op, versions: tuple[int, ...], name: str) -> None:
+    """Raise, as autograd does for a saved tensor written in place, where one of ``op``'s weights
+    was written since the forward that recorded ``versions`` (``name``: the op, for the message)."""
+    now = weight_versions(weight_params(op))
+    if now != versions:
+        i = next(j for j, (a, b) in enumerate(zip(now, versions)) if a != b) if len(now) == len(versions) else 0
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"{name}'s weight {i} is at version {now[i] if now else None}; expected version "
+            f"{versions[i] if versions else None} instead. The fused MLP's backward reads the weights as they "
+            "are now: a weight written between its forward and its backward would give wrong gradients")
+
+
 def weight_dtype(op) -> torch.dtype:
     return weight_params(op)[0].dtype
 

@@ -25,7 +25,7 @@ from transformer_engine.pytorch.ops.op import FusedOperation
 from .. import hints, policy
 from ..capture import GraphCaptureError, capturing
 from ..ops.input_checks import check_input, check_scales, check_split_sizes
-from .expert_weights import expert_weights, weight_dtype, weight_params
+from .expert_weights import check_weight_versions, expert_weights, weight_dtype, weight_params, weight_versions
 from .row_chunks import block_split_sizes, chunk_rows, expert_row_ranges
 from . import block_fp8
 from .selection import active_recipe, runtime_blockers
@@ -172,10 +172,12 @@ class FusedScaledSReLUMLP(FusedOperation):
         ctx1.input_requires_grad = x.requires_grad
         ctx_act.probs_require_grad = probs.requires_grad
         ctx_act.probs_shape = probs.shape
-        w1, w2 = weight_params(fc1), weight_params(fc2)
-        policy.save_for_backward(ctx1, x2d, split_sizes, *w1, offload=fc1.offload, weights=w1, owner=fc1)
+        policy.save_for_backward(ctx1, x2d, split_sizes, offload=fc1.offload, owner=fc1)
         policy.save_for_backward(ctx_act, z, probs_flat, offload=act_op.offload, owner=act_op)
-        policy.save_for_backward(ctx2, *w2, offload=fc2.offload, weights=w2, owner=fc2)
+        # The backward reads the live weights, so they are not saved: their version counters give
+        # autograd's in-place check, without a saved-tensor hook per expert weight for the engines.
+        ctx1.teo_weight_versions = weight_versions(weight_params(fc1))
+        ctx2.teo_weight_versions = weight_versions(weight_params(fc2))
         return y, [(), (), ()]
 
     def _forward_fp8(self, ctxs, x, x2d, split_sizes, probs, check, recipe):
@@ -251,7 +253,9 @@ class FusedScaledSReLUMLP(FusedOperation):
         ctx1, ctx_act, ctx2 = ctxs
         check, ctx1.teo_split_check = ctx1.teo_split_check, None
         resolve_in_backward(check)  # bad split sizes raise now or when this backward pass ends
-        x, split_sizes, *_ = ctx1.saved_tensors
+        check_weight_versions(fc1, ctx1.teo_weight_versions, "fc1")
+        check_weight_versions(fc2, ctx2.teo_weight_versions, "fc2")
+        x, split_sizes = ctx1.saved_tensors
         z, probs = ctx_act.saved_tensors
         dy = dy.contiguous()
 
