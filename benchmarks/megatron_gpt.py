@@ -21,6 +21,9 @@ so no variant's memory, hooks or global state reach another; each starts from th
 * ``ours+teo-layer``: whole transformer layers 1..L-1 under teo (``scope="layer"``);
 * ``stock+megatron``: stock under Megatron's "fused_group_mlp" offloading (the only choice its
   op-fuser path takes; not in the default);
+* ``ours+copies``: ours with the bytes ``ours+teo`` moves copied each way on side streams and no
+  engine (nothing saved, freed or waited for; two scratch buffers add to its peak): what the
+  copies alone cost the step (not in the default);
 * a ``+kdtoh`` suffix on an offloading variant adds ``use_kernel_dtoh`` (the dispatcher's split
   sizes to the host by kernel, past the copy engine's queue of offload copies).
 
@@ -68,7 +71,7 @@ import megatron_gpt_jobs as jobs  # noqa: E402
 from megatron_gpt_model import EXPERT_OFFLOAD_CHOICES, GPTShape, Variant, worker_env  # noqa: E402
 from megatron_gpt_report import add_comparisons, cap_targets, chart, markdown, merge_variant, targets  # noqa: E402
 
-BASE_VARIANTS = ("stock", "ours", "ours+megatron", "ours+teo", "ours+teo-layer", "stock+megatron")
+BASE_VARIANTS = ("stock", "ours", "ours+megatron", "ours+teo", "ours+teo-layer", "stock+megatron", "ours+copies")
 KERNEL_DTOH_SUFFIX = "+kdtoh"
 DEFAULT_VARIANTS = "stock,ours,ours+megatron,ours+teo"
 JOBS = ("time", "numerics", "cap")  # what one job of a worker does
@@ -85,12 +88,13 @@ def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=N
         "ours+teo": Variant(ours=True, teo_scope="experts", **teo),
         "ours+teo-layer": Variant(ours=True, teo_scope="layer", **teo),
         "stock+megatron": Variant(ours=False, offload_modules=("fused_group_mlp",)),
+        "ours+copies": Variant(ours=True, copy_traffic=True),
     }
     if base not in table:
         raise ValueError(f"unknown variant {name!r}; choose from {', '.join(BASE_VARIANTS)} "
                          f"(an offloading one may end in {KERNEL_DTOH_SUFFIX})")
     found = table[base]
-    if kdtoh and not (found.offload_modules or found.teo_scope):
+    if kdtoh and not (found.offload_modules or found.teo_scope or found.copy_traffic):
         raise ValueError(f"{name}: {KERNEL_DTOH_SUFFIX} is for variants that offload")
     return replace(found, kernel_dtoh=kdtoh)
 
@@ -252,6 +256,7 @@ def time_variant(args, rank: int, weights: dict) -> dict:
 
     from megatron_gpt_model import (
         MegatronOffloadCounter,
+        apply_copy_traffic,
         apply_teo,
         build_gpt,
         experts_path,
@@ -267,6 +272,7 @@ def time_variant(args, rank: int, weights: dict) -> dict:
     config = make_config(shape, v, ep)
     model = build_gpt(shape, config, v.ours, weights)
     teo = apply_teo(model, v)
+    traffic = apply_copy_traffic(model, v, shape)
     ddp, optimizer = wrap_for_training(model, config)
     kdtoh = use_kernel_dtoh() if v.kernel_dtoh else None
     data = [random_batches(shape, seed=args.seed + i + 1000 * rank) for i in range(2)]
@@ -280,7 +286,8 @@ def time_variant(args, rank: int, weights: dict) -> dict:
             torch.cuda.synchronize()
             floor = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            moved0 = (teo.counter.total if teo is not None else 0, getattr(megatron, "bytes", 0))
+            moved0 = (teo.counter.total if teo is not None else 0, getattr(megatron, "bytes", 0),
+                      getattr(traffic, "bytes", 0))
             pinned0 = pinned_allocations()
             times = []
             for i in range(args.iters):
@@ -292,7 +299,7 @@ def time_variant(args, rank: int, weights: dict) -> dict:
             peak = torch.cuda.max_memory_allocated()
             pinned = [now - before for now, before in zip(pinned_allocations(), pinned0)]
             moved = ((teo.counter.total if teo is not None else 0) - moved0[0]
-                     + getattr(megatron, "bytes", 0) - moved0[1]) / args.iters
+                     + getattr(megatron, "bytes", 0) - moved0[1] + getattr(traffic, "bytes", 0) - moved0[2]) / args.iters
             host = host_profile(args, ddp, optimizer, data) if args.host_profile else None
             profile = None
             if args.profile:

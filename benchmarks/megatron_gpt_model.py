@@ -103,6 +103,7 @@ class Variant:
     teo_layers: Optional[int] = None  # use_teo_offload's num_layers (None: all)
     teo_budget_gib: Optional[float] = None  # use_teo_offload's memory_budget, GiB
     kernel_dtoh: bool = False  # use_kernel_dtoh: the dispatcher's split sizes to the host by kernel
+    copy_traffic: bool = False  # the offload copies' bytes moved with no engine (CopyTraffic)
     ep_overlap: bool = False  # overlap_moe_expert_parallel_comm + delay_wgrad_compute
     fp8: Optional[str] = None  # "hybrid" | "e4m3"
     fp8_recipe: Optional[str] = None  # "delayed" | "tensorwise" | "blockwise"
@@ -377,3 +378,58 @@ def apply_teo(model, variant: Variant):
 
     budget = None if variant.teo_budget_gib is None else int(variant.teo_budget_gib * 2**30)
     return use_teo_offload(model, scope=variant.teo_scope, num_layers=variant.teo_layers, memory_budget=budget)
+
+
+class CopyTraffic:
+    """The bytes an engine offloading the routed experts of the first ``layers`` MoE layers would
+    move, moved with no engine: after each experts' forward a device-to-host copy of
+    ``bytes_per_layer`` from a scratch buffer, and when its backward begins the copy back, each on
+    a side stream after the compute stream's work so far. Nothing is saved, freed or waited for:
+    a step that slows under it slows from the copies themselves, not from an engine's hooks.
+    ``bytes``: moved so far, device to host (as the engines' counters count)."""
+
+    def __init__(self, model, layers: int, bytes_per_layer: int):
+        from te_offload_ops.megatron.teo_offload import find_offload_modules
+
+        import torch
+
+        modules = find_offload_modules(model, "experts")[:layers]
+        self.bytes = 0
+        self._numel = bytes_per_layer // 2
+        device = torch.cuda.current_device()
+        self._src = torch.empty(self._numel, dtype=torch.bfloat16, device=device)
+        self._dst = torch.empty_like(self._src)
+        self._host = torch.empty(self._numel, dtype=torch.bfloat16, pin_memory=True)
+        self._d2h, self._h2d = torch.cuda.Stream(), torch.cuda.Stream()
+        self._handles = [m.register_forward_hook(self._after_forward) for m in modules]
+
+    def _copy(self, stream, dst, src):
+        import torch
+
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def _after_forward(self, module, args, output):
+        import torch
+
+        if not torch.is_grad_enabled():
+            return
+        self._copy(self._d2h, self._host, self._src)
+        self.bytes += self._numel * 2
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: self._copy(self._h2d, self._dst, self._host))
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+def apply_copy_traffic(model, variant: Variant, shape: "GPTShape"):
+    """CopyTraffic for ``variant`` (None where it is off): teo's "experts" scope over the first
+    L - 1 layers moves each routed token's fc1 input and fc1 output, (H + F) bf16 values."""
+    if not variant.copy_traffic:
+        return None
+    routed = shape.micro_batch * shape.seq * shape.topk  # per rank at any EP, on average
+    return CopyTraffic(model, shape.layers - 1, routed * (shape.hidden + shape.ffn) * 2)

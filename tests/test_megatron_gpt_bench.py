@@ -37,6 +37,7 @@ def test_variant_names_map_to_what_each_runs():
     assert mg.variant_for("ours+megatron", 4, ("moe_act",)).offload_modules == ("moe_act",)
     assert mg.variant_for("stock+megatron", 4, ()).offload_modules == ("fused_group_mlp",)
     assert mg.variant_for("ours+teo-layer", 6, ()).teo_scope == "layer" and not mg.variant_for("stock", 4, ()).ours
+    assert mg.variant_for("ours+copies", 4, ()).copy_traffic and not mg.variant_for("ours+teo", 4, ()).copy_traffic
     with pytest.raises(ValueError, match=r"unknown variant 'ours\+fast'"):
         mg.variant_for("ours+fast", 4, ())
     with pytest.raises(ValueError, match=r"\+kdtoh is for variants that offload"):
@@ -176,6 +177,19 @@ def test_the_host_growth_table_compares_each_offloading_variant_with_ours_by_fun
                                "functions that grew add 5.0 ms, those that shrank -1.5") for line in lines)
     assert "| `pack` | 0.00 | 2.00 | +2.00 | +32 |" in lines
     assert not any("EP=2" in line for line in lines)
+
+
+def test_the_copy_traffic_moves_what_teo_moved_at_the_default_shape():
+    # ours+copies stands for teo's copies: (H + F) bf16 values per routed token, layers 1..L-1,
+    # each micro-batch; teo's counter at the default shape (a committed run) says the same bytes
+    shape = mgm.GPTShape()
+    assert mgm.apply_copy_traffic(None, mgm.Variant(ours=True), shape) is None
+    per_layer = shape.micro_batch * shape.seq * shape.topk * (shape.hidden + shape.ffn) * 2
+    from bench_common import read_result
+
+    run = read_result(BENCH / "results" / "megatron_gpt_NVIDIA_H200_ep1_host_growth.json.gz")
+    teo = next(r for r in run["rows"] if r["variant"] == "ours+teo")
+    assert per_layer * (shape.layers - 1) * shape.microbatches / 2**20 == pytest.approx(teo["offloaded_MiB_per_step"])
 
 
 def _rows(ep2_digest=1.5):

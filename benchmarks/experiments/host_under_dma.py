@@ -26,6 +26,11 @@ from pathlib import Path
 
 import torch
 
+BENCH = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(BENCH))
+
+from bench_common import command_line, file_stem, pyplot, save_png, write_reports  # noqa: E402
+
 MODES = ("idle", "d2h", "h2d", "both")
 
 
@@ -73,13 +78,45 @@ def measure(mode, work, gpu, host, streams, repeats, count):
     return statistics.median(times), overlapped
 
 
+def markdown(result: dict) -> str:
+    lines = [f"# Host work while pinned copies run ({result['gpu']}, {result['date']})", "",
+             f"Median ms of each workload; x: against the copy engines idle. Command: `{result['command']}`", "",
+             "| work | " + " | ".join(MODES) + " |", "|---|" + "---|" * len(MODES)]
+    for row in result["rows"]:
+        med = row["ms"]
+        lines.append(f"| {row['work']} | " + " | ".join(
+            f"{med[m]:.2f}" + ("" if m == "idle" else f" (x{med[m] / med['idle']:.2f})") for m in MODES) + " |")
+    if result["not_overlapped"]:
+        lines += ["", f"Copies had finished before the work did in: {result['not_overlapped']} (queue more: --copies)."]
+    return "\n".join(lines) + "\n"
+
+
+def chart(result: dict, path: Path):
+    """Each workload's time against the copy engines idle, per copy mode."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / (len(MODES) - 1)
+    for i, mode in enumerate(MODES[1:]):
+        ratios = [row["ms"][mode] / row["ms"]["idle"] for row in result["rows"]]
+        ax.bar([j + i * width for j in range(len(ratios))], ratios, width, label=mode)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + width for j in range(len(result["rows"]))], [row["work"] for row in result["rows"]])
+    ax.set_ylabel("time against copies idle")
+    ax.set_title(f"Host work while pinned copies run ({result['gpu']})")
+    ax.legend(title="copies")
+    save_png(fig, path)
+    return True
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--copy-mib", type=int, default=512, help="bytes of each queued copy")
     p.add_argument("--copies", type=int, default=24, help="copies queued each way per measurement")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", type=Path, default=None, help="folder for the JSON")
+    p.add_argument("--out", type=Path, default=None, help="folder for JSON, markdown and PNG")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("host_under_dma: needs a CUDA GPU", file=sys.stderr)
@@ -104,26 +141,17 @@ def main() -> int:
                 results[name][mode].append(ms)
                 if not overlapped:
                     not_overlapped.append((name, mode))
-    gpu_name = torch.cuda.get_device_name()
-    rows = []
-    print(f"Host work while pinned copies run ({gpu_name}; median ms of {args.repeats} x {args.rounds}; "
-          f"x: against idle)")
-    print("| work | " + " | ".join(MODES) + " |")
-    print("|---|" + "---|" * len(MODES))
-    for name in works:
-        med = {m: statistics.median(results[name][m]) for m in MODES}
-        rows.append({"work": name, "ms": med, "ms_each": results[name]})
-        print(f"| {name} | " + " | ".join(
-            f"{med[m]:.2f}" + ("" if m == "idle" else f" (x{med[m] / med['idle']:.2f})") for m in MODES) + " |")
-    if not_overlapped:
-        print(f"copies had finished before the work did in: {sorted(set(not_overlapped))} (queue more: --copies)")
+    result = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "command": command_line("benchmarks/experiments/host_under_dma.py", sys.argv[1:]),
+              "args": {k: str(v) for k, v in vars(args).items() if k != "out"},
+              "rows": [{"work": name, "ms": {m: statistics.median(results[name][m]) for m in MODES},
+                        "ms_each": results[name]} for name in works],
+              "not_overlapped": sorted(set(not_overlapped))}
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"host_under_dma_{gpu_name.replace(' ', '_')}.json"
-        path.write_text(json.dumps({"gpu": gpu_name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                    "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-                                    "not_overlapped": not_overlapped}, indent=1))
-        print(f"wrote {path}")
+        paths = write_reports(args.out, file_stem("host_under_dma", result["gpu"]), result, markdown, chart)
+        print("wrote " + ", ".join(str(x) for x in paths))
+    else:
+        print(markdown(result))
     return 0
 
 
