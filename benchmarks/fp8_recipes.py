@@ -180,7 +180,7 @@ def measure(recipe_name: str, args) -> list[dict]:
             row["ms"] = times[impl]
             row["saved_MiB"] = saved_bytes(mlps[impl], inputs, recipe_name, args)
             row["v2_moved_MiB"] = v2_moved(impl, args, recipe_name)
-            row["host_ahead_ms"] = gpu_time_host_ahead(mlps[impl], inputs, recipe_name)
+            row["host_queue_ms"], row["host_ahead_ms"] = gpu_time_host_ahead(mlps[impl], inputs, recipe_name)
             row["plan"] = [type(op).__name__ for group in mlps[impl]._module_groups for op, _ in group._forward_ops]
     torch.cuda.synchronize()
     return [rows[impl] for impl in IMPLS]
@@ -193,20 +193,21 @@ def command_line(argv: list) -> str:
 
 
 def gpu_time_host_ahead(mlp, inputs, recipe_name: str):
-    """The step's GPU time with the host ahead of the GPU (its queueing hidden, as in a deep model),
-    or None where the step waits for the GPU on the host (TE's ops read the split sizes there).
+    """(host ms to queue the step, the step's GPU ms) with the host ahead of the GPU (its queueing
+    hidden, as in a deep model), or (None, None) where the step waits for the GPU on the host (TE's
+    ops read the split sizes there).
     The deferred split-size check, which waits at the backward's end for its copy when the GPU
     lags far behind, is off for this figure only."""
     import os
 
-    from timing import host_ahead_ms
+    from timing import host_and_gpu_ahead_ms
 
     from te_offload_ops.fused.split_check import CHECK_ENV
 
     before = os.environ.get(CHECK_ENV)
     os.environ[CHECK_ENV] = "off"
     try:
-        return host_ahead_ms(lambda: step(mlp, inputs, recipe_name))
+        return host_and_gpu_ahead_ms(lambda: step(mlp, inputs, recipe_name))
     finally:
         if before is None:
             os.environ.pop(CHECK_ENV)
@@ -225,18 +226,21 @@ def markdown(result: dict) -> str:
              f"E={a['experts']} x {a['tokens']} tokens, H={a['hidden']}, F={a['ffn']}, bf16 weights, fwd+bwd. "
              f"Command: `{result['command']}`", "",
              "Host ahead: the GPU time of a step queued behind a sleeping GPU (no host time in it; `-`: the "
-             "step waits for the GPU on the host).", "",
-             "| recipe | ops | fwd+bwd ms | TFLOP/s | host ahead ms | TFLOP/s host ahead | saved activations MiB | "
-             "saved weight copies MiB | V2 moves per layer MiB | ran as |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "step waits for the GPU on the host); host queue: the host's time to queue that step. Back to back "
+             "a step takes at least the larger of the two.", "",
+             "| recipe | ops | fwd+bwd ms | TFLOP/s | host ahead ms | TFLOP/s host ahead | host queue ms | "
+             "saved activations MiB | saved weight copies MiB | V2 moves per layer MiB | ran as |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         name = "TE ops" if r["impl"] == "te" else "te_offload_ops"
         if "error" in r:
-            lines.append(f"| {r['recipe']} | {name} | {r['error']} | | | | | | | |")
+            lines.append(f"| {r['recipe']} | {name} | {r['error']} | | | | | | | | |")
             continue
         s = r["saved_MiB"]
         ahead = r.get("host_ahead_ms")
         ahead_cells = "- | -" if ahead is None else f"{ahead:.2f} | {tflops(argparse.Namespace(**result['args']), ahead):.0f}"
+        queue = r.get("host_queue_ms")  # absent from results written before the column
+        ahead_cells += " | " + ("-" if queue is None else f"{queue:.2f}")
         lines.append(f"| {r['recipe']} | {name} | {r['ms']:.2f} | {tflops_of(result, r):.0f} | {ahead_cells} | "
                      f"{s['activations']:.0f} | {s['weight_copies']:.0f} | {r['v2_moved_MiB']:.0f} | "
                      f"{' + '.join(r['plan'])} |")

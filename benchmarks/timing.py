@@ -100,12 +100,19 @@ def host_ahead(fn: Callable, calls: int = 10, *, lead: int = 3, hold: bool = Tru
 def host_ahead_ms(fn: Callable, calls: int = 10, *, lead: int = 3) -> Optional[float]:
     """:func:`host_ahead`'s GPU ms per call (the GPU held by a sleep kernel), or None where the host
     never got ahead: ``fn`` waits for the GPU, so its wall time is already its best."""
+    return host_and_gpu_ahead_ms(fn, calls, lead=lead)[1]
+
+
+def host_and_gpu_ahead_ms(fn: Callable, calls: int = 10, *, lead: int = 3) -> tuple[Optional[float], Optional[float]]:
+    """(host ms to queue one call, GPU ms per call) with the GPU held by a sleep kernel, or
+    (None, None) where the host never got ahead (``fn`` waits for the GPU). The host figure is
+    what a call costs the host alone: a step back to back takes the larger of the two."""
     import torch
 
     fn()
     torch.cuda.synchronize()
     sample = host_ahead(fn, calls, lead=lead, hold=True)
-    return sample.gpu_ms if sample.ahead else None
+    return (sample.host_us / 1e3, sample.gpu_ms) if sample.ahead else (None, None)
 
 
 def wall_ms(fn: Callable, calls: int) -> float:

@@ -250,12 +250,14 @@ def test_fp8_recipes_report_names_each_recipe_and_error():
            "v2_moved_MiB": 129.0, "plan": ["GroupedLinear", "ScaledSReLU", "GroupedLinear"]}
     result = {"gpu": "GPU", "date": "2026-11-25 00:00 UTC", "command": "python benchmarks/fp8_recipes.py",
               "args": {"experts": 8, "tokens": 2048, "hidden": 2688, "ffn": 1856, "iters": 20},
-              "rows": [dict(row, impl="te", recipe="DelayedScaling", host_ahead_ms=None),
-                       dict(row, impl="ours", recipe="DelayedScaling", host_ahead_ms=1.0),
+              "rows": [dict(row, impl="te", recipe="DelayedScaling", host_ahead_ms=None, host_queue_ms=None),
+                       dict(row, impl="ours", recipe="DelayedScaling", host_ahead_ms=1.0, host_queue_ms=1.5),
+                       dict(row, impl="ours", recipe="none", host_ahead_ms=1.0),  # written before the column
                        {"impl": "te", "recipe": "Float8BlockScaling", "error": "RuntimeError: no algorithm"}]}
     md = fp8_recipes.markdown(result)
-    assert "| DelayedScaling | te_offload_ops | 2.00 | 490 | 1.00 | 981 | 129 | 76 | 129 |" in md
-    assert "| DelayedScaling | TE ops | 2.00 | 490 | - | - | 129 |" in md  # the host never got ahead
+    assert "| DelayedScaling | te_offload_ops | 2.00 | 490 | 1.00 | 981 | 1.50 | 129 | 76 | 129 |" in md
+    assert "| DelayedScaling | TE ops | 2.00 | 490 | - | - | - | 129 |" in md  # the host never got ahead
+    assert "| none | te_offload_ops | 2.00 | 490 | 1.00 | 981 | - | 129 |" in md
     assert "| Float8BlockScaling | TE ops | RuntimeError: no algorithm |" in md
     assert fp8_recipes.command_line(["--out", "/tmp/x", "--recipes", "none"]) == \
         "python benchmarks/fp8_recipes.py --recipes none"
