@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--offload-layers", type=int, default=2, help="layers offloaded by TE V2 (0: no offload rows)")
     p.add_argument("--steps", type=int, default=10, help="steps per sample")
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--recipe", choices=("none", "Float8BlockScaling"), default="none",
+                   help="run every step under te.autocast with this recipe (the fused FP8 path; default bf16)")
     p.add_argument("--out", type=Path, default=HERE / "results", help="folder for JSON, markdown, PNG")
     args = p.parse_args(argv)
     for name in ("experts", "tokens", "hidden", "ffn", "layers", "steps", "rounds"):
@@ -105,6 +107,17 @@ class Step:
         self.params = [p for mlp in self.stack for p in mlp.parameters()]
         self.i = 0
         self.graph = None
+        self.recipe = args.recipe
+
+    def _autocast(self):
+        import contextlib
+
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import Float8BlockScaling
+
+        if self.recipe == "none":
+            return contextlib.nullcontext()
+        return te.autocast(enabled=True, recipe=Float8BlockScaling())
 
     def _zero_grads(self):
         for t in [self.x, *self.probs, *self.params]:
@@ -113,7 +126,7 @@ class Step:
     def body(self):
         h = self.x  # the step is the MLPs alone: its FLOPs are the TFLOP/s count's
         for mlp, p in zip(self.stack, self.probs):
-            with self.ctx:
+            with self.ctx, self._autocast():
                 h = mlp(h, self.splits, p, self.splits)
             h = self.sync(h)
         h.backward(self.dy)
@@ -187,7 +200,8 @@ def measure(args, layers: int, engine: str, offload_layers: int, label: str, uni
 
 def markdown(result) -> str:
     lines = [f"# CUDA-graphed fused SReLU MLP, {result['gpu']}, {result['date']}", "",
-             f"E={result['experts']} x {result['tokens']} tokens, H={result['hidden']}, F={result['ffn']}, bf16; "
+             f"E={result['experts']} x {result['tokens']} tokens, H={result['hidden']}, F={result['ffn']}, "
+             f"{'bf16' if result.get('recipe', 'none') == 'none' else 'bf16 weights under ' + result['recipe']}; "
              f"forward + backward with new routing each step; medians of {result['rounds']} interleaved rounds of "
              f"{result['steps']} steps. Targets: graphed >= {TARGET_FRACTION:.0%} of host-ahead throughput, "
              f">= {TARGET_TFLOPS:.0f} TFLOP/s for one layer at uniform routing. Split-size check off in every "
@@ -262,8 +276,9 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name()
     result = {"benchmark": "graphs", "gpu": gpu, "experts": args.experts, "tokens": args.tokens,
               "hidden": args.hidden, "ffn": args.ffn, "steps": args.steps, "rounds": args.rounds, "rows": rows,
-              "date": utc_now()}
-    paths = write_reports(args.out, file_stem("cuda_graphs", gpu), result, markdown, plot)
+              "recipe": args.recipe, "date": utc_now()}
+    suffix = "" if args.recipe == "none" else "fp8block"
+    paths = write_reports(args.out, file_stem("cuda_graphs", gpu, suffix), result, markdown, plot)
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 

@@ -10,6 +10,9 @@ What each test checks (run with ``-s`` to see the bytes moved):
   stack. Under TE V2 offload (``retain_pinned_cpu_buffers=True``), the bytes the engine chose to
   offload during the capture equal an eager offloaded step's, and after each replay the retained
   pinned buffer of layer 0 holds that step's input, so the copies run on every replay.
+* ``test_fp8_graph_replays_match_eager_steps``: the same under ``Float8BlockScaling`` (the fused
+  FP8 path: Triton quantization kernels and the grouped FP8 GEMMs captured with the rest), one
+  ``torch.cuda.graph`` over the whole stack, bitwise against eager FP8 steps.
 * ``test_unfused_path_capture_is_refused``: TE's unfused GroupedLinear on its split path raises
   :class:`GraphCaptureError` in the capture, not a hang or a sync error, and the process goes on.
 * ``test_capture_before_any_eager_step_is_refused``: a capture that would compile a kernel raises.
@@ -22,7 +25,8 @@ import pytest
 import torch
 import transformer_engine.pytorch as te
 
-from mlp_steps import Config, _expert_grads, forward_plan, fused_path_problem, make_stack, run_step
+from mlp_steps import (Config, _expert_grads, forward_plan, fused_path_problem, make_stack, quantized, recipe_problem,
+                       run_step)
 from te_offload_ops import capture
 from te_offload_ops.capture import GraphCaptureError
 from te_offload_ops.engines import active_engine, offload_context
@@ -38,8 +42,8 @@ TOKENS = sum(ROUTINGS[0])
 WARM_UP = 3
 
 
-def _cfg(splits=ROUTINGS[0]) -> Config:
-    return Config(layers=LAYERS, experts=EXPERTS, hidden=HIDDEN, ffn=FFN, splits=splits)
+def _cfg(splits=ROUTINGS[0], recipe=None) -> Config:
+    return Config(layers=LAYERS, experts=EXPERTS, hidden=HIDDEN, ffn=FFN, splits=splits, recipe=recipe)
 
 
 def _values(step: int):
@@ -51,8 +55,8 @@ def _values(step: int):
     return x, probs, dy
 
 
-def _eager(step: int, splits) -> dict:
-    stack = make_stack(_cfg())  # same seed: same weights as the graphed stack
+def _eager(step: int, splits, recipe=None) -> dict:
+    stack = make_stack(_cfg(recipe=recipe))  # same seed: same weights as the graphed stack
     x, probs, dy = _values(step)
     inputs = (x.requires_grad_(), [p.requires_grad_() for p in probs], dy,
               torch.tensor(splits, device="cuda", dtype=torch.int64))
@@ -62,15 +66,15 @@ def _eager(step: int, splits) -> dict:
 class _Stack(torch.nn.Module):
     """The whole stack as one callable, each layer in the offload context, as TE documents."""
 
-    def __init__(self, stack, ctx, sync):
+    def __init__(self, stack, ctx, sync, recipe=None):
         super().__init__()
         self.layers = torch.nn.ModuleList(stack)
-        self.ctx, self.sync = ctx, sync
+        self.ctx, self.sync, self.recipe = ctx, sync, recipe
 
     def forward(self, x, splits, *probs):
         h = x * 1.0  # a non-leaf input, so offloading it really frees it
         for mlp, p in zip(self.layers, probs):
-            with self.ctx:
+            with self.ctx, quantized(self.recipe):
                 h = mlp(h, splits, p, splits)
             h = self.sync(h)
         return h
@@ -171,21 +175,7 @@ def test_graph_replays_match_eager_steps(how, engine, monkeypatch):
     assert all(forward_plan(mlp) == ["FusedScaledSReLUMLP"] for mlp in stack)
     captured_bytes = counter.total  # counted while Python ran: warm-up steps and the capture
     for step, routing in enumerate(ROUTINGS):
-        xv, pv, dyv = _values(step)
-        with torch.no_grad():  # new routing and values into the static inputs
-            x.copy_(xv)
-            dy.copy_(dyv)
-            splits.copy_(torch.tensor(routing, device="cuda", dtype=torch.int64))
-            for p, v in zip(probs, pv):
-                p.copy_(v)
-        out = graphed.step()
-        torch.cuda.synchronize()
-        want = _eager(step, routing)
-        assert torch.equal(out, want["out"]), f"step {step} {routing}: output"
-        got = _grads(stack, x, probs)
-        assert got.keys() == want["grads"].keys()
-        for name, g in got.items():
-            assert g is not None and torch.equal(g, want["grads"][name]), f"step {step} {routing}: grad {name}"
+        xv = _replay_and_compare(graphed, stack, step, routing, x, probs, dy, splits)
         if engine == "v2":  # the replay copied this step's layer-0 input to the retained pinned buffer
             assert torch.equal(_pinned_input_of_layer0(ctx), xv.cpu()), f"step {step}: offload copy not replayed"
     if engine == "v2":
@@ -199,6 +189,43 @@ def test_graph_replays_match_eager_steps(how, engine, monkeypatch):
         assert eager_counter.total > 0
         assert captured_bytes % eager_counter.total == 0 and captured_bytes >= eager_counter.total, \
             "the captured steps offloaded other bytes than an eager step"
+
+
+def _replay_and_compare(graphed, stack, step, routing, x, probs, dy, splits, recipe=None):
+    """Step ``step``'s values and routing into the static inputs, one replay, then the output and
+    every grad against an eager step of an identical stack, bitwise. Returns the step's x."""
+    xv, pv, dyv = _values(step)
+    with torch.no_grad():
+        x.copy_(xv)
+        dy.copy_(dyv)
+        splits.copy_(torch.tensor(routing, device="cuda", dtype=torch.int64))
+        for p, v in zip(probs, pv):
+            p.copy_(v)
+    out = graphed.step()
+    torch.cuda.synchronize()
+    want = _eager(step, routing, recipe)
+    assert torch.equal(out, want["out"]), f"step {step} {routing}: output"
+    got = _grads(stack, x, probs)
+    assert got.keys() == want["grads"].keys()
+    for name, g in got.items():
+        assert g is not None and torch.equal(g, want["grads"][name]), f"step {step} {routing}: grad {name}"
+    return xv
+
+
+def test_fp8_graph_replays_match_eager_steps(monkeypatch):
+    if (reason := recipe_problem("block")) is not None:  # asked here: it initialises CUDA
+        pytest.skip(reason)
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    stack = make_stack(_cfg(recipe="block"))
+    ctx, sync, _ = offload_context("none", num_layers=1, model_layers=LAYERS)
+    model = _Stack(stack, ctx, sync, recipe="block")
+    x0, probs0, dy0 = _values(0)
+    x, probs = x0.clone().requires_grad_(), [p.clone().requires_grad_() for p in probs0]
+    dy, splits = dy0.clone(), torch.tensor(ROUTINGS[0], device="cuda", dtype=torch.int64)
+    graphed = _TorchGraph(model, x, splits, probs, dy)
+    assert all(forward_plan(mlp) == ["FusedScaledSReLUMLP"] for mlp in stack)
+    for step, routing in enumerate(ROUTINGS):
+        _replay_and_compare(graphed, stack, step, routing, x, probs, dy, splits, recipe="block")
 
 
 def test_unfused_path_capture_is_refused(monkeypatch):
