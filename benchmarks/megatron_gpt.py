@@ -24,6 +24,9 @@ so no variant's memory, hooks or global state reach another; each starts from th
 * ``ours+copies``: ours with the bytes ``ours+teo`` moves copied each way on side streams and no
   engine (nothing saved, freed or waited for; two scratch buffers add to its peak): what the
   copies alone cost the step (not in the default);
+* ``--cuda-graphs attn,moe_router,moe_preprocess``: every timed variant with Megatron's per-layer
+  CUDA graphs of those modules, captured after the warm-up as Megatron's trainer captures them
+  (the experts stay eager); the numerics and cap jobs run eager;
 * a ``+kdtoh`` suffix on an offloading variant adds ``use_kernel_dtoh`` (the dispatcher's split
   sizes to the host by kernel, past the copy engine's queue of offload copies).
 
@@ -75,10 +78,12 @@ BASE_VARIANTS = ("stock", "ours", "ours+megatron", "ours+teo", "ours+teo-layer",
 KERNEL_DTOH_SUFFIX = "+kdtoh"
 DEFAULT_VARIANTS = "stock,ours,ours+megatron,ours+teo"
 JOBS = ("time", "numerics", "cap")  # what one job of a worker does
+GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess")  # graphable around eager experts
 
 
-def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=None) -> Variant:
-    """The Variant a variant name stands for (ValueError for unknown names)."""
+def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=None, cuda_graphs: tuple = ()) -> Variant:
+    """The Variant a variant name stands for (ValueError for unknown names); ``cuda_graphs``: the
+    per-layer CUDA graph modules every variant of the run takes."""
     base, kdtoh = (name[:-len(KERNEL_DTOH_SUFFIX)], True) if name.endswith(KERNEL_DTOH_SUFFIX) else (name, False)
     teo = dict(teo_layers=layers - 1, teo_budget_gib=teo_budget_gib)
     table = {
@@ -96,7 +101,7 @@ def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=N
     found = table[base]
     if kdtoh and not (found.offload_modules or found.teo_scope or found.copy_traffic):
         raise ValueError(f"{name}: {KERNEL_DTOH_SUFFIX} is for variants that offload")
-    return replace(found, kernel_dtoh=kdtoh)
+    return replace(found, kernel_dtoh=kdtoh, cuda_graph_modules=tuple(cuda_graphs))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -119,6 +124,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-modules", default="expert_fc1,moe_act",
                    help=f"Megatron's offload_modules for ours+megatron, from {', '.join(EXPERT_OFFLOAD_CHOICES)}")
     p.add_argument("--teo-budget-gib", type=float, default=None, help="teo's memory_budget (default: none)")
+    p.add_argument("--cuda-graphs", default="",
+                   help="Megatron's per-layer CUDA graphs of these modules in every timed variant, as its trainer "
+                        f"captures them (cuda_graph_impl=transformer_engine), e.g. attn,moe_router,moe_preprocess; "
+                        f"of {', '.join(GRAPH_MODULES)} (default: none)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (the first builds and compiles)")
     p.add_argument("--iters", type=int, default=8, help="timed steps")
     p.add_argument("--seed", type=int, default=1234)
@@ -184,6 +193,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [m for m in args.offload_modules if m not in EXPERT_OFFLOAD_CHOICES]
     if bad or not args.offload_modules:
         p.error(f"--offload-modules: {bad or 'none given'}; choose from {', '.join(EXPERT_OFFLOAD_CHOICES)}")
+    args.cuda_graphs = tuple(m.strip() for m in args.cuda_graphs.split(",") if m.strip())
+    if any(m not in GRAPH_MODULES for m in args.cuda_graphs):
+        p.error(f"--cuda-graphs: {list(args.cuda_graphs)}: choose from {', '.join(GRAPH_MODULES)} (the experts, "
+                "whose token counts change every step under the alltoall dispatcher, stay eager)")
+    if "moe_preprocess" in args.cuda_graphs and "moe_router" not in args.cuda_graphs:
+        p.error("--cuda-graphs: moe_preprocess needs moe_router (Megatron captures them together)")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not args.variants or len(set(args.variants)) != len(args.variants):
         p.error("--variants needs distinct names")
@@ -257,6 +272,7 @@ def time_variant(args, rank: int, weights: dict) -> dict:
     from megatron_gpt_model import (
         MegatronOffloadCounter,
         apply_copy_traffic,
+        apply_layer_graphs,
         apply_teo,
         build_gpt,
         experts_path,
@@ -268,12 +284,13 @@ def time_variant(args, rank: int, weights: dict) -> dict:
     from te_offload_ops.megatron import use_kernel_dtoh
 
     shape, ep, name = args.shape, args.worker_ep, args.worker_variant
-    v = variant_for(name, shape.layers, args.offload_modules, args.teo_budget_gib)
+    v = variant_for(name, shape.layers, args.offload_modules, args.teo_budget_gib, args.cuda_graphs)
     config = make_config(shape, v, ep)
     model = build_gpt(shape, config, v.ours, weights)
     teo = apply_teo(model, v)
     traffic = apply_copy_traffic(model, v, shape)
     ddp, optimizer = wrap_for_training(model, config)
+    graphs = apply_layer_graphs(ddp, optimizer, config, v, shape, torch.distributed.get_world_size(), rank)
     kdtoh = use_kernel_dtoh() if v.kernel_dtoh else None
     data = [random_batches(shape, seed=args.seed + i + 1000 * rank) for i in range(2)]
     megatron = MegatronOffloadCounter() if v.offload_modules else contextlib.nullcontext()
@@ -283,6 +300,11 @@ def time_variant(args, rank: int, weights: dict) -> dict:
             for i in range(1, args.warmup):
                 train_step(ddp, optimizer, shape, data[i % 2])
             say(rank, f"{args.warmup} warm-up steps done ({experts_path(model)})")
+            capture_s = None
+            if graphs is not None:  # as Megatron's trainer: capture after the warm-up, then a first replay
+                capture_s = graphs.capture()
+                train_step(ddp, optimizer, shape, data[args.warmup % 2])
+                say(rank, f"CUDA graphs of {', '.join(v.cuda_graph_modules)} captured in {capture_s:.1f} s")
             torch.cuda.synchronize()
             floor = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -305,17 +327,17 @@ def time_variant(args, rank: int, weights: dict) -> dict:
             if args.profile:
                 profile = profile_steps(args, name, ep, rank, ddp, optimizer, data)
     finally:
-        if kdtoh is not None:
-            kdtoh.remove()
-        if teo is not None:
-            teo.remove()
+        for hooks in (kdtoh, teo, traffic, graphs):
+            if hooks is not None:
+                hooks.remove()
     return {"variant": name, "ep": ep, "rank": rank, "experts_path": experts_path(model),
             "step_ms": statistics.median(times), "step_ms_min": min(times), "step_ms_max": max(times),
             "floor_GiB": floor / 2**30, "peak_GiB": peak / 2**30, "peak_above_floor_GiB": (peak - floor) / 2**30,
             "offloaded_MiB_per_step": moved / 2**20, "step_ms_each": times,
             "teo_pinned_allocations_timed": pinned[0] if teo is not None else None,
             "teo_pinned_MiB_timed": pinned[1] / 2**20 if teo is not None else None,
-            "first_loss": first_loss, "profile": profile, "host_profile": host}
+            "first_loss": first_loss, "profile": profile, "host_profile": host,
+            "cuda_graphs": list(v.cuda_graph_modules), "graph_capture_s": capture_s}
 
 
 def host_profile(args, ddp, optimizer, data, steps: int = 3, top: int = 25, keep_ms: float = 0.02) -> dict:
@@ -484,7 +506,8 @@ def worker(args) -> int:
     result = {"rank": rank, "job": args.worker_job}
     ok, started = True, False
     try:
-        rank, result["world"] = init_parallel(ep, args.seed, timeout_minutes=3)
+        rank, result["world"] = init_parallel(ep, args.seed, timeout_minutes=3,
+                                              graphable_rng=bool(args.cuda_graphs) and args.worker_job == "time")
         started = True
         result["gpu"] = torch.cuda.get_device_name()
         weights, result["weights_digest"] = reference_weights(args.shape, ep)
@@ -630,13 +653,15 @@ def launch(args) -> int:
                    "ep": args.ep, "variants": args.variants, "offload_modules": list(args.offload_modules),
                    "teo_budget_gib": args.teo_budget_gib, "warmup": args.warmup, "iters": args.iters,
                    "seed": args.seed, "profile": args.profile, "numerics": not args.no_numerics,
-                   "cap_gib": args.cap_gib, "cap_max_micro_batch": args.cap_max_micro_batch},
+                   "cap_gib": args.cap_gib, "cap_max_micro_batch": args.cap_max_micro_batch,
+                   "cuda_graphs": list(args.cuda_graphs)},
         "rows": rows, "numerics": numerics, "cap": cap,
     }
     result["targets"] = (targets(rows) + [dict(target=c["check"], value=c["value"], met=c["met"])
                                           for ep, merged in numerics.items() for c in checks(merged, int(ep))]
                          + cap_targets(cap))
-    suffixes = () if args.ep == [1, 2] else ("ep" + "-".join(map(str, args.ep)),)
+    suffixes = (() if args.ep == [1, 2] else ("ep" + "-".join(map(str, args.ep)),)) + \
+        (("graphs",) if args.cuda_graphs else ())
     paths = write_reports(args.out, file_stem("megatron_gpt", gpu, *suffixes), result, markdown, chart)
     log("wrote " + ", ".join(str(p) for p in paths))
     failed = [r for r in rows if "error" in r] + [m for m in numerics.values() if "error" in m] \

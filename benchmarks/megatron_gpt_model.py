@@ -104,6 +104,7 @@ class Variant:
     teo_budget_gib: Optional[float] = None  # use_teo_offload's memory_budget, GiB
     kernel_dtoh: bool = False  # use_kernel_dtoh: the dispatcher's split sizes to the host by kernel
     copy_traffic: bool = False  # the offload copies' bytes moved with no engine (CopyTraffic)
+    cuda_graph_modules: tuple = ()  # Megatron's per-layer CUDA graphs (TE's make_graphed_callables) of these
     ep_overlap: bool = False  # overlap_moe_expert_parallel_comm + delay_wgrad_compute
     fp8: Optional[str] = None  # "hybrid" | "e4m3"
     fp8_recipe: Optional[str] = None  # "delayed" | "tensorwise" | "blockwise"
@@ -130,9 +131,10 @@ def worker_env(base: Optional[dict] = None) -> dict:
     return env
 
 
-def init_parallel(ep: int, seed: int, timeout_minutes: int = 5) -> tuple[int, int]:
+def init_parallel(ep: int, seed: int, timeout_minutes: int = 5, *, graphable_rng: bool = False) -> tuple[int, int]:
     """torch.distributed (from torchrun's environment, or one rank) and Megatron's parallel state
-    with expert parallelism ``ep``; returns (rank, world size)."""
+    with expert parallelism ``ep``; returns (rank, world size). ``graphable_rng``: TE's RNG tracker,
+    which CUDA graph capture needs (set before any model is built: the tracker is made once)."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -152,7 +154,10 @@ def init_parallel(ep: int, seed: int, timeout_minutes: int = 5) -> tuple[int, in
         raise ValueError(f"expert parallelism {ep} does not divide the {world} ranks")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep, create_gloo_process_groups=False)
-    model_parallel_cuda_manual_seed(seed)
+    if graphable_rng:
+        model_parallel_cuda_manual_seed(seed, te_rng_tracker=True, use_cudagraphable_rng=True, force_reset_rng=True)
+    else:
+        model_parallel_cuda_manual_seed(seed)
     return rank, world
 
 
@@ -182,6 +187,11 @@ def make_config(shape: GPTShape, variant: Variant, ep: int):
         kwargs.update(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
     if variant.fp8 is not None:
         kwargs.update(fp8=variant.fp8, fp8_recipe=variant.fp8_recipe or "delayed")
+    if variant.cuda_graph_modules:
+        kwargs.update(cuda_graph_impl="transformer_engine", cuda_graph_modules=list(variant.cuda_graph_modules),
+                      cuda_graph_warmup_steps=1, use_te_rng_tracker=True)
+        if variant.offload_modules:  # Megatron's copies wait for the next layer's replay, as its trainer runs them
+            kwargs.update(delay_offload_until_cuda_graph=True)
     kwargs.update(variant.extra)
     return TransformerConfig(**kwargs)
 
@@ -378,6 +388,44 @@ def apply_teo(model, variant: Variant):
 
     budget = None if variant.teo_budget_gib is None else int(variant.teo_budget_gib * 2**30)
     return use_teo_offload(model, scope=variant.teo_scope, num_layers=variant.teo_layers, memory_budget=budget)
+
+
+class LayerGraphs:
+    """Megatron's per-layer CUDA graphs as its trainer makes them (``cuda_graph_impl=
+    "transformer_engine"``): :meth:`capture` after the warm-up steps, replays from then on.
+    The experts (dynamic token counts under the alltoall dispatcher) stay eager."""
+
+    def __init__(self, ddp, optimizer, config, shape: "GPTShape", data_parallel: int, rank: int):
+        from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+        from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+        init_num_microbatches_calculator(rank, None, shape.micro_batch * shape.microbatches * data_parallel,
+                                         shape.micro_batch, data_parallel)
+        self.helper = TECudaGraphHelper(model=[ddp], config=config, seq_length=shape.seq,
+                                        micro_batch_size=shape.micro_batch,
+                                        optimizers=[optimizer] if optimizer is not None else [])
+
+    def capture(self) -> float:
+        """Captures the graphs; returns the seconds it took."""
+        import time
+
+        t0 = time.perf_counter()
+        self.helper.create_cudagraphs()
+        self.helper.cuda_graph_set_manual_hooks()
+        return time.perf_counter() - t0
+
+    def remove(self) -> None:
+        from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+
+        self.helper.delete_cuda_graphs()
+        destroy_num_microbatches_calculator()
+
+
+def apply_layer_graphs(ddp, optimizer, config, variant: Variant, shape: "GPTShape", data_parallel: int, rank: int):
+    """LayerGraphs for ``variant`` (None where it graphs nothing)."""
+    if not variant.cuda_graph_modules:
+        return None
+    return LayerGraphs(ddp, optimizer, config, shape, data_parallel, rank)
 
 
 class CopyTraffic:

@@ -39,6 +39,17 @@ def merge_variant(per_rank: list[dict], ep: int, name: str, failure: str | None 
     return row
 
 
+def graphs_sentence(rows: list[dict]) -> str:
+    """What the timed steps ran under CUDA graphs ("" where none did)."""
+    graphed = [r for r in rows if r.get("cuda_graphs")]
+    if not graphed:
+        return ""
+    modules = ", ".join(graphed[0]["cuda_graphs"])
+    capture = max(r.get("graph_capture_s") or 0.0 for r in graphed)
+    return (f" Timed steps with Megatron's per-layer CUDA graphs of {modules} (TE's make_graphed_callables, "
+            f"captured after the warm-up in up to {capture:.1f} s; the experts eager).")
+
+
 def add_comparisons(rows: list[dict], tokens_per_rank: int) -> None:
     """Per row: tokens/s over all ranks, speed against stock and ours at the same EP, memory freed
     against ours (from each one's peak above its own floor), the first step's loss against stock's
@@ -156,7 +167,8 @@ def markdown(result: dict) -> str:
         "own. Peak: memory allocated; floor: allocated between steps; freed vs ours: ours' peak above its floor "
         "less this one's. Offloaded: per rank per step. Tokens under ours' peak: predicted from the peak above the "
         "floor (activations scale with tokens). Loss: the first step against stock's and ours' (same weights and "
-        "tokens)." + (f" Command: `{result['command']}`" if result.get("command") else ""), "",
+        "tokens)." + graphs_sentence(result["rows"]) + (f" Command: `{result['command']}`" if result.get("command") else ""),
+        "",
         "| " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
     ]
     for row in result["rows"]:

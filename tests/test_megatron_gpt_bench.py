@@ -65,6 +65,8 @@ def test_variant_names_map_to_what_each_runs():
     (["--worker-ep", "1", "--worker-out", "/tmp", "--worker-job", "cap", "--worker-variant", "ours",
       "--worker-micro-batch", "4"], "a cap trial needs --cap-gib"),
     (["--worker-ep", "1", "--worker-out", "/tmp", "--worker-job", "bench"], "invalid choice: 'bench'"),
+    (["--cuda-graphs", "attn,moe"], "--cuda-graphs: ['attn', 'moe']: choose from attn, moe_router, moe_preprocess"),
+    (["--cuda-graphs", "moe_preprocess"], "moe_preprocess needs moe_router"),
 ])
 def test_bad_arguments_are_refused_with_the_reason(argv, said, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -177,6 +179,25 @@ def test_the_host_growth_table_compares_each_offloading_variant_with_ours_by_fun
                                "functions that grew add 5.0 ms, those that shrank -1.5") for line in lines)
     assert "| `pack` | 0.00 | 2.00 | +2.00 | +32 |" in lines
     assert not any("EP=2" in line for line in lines)
+
+
+def test_cuda_graphs_reach_every_variants_config_as_megatrons_trainer_sets_them():
+    from te_offload_ops.megatron.teo_offload import teo_offload_problems
+
+    graphs = ("attn", "moe_router", "moe_preprocess")
+    args = mg.parse_args(["--cuda-graphs", ",".join(graphs), "--ep", "1"])
+    assert args.cuda_graphs == graphs
+    shape = mgm.GPTShape()
+    for name in ("stock", "ours", "ours+megatron", "ours+teo"):
+        v = mg.variant_for(name, shape.layers, ("expert_fc1", "moe_act"), None, args.cuda_graphs)
+        config = mgm.make_config(shape, v, 1)  # Megatron's own validation runs here
+        assert config.cuda_graph_impl == "transformer_engine" and config.use_te_rng_tracker
+        assert [m.name for m in config.cuda_graph_modules] == list(graphs)
+        assert config.delay_offload_until_cuda_graph == bool(v.offload_modules)
+        if v.teo_scope:  # the experts stay eager: teo may wrap them
+            assert teo_offload_problems(config, v.teo_scope) == []
+    assert mgm.make_config(shape, mg.variant_for("ours", 4, ("moe_act",)), 1).cuda_graph_impl == "none"
+    assert mgm.apply_layer_graphs(None, None, None, mg.variant_for("ours", 4, ("moe_act",)), shape, 1, 0) is None
 
 
 def test_the_copy_traffic_moves_what_teo_moved_at_the_default_shape():

@@ -282,6 +282,32 @@ def test_settings_that_break_teos_step_are_refused_with_the_reason(spy, config, 
     assert spy["kwargs"] is None
 
 
+def test_cuda_graphs_are_refused_only_where_they_capture_what_teo_wraps():
+    import enum
+
+    class CudaGraphModule(enum.Enum):  # Megatron's enum, as __post_init__ leaves cuda_graph_modules
+        attn, mlp, moe, moe_router, moe_preprocess = 1, 2, 3, 4, 5
+
+    def graphs(*names, impl="transformer_engine"):
+        return SimpleNamespace(cuda_graph_impl=impl, cuda_graph_modules=[CudaGraphModule[n] for n in names])
+
+    around_experts = graphs("attn", "moe_router", "moe_preprocess")
+    assert teo_offload_problems(around_experts, "experts") == []
+    assert teo_offload_problems(graphs("attn", impl="local"), "moe") == []
+    [moe] = teo_offload_problems(around_experts, "moe")
+    assert "capture moe_router, moe_preprocess" in moe and "attn, mlp for this scope" in moe
+    [layer] = teo_offload_problems(graphs("attn"), "layer")
+    assert "capture attn" in layer and "(none for this scope)" in layer
+    assert "capture moe" in teo_offload_problems(graphs("moe"), "experts")[0]
+    assert "whole transformer layers" in teo_offload_problems(graphs(), "experts")[0]  # [] after "full"
+    assert "whole transformer layers" in teo_offload_problems(
+        SimpleNamespace(cuda_graph_impl="local", cuda_graph_modules="full"), "experts")[0]
+    assert "the whole iteration" in teo_offload_problems(graphs(impl="full_iteration"), "experts")[0]
+    assert teo_offload_problems(SimpleNamespace(cuda_graph_impl="transformer_engine",
+                                                cuda_graph_modules="attn,moe_router"), "experts") == []
+    assert teo_offload_problems(graphs("attn", impl="none"), "layer") == []
+
+
 def test_selective_moe_recompute_is_fine_outside_the_experts_scope():
     config = SimpleNamespace(recompute_granularity="selective", recompute_modules=["moe"])
     assert teo_offload_problems(config, "moe") == [] and teo_offload_problems(config, "layer") == []

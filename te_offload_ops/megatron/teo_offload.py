@@ -16,7 +16,9 @@ a step to it), so the wrapped modules must run once each per forward, in model o
 breaks that is refused with the reason: pipeline parallelism, the EP-overlap schedule
 (``overlap_moe_expert_parallel_comm`` runs layers in pieces, one micro-batch's forward inside
 another's backward), full recomputation (and "moe" recomputation for ``scope="experts"``),
-CUDA graphs, and Megatron's or TE's own offloading on the same model. Forwards without grad
+CUDA graphs that capture what teo wraps (with ``scope="experts"``, Megatron's per-layer graphs of
+``attn``, ``moe_router`` and ``moe_preprocess`` run around it), and Megatron's or TE's own
+offloading on the same model. Forwards without grad
 (evaluation) run outside teo. With expert parallelism, the dispatcher's split sizes reach the
 host through the copy engine that carries teo's copies: :func:`use_kernel_dtoh` keeps them out of
 that queue.
@@ -105,9 +107,32 @@ def teo_offload_problems(config: Any, scope: str) -> list[str]:
         problems.append("fine_grained_activation_offloading=True: Megatron's own offloading is on; use one engine")
     if get("cpu_offloading", False):
         problems.append("cpu_offloading=True: TE's offloading is on in the TransformerBlock; use one engine")
-    if (get("cuda_graph_impl", "none") or "none") != "none":
-        problems.append(f"cuda_graph_impl={get('cuda_graph_impl')!r}: teo refuses CUDA graph capture")
+    graphed = _graphed_inside(get("cuda_graph_impl", "none") or "none", get("cuda_graph_modules"), scope)
+    if graphed:
+        problems.append(f"cuda_graph_impl={get('cuda_graph_impl')!r}: its CUDA graphs capture {graphed}, which "
+                        f"holds what teo wraps (scope={scope!r}): a replayed graph runs no saved-tensor hooks. "
+                        f"Graph only modules outside it ({', '.join(_GRAPHABLE_AROUND[scope]) or 'none'} for this "
+                        "scope)")
     return problems
+
+
+# Megatron's per-layer CUDA graph modules that leave each scope's modules eager
+_GRAPHABLE_AROUND = {"experts": ("attn", "mlp", "moe_router", "moe_preprocess"), "moe": ("attn", "mlp"), "layer": ()}
+
+
+def _graphed_inside(impl: str, modules: Any, scope: str) -> Optional[str]:
+    """What of ``scope``'s modules Megatron's CUDA graphs would capture (None: nothing)."""
+    if impl == "none":
+        return None
+    if impl == "full_iteration":
+        return "the whole iteration"
+    if isinstance(modules, str):
+        modules = [m for m in modules.split(",") if m]
+    names = [getattr(m, "name", m) for m in (modules or [])]
+    if not names or names == ["full"]:
+        return "whole transformer layers"
+    inside = [n for n in names if n not in _GRAPHABLE_AROUND[scope]]
+    return ", ".join(inside) if inside else None
 
 
 def _first_tensor(output: Any) -> Optional[torch.Tensor]:
