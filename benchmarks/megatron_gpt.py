@@ -216,7 +216,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "in an all-to-all): include 1 in --ep")
         for v in args.cap_variants:
             try:
-                variant_for(v, args.layers, args.offload_modules)
+                if variant_for(v, args.layers, args.offload_modules).copy_traffic:
+                    raise ValueError(f"{v} frees nothing (it copies scratch buffers): no cap trial for it")
             except ValueError as exc:
                 p.error(f"--cap-variants: {exc}")
     args.cap_max_micro_batch = args.cap_max_micro_batch or 2 * args.micro_batch

@@ -154,7 +154,8 @@ def init_parallel(ep: int, seed: int, timeout_minutes: int = 5, *, graphable_rng
         raise ValueError(f"expert parallelism {ep} does not divide the {world} ranks")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep, create_gloo_process_groups=False)
-    if graphable_rng:
+    if graphable_rng:  # and off the legacy default stream, which capture refuses (as Megatron's trainer)
+        torch.cuda.set_stream(torch.cuda.Stream())
         model_parallel_cuda_manual_seed(seed, te_rng_tracker=True, use_cudagraphable_rng=True, force_reset_rng=True)
     else:
         model_parallel_cuda_manual_seed(seed)
@@ -393,7 +394,9 @@ def apply_teo(model, variant: Variant):
 class LayerGraphs:
     """Megatron's per-layer CUDA graphs as its trainer makes them (``cuda_graph_impl=
     "transformer_engine"``): :meth:`capture` after the warm-up steps, replays from then on.
-    The experts (dynamic token counts under the alltoall dispatcher) stay eager."""
+    The experts (dynamic token counts under the alltoall dispatcher) stay eager. Graphing
+    ``moe_preprocess`` also moves the dispatcher's device-to-host sync to before its all-to-all,
+    so a graphed step differs from an eager one in that as well as in its launches."""
 
     def __init__(self, ddp, optimizer, config, shape: "GPTShape", data_parallel: int, rank: int):
         from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
@@ -401,24 +404,35 @@ class LayerGraphs:
 
         init_num_microbatches_calculator(rank, None, shape.micro_batch * shape.microbatches * data_parallel,
                                          shape.micro_batch, data_parallel)
+        self.ddp = ddp
         self.helper = TECudaGraphHelper(model=[ddp], config=config, seq_length=shape.seq,
                                         micro_batch_size=shape.micro_batch,
                                         optimizers=[optimizer] if optimizer is not None else [])
 
     def capture(self) -> float:
-        """Captures the graphs; returns the seconds it took."""
+        """Captures the graphs; returns the seconds it took. DDP's forward pre-hooks (there only
+        with overlap_param_gather) are off during the capture and run by the graphs' manual hooks
+        after it, as Megatron's trainer does."""
         import time
 
         t0 = time.perf_counter()
+        pre_hooks = bool(getattr(self.ddp, "use_forward_hook", False))
+        if pre_hooks:
+            self.ddp.disable_forward_pre_hook(param_sync=False)
         self.helper.create_cudagraphs()
-        self.helper.cuda_graph_set_manual_hooks()
+        if pre_hooks:
+            self.ddp.enable_forward_pre_hook()
+            self.helper.cuda_graph_set_manual_hooks()
         return time.perf_counter() - t0
 
     def remove(self) -> None:
         from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 
-        self.helper.delete_cuda_graphs()
-        destroy_num_microbatches_calculator()
+        try:
+            if self.helper.graphs_created():  # not after a failed warm-up or capture
+                self.helper.delete_cuda_graphs()
+        finally:
+            destroy_num_microbatches_calculator()
 
 
 def apply_layer_graphs(ddp, optimizer, config, variant: Variant, shape: "GPTShape", data_parallel: int, rank: int):
@@ -434,7 +448,9 @@ class CopyTraffic:
     ``bytes_per_layer`` from a scratch buffer, and when its backward begins the copy back, each on
     a side stream after the compute stream's work so far. Nothing is saved, freed or waited for:
     a step that slows under it slows from the copies themselves, not from an engine's hooks.
-    ``bytes``: moved so far, device to host (as the engines' counters count)."""
+    The compute stream never waits for a copy back (an engine's reload must land before its use),
+    so this is a lower bound on what the copies cost. ``bytes``: moved so far, device to host (as
+    the engines' counters count)."""
 
     def __init__(self, model, layers: int, bytes_per_layer: int):
         from te_offload_ops.megatron.teo_offload import find_offload_modules

@@ -63,6 +63,8 @@ class Sample:
     gpu_ms: float  # GPU time per call
     host_us: float  # host time per call to queue the timed calls
     ahead: bool  # the GPU had not reached the timed calls when the host had queued them all
+    host_unblocked: bool = False  # the GPU was still asleep when the host had queued them all: no
+    # call waited for the GPU to make room in its launch queue, so host_us is the host's own time
 
 
 def host_ahead(fn: Callable, calls: int = 10, *, lead: int = 3, hold: bool = True, tries: int = 4) -> Sample:
@@ -70,8 +72,8 @@ def host_ahead(fn: Callable, calls: int = 10, *, lead: int = 3, hold: bool = Tru
 
     ``lead`` untimed calls go first (the GPU works through them at the clocks of sustained load
     while the host queues the timed ones), then ``calls`` calls timed by CUDA events. With ``hold``
-    a sleep kernel keeps the GPU busy while the host queues, doubled until the host finishes first
-    (at most ``tries`` times); without it the lead calls alone must keep the GPU busy, which keeps
+    a sleep kernel keeps the GPU busy while the host queues, doubled until the host finishes before
+    the GPU wakes (at most ``tries`` times); without it the lead calls alone must keep the GPU busy, which keeps
     a short post-idle boost out of the timed span. ``ahead`` says whether it worked: where it did
     not, the GPU time may hold host gaps (``fn`` may wait for the GPU itself)."""
     import torch
@@ -79,8 +81,10 @@ def host_ahead(fn: Callable, calls: int = 10, *, lead: int = 3, hold: bool = Tru
     cycles = 20_000_000
     for attempt in range(tries if hold else 1):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        woke = torch.cuda.Event()
         if hold:
             torch.cuda._sleep(cycles)
+        woke.record()
         for _ in range(lead):
             fn()
         start.record()
@@ -88,11 +92,11 @@ def host_ahead(fn: Callable, calls: int = 10, *, lead: int = 3, hold: bool = Tru
         for _ in range(calls):
             fn()
         host_us = (time.perf_counter() - t0) / calls * 1e6
-        ahead = not start.query()
+        ahead, unblocked = not start.query(), hold and not woke.query()
         end.record()
         end.synchronize()
-        if ahead or attempt == tries - 1 or not hold:
-            return Sample(start.elapsed_time(end) / calls, host_us, ahead)
+        if (ahead and unblocked) or attempt == tries - 1 or not hold:
+            return Sample(start.elapsed_time(end) / calls, host_us, ahead, unblocked)
         cycles *= 2
     raise AssertionError("unreachable")
 
@@ -106,13 +110,16 @@ def host_ahead_ms(fn: Callable, calls: int = 10, *, lead: int = 3) -> Optional[f
 def host_and_gpu_ahead_ms(fn: Callable, calls: int = 10, *, lead: int = 3) -> tuple[Optional[float], Optional[float]]:
     """(host ms to queue one call, GPU ms per call) with the GPU held by a sleep kernel, or
     (None, None) where the host never got ahead (``fn`` waits for the GPU). The host figure is
-    what a call costs the host alone: a step back to back takes the larger of the two."""
+    what a call costs the host alone (None where the GPU woke before the host was done: a call may
+    then have waited for room in the launch queue): a step back to back takes the larger of the two."""
     import torch
 
     fn()
     torch.cuda.synchronize()
     sample = host_ahead(fn, calls, lead=lead, hold=True)
-    return (sample.host_us / 1e3, sample.gpu_ms) if sample.ahead else (None, None)
+    if not sample.ahead:
+        return None, None
+    return (sample.host_us / 1e3 if sample.host_unblocked else None), sample.gpu_ms
 
 
 def wall_ms(fn: Callable, calls: int) -> float:

@@ -67,6 +67,7 @@ def test_variant_names_map_to_what_each_runs():
     (["--worker-ep", "1", "--worker-out", "/tmp", "--worker-job", "bench"], "invalid choice: 'bench'"),
     (["--cuda-graphs", "attn,moe"], "--cuda-graphs: ['attn', 'moe']: choose from attn, moe_router, moe_preprocess"),
     (["--cuda-graphs", "moe_preprocess"], "moe_preprocess needs moe_router"),
+    (["--cap-gib", "60", "--ep", "1", "--cap-variants", "ours,ours+copies"], "ours+copies frees nothing"),
 ])
 def test_bad_arguments_are_refused_with_the_reason(argv, said, capsys):
     with pytest.raises(SystemExit) as exc:

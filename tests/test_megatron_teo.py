@@ -306,6 +306,8 @@ def test_cuda_graphs_are_refused_only_where_they_capture_what_teo_wraps():
     assert teo_offload_problems(SimpleNamespace(cuda_graph_impl="transformer_engine",
                                                 cuda_graph_modules="attn,moe_router"), "experts") == []
     assert teo_offload_problems(graphs("attn", impl="none"), "layer") == []
+    one = SimpleNamespace(cuda_graph_impl="transformer_engine", cuda_graph_modules=CudaGraphModule.moe_router)
+    assert teo_offload_problems(one, "experts") == [] and len(teo_offload_problems(one, "moe")) == 1
 
 
 def test_selective_moe_recompute_is_fine_outside_the_experts_scope():

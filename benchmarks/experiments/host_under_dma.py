@@ -9,8 +9,9 @@ workloads with the GPU's copy engines idle, copying device to host, host to devi
 * ``python``: pure Python (dictionaries and lists, no CUDA);
 * ``memcpy``: a 64 MiB host-memory copy (bandwidth-bound).
 
-Each workload runs while the copies are still in flight (checked: a copy event not yet done at its
-end); the figure is the median over repeats, and each mode is measured in several rounds in turn.
+Each workload runs while the copies are still in flight (checked: each way's last copy not yet
+done at its end); each round measures every mode in turn (the median of its repeats), after a
+warm-up round; the page gives the median over rounds and their range.
 
     python benchmarks/experiments/host_under_dma.py --out benchmarks/results
 """
@@ -52,40 +53,44 @@ def memcpy_work(src, dst, n=8):
 
 
 def start_copies(mode, gpu, host, streams, count):
-    """Queue ``count`` copies of ``gpu``'s bytes each way the mode names; the event of the last."""
-    last = None
+    """Queue ``count`` copies of ``gpu``'s bytes each way the mode names; each way's last event."""
+    done = []
     for direction, stream in zip(("d2h", "h2d"), streams):
         if mode not in (direction, "both"):
             continue
         with torch.cuda.stream(stream):
             for _ in range(count):
                 (host.copy_(gpu, non_blocking=True) if direction == "d2h" else gpu.copy_(host, non_blocking=True))
-            last = torch.cuda.Event()
-            last.record(stream)
-    return last
+            done.append(torch.cuda.Event())
+            done[-1].record(stream)
+    return done
 
 
 def measure(mode, work, gpu, host, streams, repeats, count):
-    times, overlapped = [], True
+    """Median ms of ``repeats`` runs of ``work`` while the mode's copies run, and whether every
+    way's copies were still running when the work ended."""
+    times = []
     done = start_copies(mode, gpu, host, streams, count)
     for _ in range(repeats):
         t0 = time.perf_counter()
         work()
         times.append((time.perf_counter() - t0) * 1e3)
-    if done is not None:
-        overlapped = not done.query()
+    overlapped = not any(event.query() for event in done)
     torch.cuda.synchronize()
     return statistics.median(times), overlapped
 
 
 def markdown(result: dict) -> str:
     lines = [f"# Host work while pinned copies run ({result['gpu']}, {result['date']})", "",
-             f"Median ms of each workload; x: against the copy engines idle. Command: `{result['command']}`", "",
+             "Median ms of each workload over the rounds, [the rounds' range]; x: the median against the copy "
+             f"engines idle. Command: `{result['command']}`", "",
              "| work | " + " | ".join(MODES) + " |", "|---|" + "---|" * len(MODES)]
     for row in result["rows"]:
         med = row["ms"]
+        each = row["ms_each"]
         lines.append(f"| {row['work']} | " + " | ".join(
-            f"{med[m]:.2f}" + ("" if m == "idle" else f" (x{med[m] / med['idle']:.2f})") for m in MODES) + " |")
+            f"{med[m]:.2f} [{min(each[m]):.2f}-{max(each[m]):.2f}]"
+            + ("" if m == "idle" else f" (x{med[m] / med['idle']:.2f})") for m in MODES) + " |")
     if result["not_overlapped"]:
         lines += ["", f"Copies had finished before the work did in: {result['not_overlapped']} (queue more: --copies)."]
     return "\n".join(lines) + "\n"
@@ -130,14 +135,14 @@ def main() -> int:
     src, dst = torch.randn(16 * 2**20), torch.empty(16 * 2**20)
     works = {"launch": lambda: launch_work(a, b, out), "python": python_work,
              "memcpy": lambda: memcpy_work(src, dst)}
-    for w in works.values():  # warm
-        w()
     results = {w: {m: [] for m in MODES} for w in works}
     not_overlapped = []
-    for _ in range(args.rounds):
+    for r in range(args.rounds + 1):  # round 0 warms caches, clocks and the copy paths: not kept
         for name, work in works.items():
             for mode in MODES:
                 ms, overlapped = measure(mode, work, gpu, host, streams, args.repeats, args.copies)
+                if r == 0:
+                    continue
                 results[name][mode].append(ms)
                 if not overlapped:
                     not_overlapped.append((name, mode))

@@ -128,6 +128,8 @@ def _graphed_inside(impl: str, modules: Any, scope: str) -> Optional[str]:
         return "the whole iteration"
     if isinstance(modules, str):
         modules = [m for m in modules.split(",") if m]
+    elif modules is not None and not isinstance(modules, (list, tuple)):
+        modules = [modules]  # one CudaGraphModule
     names = [getattr(m, "name", m) for m in (modules or [])]
     if not names or names == ["full"]:
         return "whole transformer layers"
