@@ -96,3 +96,26 @@ def test_empty_rows_quantize_to_empty_fp8():
     rows = block_fp8.quantize_rows(torch.empty(0, 256), RefQuantizer(1))
     assert rows.data.shape == (0, 256) and rows.data.dtype == torch.uint8 and rows.scale_inv.shape == (2, 0)
     assert block_fp8.dequantize_rows(rows, torch.bfloat16).shape == (0, 256)
+
+
+def test_step_weights_follow_megatrons_is_first_microbatch(monkeypatch):
+    import te_offload_ops.fused.block_fp8 as mod
+
+    made = []
+    monkeypatch.setattr(mod, "quantize_weights", lambda op, q, recipe: made.append(op) or f"w{len(made)}")
+    fc = teo.GroupedLinear(2, 128, 128, bias=False, device="cpu", dtype=torch.bfloat16)
+    recipe = Float8BlockScaling()
+    assert fc.is_first_microbatch is None  # the attribute Megatron's set_is_first_microbatch looks for
+    assert [block_fp8.step_weights(fc, None, recipe) for _ in range(2)] == ["w1", "w2"]  # None: every call
+    fc.is_first_microbatch = True  # a step's first micro-batch: quantized and kept
+    assert block_fp8.step_weights(fc, None, recipe) == "w3" and fc.is_first_microbatch is False
+    assert block_fp8.step_weights(fc, None, recipe) == "w3"  # later micro-batches: the kept ones
+    fc.is_first_microbatch = True  # the next step (the optimizer may have written the weights)
+    assert block_fp8.step_weights(fc, None, recipe) == "w4"
+    other = Float8BlockScaling()
+    other.fp8_quant_fwd_weight = QParams(power_2_scale=False, amax_epsilon=0.0)
+    assert block_fp8.step_weights(fc, None, other) == "w5"  # other weight settings: not the kept ones
+    monkeypatch.setattr(mod, "capturing", lambda: True)
+    fc.is_first_microbatch = False
+    assert block_fp8.step_weights(fc, None, other) == "w6"  # a graph's replays must quantize their step's
+    assert made == [fc] * 6

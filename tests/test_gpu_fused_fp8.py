@@ -143,6 +143,36 @@ def test_block_scaling_with_megatrons_settings_gives_the_plain_ops_grads(megatro
             assert torch.equal(got["grads"][name], g), name
 
 
+def test_micro_batches_after_the_first_reuse_its_fp8_weights(monkeypatch):
+    """Megatron's is_first_microbatch: the step's first micro-batch quantizes the weights, the
+    next ones reuse them (one quantization per op and step) and give the same bits as quantizing
+    again; the next step's first micro-batch quantizes the weights the optimizer wrote."""
+    E, H, F, splits = CASES["uneven-zero-partial-ffn"]
+    cfg, kept = _block_stack(E, H, F, splits)
+    _, fresh = _block_stack(E, H, F, splits)
+    copy_weights(fresh, kept)
+    linears = [op for op in kept[0] if hasattr(op, "is_first_microbatch")]
+    assert len(linears) == 2
+    made = []
+    real = block_fp8.quantize_weights
+    monkeypatch.setattr(block_fp8, "quantize_weights", lambda *a, **k: made.append(1) or real(*a, **k))
+    for step in range(2):
+        for op in linears:
+            op.is_first_microbatch = True  # as MegatronModule.set_is_first_microbatch at a step's start
+        before = len(made)
+        for micro in range(3):
+            inputs = make_inputs(Config(**{**cfg.__dict__, "seed": 100 * step + micro}))
+            got, want = run_step(kept, inputs, "none"), run_step(fresh, inputs, "none")
+            assert torch.equal(got["out"], want["out"]), (step, micro)
+            for name, g in want["grads"].items():
+                assert torch.equal(got["grads"][name], g), (step, micro, name)
+        assert len(made) - before == 2 + 3 * 2  # kept: fc1 and fc2 once; fresh: both every micro-batch
+        with torch.no_grad():  # the optimizer's step, through .data as Megatron's writes it
+            for a, b in zip(kept[0].parameters(), fresh[0].parameters()):
+                a.data.mul_(0.5)
+                b.data.mul_(0.5)
+
+
 def test_fp8_saves_about_half_the_bf16_paths_bytes_and_offloads_them_under_the_policy():
     E, H, F, splits = CASES["mlp-shape"]
     cfg, fp8 = _block_stack(E, H, F, splits)

@@ -19,7 +19,9 @@ or without Triton, torch ops and TE's quantizer do them.
 Saved for backward, each through the policy: x and z in FP8 with their 1x128 scales (half the bytes
 of the bf16 path's x and z), probs and the split sizes; the weights' FP8 columnwise data for the
 dgrads as weights (never offloaded). Weights are quantized in every forward, as TE's ops quantize
-theirs: an optimizer may write them through ``.data``, which leaves no version to compare.
+theirs (an optimizer may write them through ``.data``, which leaves no version to compare), unless
+the op's ``is_first_microbatch`` says otherwise (:func:`step_weights`): Megatron sets it at each
+step's first micro-batch, and the later micro-batches of the step reuse that quantization.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..capture import capturing
 from .expert_weights import expert_weights, stacked_weight
 
 BLOCK = 128  # TE's block length for both 1x128 and 128x128 scales
@@ -176,6 +179,26 @@ def quantize_weights(op, q, recipe=None) -> Weights:
                      ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")))
 
 
+def step_weights(op, q, recipe) -> Weights:
+    """The op's FP8 weights under TE's and Megatron's ``is_first_microbatch`` convention: None
+    (the default), quantized in this call; True, quantized and kept on the op; False, the kept
+    ones (quantized now if there are none, or the recipe's weight settings changed). Megatron's
+    ``set_is_first_microbatch`` sets True at each step's first micro-batch (with FP8 on), and the
+    flag turns False after the call, so the later micro-batches of a step, where the weights
+    cannot change, reuse the first one's. A CUDA graph capture always quantizes: a replay must
+    read the weights of its step."""
+    first = getattr(op, "is_first_microbatch", None)
+    if first is None or capturing():
+        return quantize_weights(op, q, recipe)
+    params = recipe.fp8_quant_fwd_weight if recipe is not None else None
+    key = None if params is None else (float(params.amax_epsilon), bool(params.power_2_scale))
+    kept = getattr(op, "_teo_step_weights", None)
+    if first or kept is None or kept[0] != key:
+        kept = op._teo_step_weights = (key, quantize_weights(op, q, recipe))
+    op.is_first_microbatch = False
+    return kept[1]
+
+
 def gemm(a: Rows, b_data: torch.Tensor, b_scales: torch.Tensor, split_sizes: torch.Tensor,
          out_dtype: torch.dtype) -> torch.Tensor:
     from .. import kernels
@@ -215,7 +238,7 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
     """Returns ``(y, x in FP8, z in FP8, fc1's weights, fc2's weights)``."""
     qx, qw = quantizer(recipe, "input"), quantizer(recipe, "weight")
     xq = quantize_for(recipe, "input", x)
-    w1 = quantize_weights(fc1, qw, recipe)
+    w1 = step_weights(fc1, qw, recipe)
     z = gemm(xq, w1.rows, w1.row_scales, split_sizes, x.dtype)
     if (fast := _row_kernels()) is not None:  # act and z quantized in one pass over z
         act_data, act_scales, z_data, z_scales = fast.srelu_quantize(z, probs.contiguous(), *_qparams(recipe, "input"))
@@ -224,7 +247,7 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
         act = quantize_rows(scaled_srelu(z, probs), qx)
         zq = quantize_rows(z, qx)
     del z
-    w2 = quantize_weights(fc2, qw, recipe)
+    w2 = step_weights(fc2, qw, recipe)
     y = gemm(act, w2.rows, w2.row_scales, split_sizes, x.dtype)
     return y, xq, zq, w1, w2
 

@@ -46,7 +46,14 @@ class GroupedLinear(OffloadableOp, te.ops.GroupedLinear):
     engine that skips small tensors (TE V2 skips < 256 Ki elements) keeps a small expert's slice
     on the GPU, and that view keeps the whole buffer alive, so nothing is saved. This op saves the
     buffer itself instead and cuts the slices again in backward.
+
+    ``is_first_microbatch`` follows TE's and Megatron's convention for FP8 weights, on the fused
+    Float8BlockScaling path: None (default) quantizes the weights in every forward; Megatron sets
+    True at each step's first micro-batch, and the later micro-batches reuse that quantization.
     """
+
+    # found by MegatronModule.set_is_first_microbatch, which looks for modules with this attribute
+    is_first_microbatch: Optional[bool] = None
 
     def _layout(self) -> tuple[int, int]:
         """(metadata slots, weight slots) of TE's saved tuple."""
