@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from transformer_engine.pytorch.ops.op import FusedOperation
 
 from .. import hints, policy
@@ -120,7 +122,10 @@ class FusedScaledSReLUMLP(FusedOperation):
         return x, [() for _ in ops]
 
     def _device_split_sizes(self, x2d, split_sizes):
-        """Split sizes on the GPU, and their pending check (None where they were read on the host)."""
+        """Split sizes on the GPU as the kernels read them (int32, made once for the forward's and
+        the backward's six GEMMs), and their pending check (None where they were read on the host).
+        The check reads the sizes as given: one past int32 raises there, and the kernels clamp what
+        they read, so a truncated size never reaches past the tokens."""
         where = f"{type(self).__name__} ({self.fc1.num_groups} experts)"
         if split_sizes.device.type == "cpu":  # readable now: check at once, then hand them over
             if capturing():
@@ -129,8 +134,9 @@ class FusedScaledSReLUMLP(FusedOperation):
                     "the GPU would read this call's host memory again on every replay. Pass split sizes as a "
                     "CUDA tensor (e.g. a static buffer you copy each step's sizes into before replaying)")
             check_now(split_sizes, x2d.shape[0], where)
-            return split_sizes.to(x2d.device, non_blocking=True), None
-        return split_sizes, start_check(split_sizes, x2d.shape[0], where)
+            return split_sizes.to(x2d.device, torch.int32, non_blocking=True), None
+        check = start_check(split_sizes, x2d.shape[0], where)
+        return split_sizes.to(torch.int32).reshape(-1), check
 
     def _forward_fused(self, ctxs, x, split_sizes, probs):
         from .. import kernels
