@@ -28,7 +28,11 @@ so no variant's memory, hooks or global state reach another; each starts from th
   CUDA graphs of those modules, captured after the warm-up as Megatron's trainer captures them
   (the experts stay eager); the numerics and cap jobs run eager;
 * a ``+kdtoh`` suffix on an offloading variant adds ``use_kernel_dtoh`` (the dispatcher's split
-  sizes to the host by kernel, past the copy engine's queue of offload copies).
+  sizes to the host by kernel, past the copy engine's queue of offload copies);
+* a last suffix ``+fp8block``, ``+fp8current`` or ``+fp8delayed`` runs the variant under that FP8
+  recipe (Megatron's ``fp8="e4m3", fp8_recipe="blockwise"``; ``"hybrid"`` with ``"tensorwise"`` or
+  ``"delayed"``), e.g. ``ours+fp8block,ours+teo+fp8block,stock+fp8current``; such a row compares
+  with ours at the same precision, and a table sets each against its bf16 variant.
 
 Per variant and EP: median step time (the slowest rank's), tokens/s over all ranks, peak memory
 allocated, the floor held between steps (weights, grads, optimizer state) and the peak above it,
@@ -71,7 +75,8 @@ sys.path.insert(0, str(HERE))
 
 from bench_common import file_stem, refuse, utc_now, write_reports  # noqa: E402
 import megatron_gpt_jobs as jobs  # noqa: E402
-from megatron_gpt_model import EXPERT_OFFLOAD_CHOICES, GPTShape, Variant, worker_env  # noqa: E402
+from megatron_gpt_model import (EXPERT_OFFLOAD_CHOICES, PRECISIONS, GPTShape, Variant,  # noqa: E402
+                                split_precision, worker_env)
 from megatron_gpt_report import add_comparisons, cap_targets, chart, markdown, merge_variant, targets  # noqa: E402
 
 BASE_VARIANTS = ("stock", "ours", "ours+megatron", "ours+teo", "ours+teo-layer", "stock+megatron", "ours+copies")
@@ -84,7 +89,8 @@ GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess")  # graphable around eag
 def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=None, cuda_graphs: tuple = ()) -> Variant:
     """The Variant a variant name stands for (ValueError for unknown names); ``cuda_graphs``: the
     per-layer CUDA graph modules every variant of the run takes."""
-    base, kdtoh = (name[:-len(KERNEL_DTOH_SUFFIX)], True) if name.endswith(KERNEL_DTOH_SUFFIX) else (name, False)
+    plain, precision = split_precision(name)
+    base, kdtoh = (plain[:-len(KERNEL_DTOH_SUFFIX)], True) if plain.endswith(KERNEL_DTOH_SUFFIX) else (plain, False)
     teo = dict(teo_layers=layers - 1, teo_budget_gib=teo_budget_gib)
     table = {
         "stock": Variant(ours=False),
@@ -97,11 +103,13 @@ def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=N
     }
     if base not in table:
         raise ValueError(f"unknown variant {name!r}; choose from {', '.join(BASE_VARIANTS)} "
-                         f"(an offloading one may end in {KERNEL_DTOH_SUFFIX})")
+                         f"(an offloading one may end in {KERNEL_DTOH_SUFFIX}; any may then end in one of "
+                         f"{', '.join(PRECISIONS)})")
     found = table[base]
     if kdtoh and not (found.offload_modules or found.teo_scope or found.copy_traffic):
         raise ValueError(f"{name}: {KERNEL_DTOH_SUFFIX} is for variants that offload")
-    return replace(found, kernel_dtoh=kdtoh, cuda_graph_modules=tuple(cuda_graphs))
+    fp8, fp8_recipe = PRECISIONS.get(precision, (None, None))
+    return replace(found, kernel_dtoh=kdtoh, cuda_graph_modules=tuple(cuda_graphs), fp8=fp8, fp8_recipe=fp8_recipe)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -93,6 +93,20 @@ class GPTShape:
             raise ValueError(f"experts ({self.experts}) must be a multiple of the expert parallelism ({ep!r})")
 
 
+# A variant name may end in a precision: the step then runs under that FP8 recipe, as Megatron's
+# fp8 and fp8_recipe settings ask (Float8BlockScaling, current scaling, delayed scaling)
+PRECISIONS = {"+fp8block": ("e4m3", "blockwise"), "+fp8current": ("hybrid", "tensorwise"),
+              "+fp8delayed": ("hybrid", "delayed")}
+
+
+def split_precision(name: str) -> tuple[str, str]:
+    """(the variant name without its precision suffix, the suffix; "" for bf16)."""
+    for suffix in PRECISIONS:
+        if name.endswith(suffix):
+            return name[: -len(suffix)], suffix
+    return name, ""
+
+
 @dataclass(frozen=True)
 class Variant:
     """How the experts run and what offloads: one row of the benchmark, one side of a test."""

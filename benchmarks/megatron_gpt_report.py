@@ -11,6 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench_common import pyplot, save_png
+from megatron_gpt_model import split_precision
+
+OFFLOADING = ("ours+megatron", "ours+teo", "ours+teo-layer")  # variants (at any precision) that offload
 
 TARGETS = {"speedup_ep2": 1.7, "offload_cost_ep2": 1.03}
 
@@ -51,16 +54,17 @@ def graphs_sentence(rows: list[dict]) -> str:
 
 
 def add_comparisons(rows: list[dict], tokens_per_rank: int) -> None:
-    """Per row: tokens/s over all ranks, speed against stock and ours at the same EP, memory freed
-    against ours (from each one's peak above its own floor), the first step's loss against stock's
-    and (offloading variants) whether it equals ours' bitwise, and the tokens that fit under ours'
-    peak (predicted). Losses are compared only between jobs that started from the same weights."""
+    """Per row: tokens/s over all ranks, speed against stock (bf16) and ours at the same EP and
+    precision, memory freed against that ours (from each one's peak above its own floor), the
+    first step's loss against stock's and (variants of ours) whether it equals that ours' bitwise,
+    and the tokens that fit under its peak (predicted). Losses are compared only between jobs that
+    started from the same weights."""
     for row in rows:
         if "error" in row:
             continue
         same = {r["variant"]: r for r in rows if r.get("ep") == row["ep"] and "error" not in r}
         row["tokens_per_s"] = tokens_per_rank * row["ranks"] / (row["step_ms"] * 1e-3)
-        stock, ours = same.get("stock"), same.get("ours")
+        stock, ours = same.get("stock"), same.get(_ours_of(row["variant"]))
         row["speedup_vs_stock"] = stock["step_ms"] / row["step_ms"] if stock else None
         row["step_vs_ours"] = row["step_ms"] / ours["step_ms"] if ours else None
         row["freed_vs_ours_GiB"] = ours["peak_above_floor_GiB"] - row["peak_above_floor_GiB"] if ours else None
@@ -71,7 +75,7 @@ def add_comparisons(rows: list[dict], tokens_per_rank: int) -> None:
         row["loss_rel_err_vs_stock"] = abs(row["first_loss"] - stock["first_loss"]) / abs(stock["first_loss"]) \
             if alike(stock) else None
         row["loss_equal_to_ours"] = row["first_losses"] == ours["first_losses"] \
-            if alike(ours) and row["variant"] not in ("ours", "stock") and row["variant"].startswith("ours") else None
+            if alike(ours) and row is not ours and row["variant"].startswith("ours") else None
         # activations grow with the tokens of a micro-batch: under ours' peak as a cap, the tokens
         # this variant fits, predicted from its peak above its floor
         if ours and row["peak_above_floor_GiB"] > 0:
@@ -79,6 +83,15 @@ def add_comparisons(rows: list[dict], tokens_per_rank: int) -> None:
             row["tokens_under_ours_peak_x"] = room / row["peak_above_floor_GiB"]
         else:
             row["tokens_under_ours_peak_x"] = None
+
+
+def _ours_of(name: str) -> str:
+    """The no-offload variant of ours at ``name``'s precision: what its costs are measured against."""
+    return "ours" + split_precision(name)[1]
+
+
+def _possessive(name: str) -> str:
+    return "ours'" if name == "ours" else f"{name}'s"
 
 
 def targets(rows: list[dict]) -> list[dict]:
@@ -92,28 +105,28 @@ def targets(rows: list[dict]) -> list[dict]:
                 "met": None if not (ours2 and stock2) else ours2["speedup_vs_stock"] >= TARGETS["speedup_ep2"]})
     for row in rows:
         if row.get("loss_equal_to_ours") is not None:
-            out.append({"target": f"{row['variant']}'s first loss equals ours' bitwise (EP={row['ep']})",
+            out.append({"target": f"{row['variant']}'s first loss equals {_possessive(_ours_of(row['variant']))} "
+                                  f"bitwise (EP={row['ep']})",
                         "value": f"{row['first_loss']:.6f}", "met": row["loss_equal_to_ours"]})
-    # ours+copies is a diagnostic (copies with no engine), not an offloading choice
-    for name in [r["variant"] for r in rows if r.get("ep") == 2 and r["variant"].startswith("ours+")
-                 and not r["variant"].startswith("ours+copies")]:
+    # the offloading choices at any precision (ours+copies is a diagnostic: copies with no engine)
+    for name in [r["variant"] for r in rows if r.get("ep") == 2 and split_precision(r["variant"])[0]
+                 .removesuffix("+kdtoh") in OFFLOADING]:
         row = get(2, name)
         cost = row and row.get("step_vs_ours")  # None without ours' row at EP=2
-        out.append({"target": f"{name} at EP=2 costs <= 3% over ours", "value": cost,
+        out.append({"target": f"{name} at EP=2 costs <= 3% over {_ours_of(name)}", "value": cost,
                     "met": None if cost is None else cost <= TARGETS["offload_cost_ep2"]})
     for ep in (1, 2):
-        megatron = get(ep, "ours+megatron")
         for name in [r["variant"] for r in rows if r.get("ep") == ep and r["variant"].startswith("ours+teo")]:
-            teo = get(ep, name)
+            teo, megatron = get(ep, name), get(ep, "ours+megatron" + split_precision(name)[1])
             if megatron and teo and None not in (teo["freed_vs_ours_GiB"], megatron["freed_vs_ours_GiB"]):
                 frees = teo["freed_vs_ours_GiB"] >= megatron["freed_vs_ours_GiB"] - 1 / 64
                 cheaper = teo["step_ms"] <= megatron["step_ms"]
-                out.append({"target": f"{name} frees >= ours+megatron at no more cost (EP={ep})",
+                out.append({"target": f"{name} frees >= {megatron['variant']} at no more cost (EP={ep})",
                             "value": f"freed {teo['freed_vs_ours_GiB']:.2f} vs {megatron['freed_vs_ours_GiB']:.2f} GiB, "
                                      f"step {teo['step_ms']:.1f} vs {megatron['step_ms']:.1f} ms",
                             "met": frees and cheaper})
                 more = (teo["tokens_under_ours_peak_x"] or 0) > (megatron["tokens_under_ours_peak_x"] or 0)
-                out.append({"target": f"{name} fits more tokens than ours+megatron under ours' peak (EP={ep}, "
+                out.append({"target": f"{name} fits more tokens than {megatron['variant']} under ours' peak (EP={ep}, "
                                       "predicted)",
                             "value": f"x{teo['tokens_under_ours_peak_x']:.2f} vs x{megatron['tokens_under_ours_peak_x']:.2f}",
                             "met": more})
@@ -215,6 +228,7 @@ def markdown(result: dict) -> str:
                              f"{p['offload_h2d_ms']:.1f} | {p['overlap_ms']:.1f} | {s['count']:.0f} | {s['wait_ms']:.2f} | "
                              f"{s['wait_behind_offload_ms']:.2f} | {k['count']:.0f}, {k['wait_ms']:.2f} |")
         lines += idle_lines(profiled)
+    lines += precision_lines(result["rows"])
     lines += host_lines(result["rows"])
     lines += host_growth_lines(result["rows"])
     pinned = [r for r in result["rows"]
@@ -227,6 +241,39 @@ def markdown(result: dict) -> str:
             mib = " / ".join(f"{m:.0f}" for m in r["teo_pinned_MiB_timed_per_rank"])
             lines.append(f"| {r['ep']} | {r['variant']} | {buffers} | {mib} |")
     return "\n".join(lines) + "\n"
+
+
+def precision_comparisons(rows: list[dict]) -> list[dict]:
+    """Each FP8 row against its bf16 variant at the same EP: step time, peak above the floor, and
+    the tokens it would fit under the bf16 variant's peak (predicted as for ours' peak)."""
+    found = {(r["ep"], r["variant"]): r for r in rows if "error" not in r}
+    out = []
+    for (ep, name), row in found.items():
+        plain, precision = split_precision(name)
+        bf16 = found.get((ep, plain))
+        if not precision or bf16 is None:
+            continue
+        tokens = (bf16["peak_GiB"] - row["floor_GiB"]) / row["peak_above_floor_GiB"] \
+            if row["peak_above_floor_GiB"] > 0 else None
+        out.append({"ep": ep, "variant": name, "bf16": plain, "step_ms": row["step_ms"], "bf16_step_ms": bf16["step_ms"],
+                    "speedup": bf16["step_ms"] / row["step_ms"], "above_floor_GiB": row["peak_above_floor_GiB"],
+                    "bf16_above_floor_GiB": bf16["peak_above_floor_GiB"], "tokens_under_bf16_peak_x": tokens})
+    return out
+
+
+def precision_lines(rows: list[dict]) -> list[str]:
+    found = precision_comparisons(rows)
+    if not found:
+        return []
+    out = ["", "FP8 against bf16 (each FP8 variant against the same variant in bf16, same EP; tokens: predicted under "
+               "the bf16 variant's peak):", "",
+           "| EP | variant | step ms | bf16 step ms | speed-up | above floor GiB | bf16 above floor GiB | tokens x |",
+           "|---|---|---|---|---|---|---|---|"]
+    for c in found:
+        tokens = "-" if c["tokens_under_bf16_peak_x"] is None else f"x{c['tokens_under_bf16_peak_x']:.2f}"
+        out.append(f"| {c['ep']} | {c['variant']} | {c['step_ms']:.1f} | {c['bf16_step_ms']:.1f} | {c['speedup']:.3f} | "
+                   f"{c['above_floor_GiB']:.2f} | {c['bf16_above_floor_GiB']:.2f} | {tokens} |")
+    return out
 
 
 def host_lines(rows: list[dict], top: int = 12) -> list[str]:

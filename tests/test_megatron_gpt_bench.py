@@ -249,6 +249,37 @@ def test_comparisons_and_targets_are_computed_per_ep():
     assert {t["target"]: t["met"] for t in mgr.targets(alone)}["ours+teo at EP=2 costs <= 3% over ours"] is None
 
 
+def test_fp8_variants_compare_with_ours_at_their_precision_and_with_their_bf16_variant():
+    v = mg.variant_for("ours+teo+kdtoh+fp8block", 4, ("moe_act",))
+    assert (v.teo_scope, v.kernel_dtoh, v.fp8, v.fp8_recipe) == ("experts", True, "e4m3", "blockwise")
+    assert (mg.variant_for("stock+fp8current", 4, ()).fp8_recipe, mg.variant_for("ours", 4, ()).fp8) == \
+        ("tensorwise", None)
+    assert mg.variant_for("ours+fp8delayed", 4, ()).fp8 == "hybrid"
+    with pytest.raises(ValueError, match="unknown variant 'ours\\+fp8'"):
+        mg.variant_for("ours+fp8", 4, ())
+    rows = _rows() + [mgr.merge_variant(_job(_row("ours+fp8block", 2, 80.0, 6.0, loss=10.05)), 2, "ours+fp8block"),
+                      mgr.merge_variant(_job(_row("ours+teo+fp8block", 2, 88.0, 5.5, moved=200, loss=10.05)), 2,
+                                        "ours+teo+fp8block"),
+                      mgr.merge_variant(_job(_row("ours+megatron+fp8block", 2, 84.0, 5.5, moved=200, loss=10.05)), 2,
+                                        "ours+megatron+fp8block")]
+    mgr.add_comparisons(rows, tokens_per_rank=16384)
+    by = {r["variant"]: r for r in rows if r["ep"] == 2}
+    fp8, teo8 = by["ours+fp8block"], by["ours+teo+fp8block"]
+    assert fp8["speedup_vs_stock"] == pytest.approx(200 / 80) and fp8["step_vs_ours"] == 1.0  # against itself
+    assert teo8["step_vs_ours"] == pytest.approx(88 / 80) and teo8["freed_vs_ours_GiB"] == pytest.approx(0.5)
+    assert teo8["loss_equal_to_ours"] is True and fp8["loss_equal_to_ours"] is None
+    found = {t["target"]: t["met"] for t in mgr.targets(rows)}
+    assert found["ours+teo+fp8block at EP=2 costs <= 3% over ours+fp8block"] is False  # 1.10
+    assert found["ours+teo+fp8block's first loss equals ours+fp8block's bitwise (EP=2)"] is True
+    assert found["ours+teo+fp8block frees >= ours+megatron+fp8block at no more cost (EP=2)"] is False  # slower
+    assert not any(t.startswith("ours+fp8block at EP=2 costs") for t in found)  # not an offloading variant
+    cmp = {c["variant"]: c for c in mgr.precision_comparisons(rows)}
+    assert set(cmp) == {"ours+fp8block", "ours+teo+fp8block", "ours+megatron+fp8block"}
+    assert cmp["ours+fp8block"]["speedup"] == pytest.approx(110 / 80)
+    assert cmp["ours+fp8block"]["tokens_under_bf16_peak_x"] == pytest.approx((7.0 - 4.0) / 2.0)
+    assert "| 2 | ours+fp8block | 80.0 | 110.0 | 1.375 | 2.00 | 3.00 | x1.50 |" in mgr.precision_lines(rows)
+
+
 def test_losses_are_compared_only_between_jobs_from_the_same_weights():
     rows = _rows(ep2_digest=2.5)  # stock's job started from other weights
     mgr.add_comparisons(rows, tokens_per_rank=16384)
