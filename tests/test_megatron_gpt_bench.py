@@ -188,6 +188,9 @@ def test_cuda_graphs_reach_every_variants_config_as_megatrons_trainer_sets_them(
     graphs = ("attn", "moe_router", "moe_preprocess")
     args = mg.parse_args(["--cuda-graphs", ",".join(graphs), "--ep", "1"])
     assert args.cuda_graphs == graphs
+    assert mgm.apply_layer_graphs(None, None, None, mg.variant_for("ours", 4, ("moe_act",)), mgm.GPTShape(), 1, 0) \
+        is None
+    pytest.importorskip("megatron.core", reason="Megatron-Core validates the configs (not installed here)")
     shape = mgm.GPTShape()
     for name in ("stock", "ours", "ours+megatron", "ours+teo"):
         v = mg.variant_for(name, shape.layers, ("expert_fc1", "moe_act"), None, args.cuda_graphs)
@@ -198,7 +201,6 @@ def test_cuda_graphs_reach_every_variants_config_as_megatrons_trainer_sets_them(
         if v.teo_scope:  # the experts stay eager: teo may wrap them
             assert teo_offload_problems(config, v.teo_scope) == []
     assert mgm.make_config(shape, mg.variant_for("ours", 4, ("moe_act",)), 1).cuda_graph_impl == "none"
-    assert mgm.apply_layer_graphs(None, None, None, mg.variant_for("ours", 4, ("moe_act",)), shape, 1, 0) is None
 
 
 def test_the_copy_traffic_moves_what_teo_moved_at_the_default_shape():
