@@ -60,6 +60,15 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
+def add_mlp_shape_args(parser, tokens_help: str = "tokens per expert") -> None:
+    """The expert MLP's shape options the benchmarks share: E experts x tokens, H, F (default the
+    shape every results page compares at: E=8 x 2048 tokens, H=2688, F=1856)."""
+    parser.add_argument("--experts", "-E", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=2048, help=tokens_help)
+    parser.add_argument("--hidden", "-H", type=int, default=2688)
+    parser.add_argument("--ffn", "-F", type=int, default=1856)
+
+
 def file_stem(benchmark: str, gpu: str, *suffixes: str) -> str:
     """``benchmark_<GPU name>[_suffix...]`` with only letters, digits and underscores."""
     parts = [benchmark, re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_"), *(s for s in suffixes if s)]

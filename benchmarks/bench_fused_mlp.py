@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from bench_common import (  # noqa: E402
-    cuda_problem, file_stem, mlp_path, pyplot, refuse, save_png, utc_now, write_reports,
+    add_mlp_shape_args, cuda_problem, file_stem, mlp_path, pyplot, refuse, save_png, utc_now, write_reports,
 )
 from timing import event_ms, host_ahead_ms, kernel_times  # noqa: E402
 
@@ -38,10 +38,7 @@ MODEL_SHAPES = {  # name -> (hidden, ffn) of MoE experts with non-gated activati
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", action="store_true", help="E in {8, 32} x tokens/expert in {256..4096} x model shapes")
-    p.add_argument("--experts", "-E", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per expert")
-    p.add_argument("--hidden", "-H", type=int, default=2688)
-    p.add_argument("--ffn", "-F", type=int, default=1856)
+    add_mlp_shape_args(p)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="also record GPU time per kernel of our fwd+bwd")

@@ -35,7 +35,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_common import cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_mlp_shape_args, cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports,
+)
 from timing import host_ahead_ms, median, wall_ms  # noqa: E402
 
 TARGET_FRACTION, TARGET_TFLOPS = 0.97, 620.0
@@ -43,10 +45,7 @@ TARGET_FRACTION, TARGET_TFLOPS = 0.97, 620.0
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experts", "-E", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per expert (on average)")
-    p.add_argument("--hidden", "-H", type=int, default=2688)
-    p.add_argument("--ffn", "-F", type=int, default=1856)
+    add_mlp_shape_args(p, "tokens per expert (on average)")
     p.add_argument("--layers", "-L", type=int, default=4, help="layers of the stack")
     p.add_argument("--offload-layers", type=int, default=2, help="layers offloaded by TE V2 (0: no offload rows)")
     p.add_argument("--steps", type=int, default=10, help="steps per sample")

@@ -44,7 +44,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_common import cuda_problem, file_stem, mlp_path, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_mlp_shape_args, cuda_problem, file_stem, mlp_path, pyplot, refuse, save_png, utc_now, write_reports,
+)
 from timing import event_ms, host_ahead_ms, kernel_times, median  # noqa: E402
 
 # main_grad ablation: variant -> (TEO_MAIN_GRAD_ADD, schedule of the main_grad wgrad)
@@ -60,10 +62,7 @@ SWEEP = [(8, 2048, 2688, 1856), (8, 4096, 2688, 1856), (32, 1024, 2048, 768), (3
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", action="store_true", help=f"configs (E, tokens/expert, H, F): {SWEEP}")
-    p.add_argument("--experts", "-E", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per expert")
-    p.add_argument("--hidden", "-H", type=int, default=2688)
-    p.add_argument("--ffn", "-F", type=int, default=1856)
+    add_mlp_shape_args(p)
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (each times every variant)")
     p.add_argument("--default-way-only", action="store_true",
                    help="time main_grad the default way only, not each add x schedule (fewer kernels to compile)")

@@ -29,7 +29,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_common import cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_mlp_shape_args, cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports,
+)
 from timing import event_ms, interleaved, median  # noqa: E402
 
 RECIPES = ("none", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
@@ -39,10 +41,7 @@ MiB = 2**20
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experts", "-E", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per expert")
-    p.add_argument("--hidden", "-H", type=int, default=2688)
-    p.add_argument("--ffn", "-F", type=int, default=1856)
+    add_mlp_shape_args(p)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of {', '.join(RECIPES)}")
     p.add_argument("--out", type=Path, default=HERE / "results")

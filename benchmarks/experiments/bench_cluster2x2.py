@@ -23,7 +23,9 @@ BENCH = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
-from bench_common import cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_mlp_shape_args, cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports,
+)
 
 ENV = "TEO_GEMM_CLUSTER_M"
 
@@ -164,10 +166,7 @@ def chart(result: dict, path) -> bool:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=2048, help="tokens per expert (on average with --skew)")
-    ap.add_argument("--hidden", type=int, default=2688)
-    ap.add_argument("--ffn", type=int, default=1856)
+    add_mlp_shape_args(ap, "tokens per expert (on average with --skew)")
     ap.add_argument("--skew", action="store_true", help="uneven tokens per expert")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--inner", type=int, default=10)

@@ -18,6 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench_common import add_mlp_shape_args  # noqa: E402
+
 
 def host_time(step, steps: int) -> dict:
     """The host's time to queue one step while the GPU is kept busy behind it (a long kernel ahead
@@ -54,10 +56,7 @@ def host_time(step, steps: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=2688)
-    ap.add_argument("--ffn", type=int, default=1856)
+    add_mlp_shape_args(ap)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", type=Path, default=Path("profile_fp8_mlp.json"))
     args = ap.parse_args()

@@ -17,13 +17,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench_common import add_mlp_shape_args  # noqa: E402
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=2688)
-    ap.add_argument("--ffn", type=int, default=1856)
+    add_mlp_shape_args(ap)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", type=Path, default=Path("tune_fp8_rows.json"))
     args = ap.parse_args()
