@@ -2,11 +2,14 @@
 
 Offloading moves about 1.3 GiB each way per step in the Megatron GPT benchmark, and those steps
 are host-bound: if the host's own work slows while the copy engines read and write host memory,
-the step slows by that share whatever the engine's code costs. This measures three host
+the step slows by that share whatever the engine's code costs. This measures four host
 workloads with the GPU's copy engines idle, copying device to host, host to device, and both:
 
 * ``launch``: small CUDA ops launched back to back (the host side of a training step);
-* ``python``: pure Python (dictionaries and lists, no CUDA);
+* ``python``: pure Python on a small working set (a dictionary that stays in the core's caches);
+* ``python-large``: pure Python reading a 2-million-entry list in a shuffled order (a working
+  set of about 70 MB, which lives in the shared last-level cache and memory, as a training
+  step's Python objects and dispatcher tables do; inbound DMA may pass through that cache);
 * ``memcpy``: a 64 MiB host-memory copy (bandwidth-bound).
 
 Each workload runs while the copies are still in flight (checked: each way's last copy not yet
@@ -45,6 +48,13 @@ def python_work(n=60000):
     for i in range(n):
         d[i % 977] = d.get(i % 977, 0) + i
     return sorted(d.values())[-1]
+
+
+def large_python_work(values, order):
+    total = 0
+    for i in order:
+        total += values[i]
+    return total
 
 
 def memcpy_work(src, dst, n=8):
@@ -133,8 +143,12 @@ def main() -> int:
     a = torch.randn(1024, device="cuda")
     b, out = torch.randn_like(a), torch.empty_like(a)
     src, dst = torch.randn(16 * 2**20), torch.empty(16 * 2**20)
+    import random
+
+    values = [random.random() for _ in range(2_000_000)]
+    order = random.Random(0).sample(range(len(values)), 100_000)
     works = {"launch": lambda: launch_work(a, b, out), "python": python_work,
-             "memcpy": lambda: memcpy_work(src, dst)}
+             "python-large": lambda: large_python_work(values, order), "memcpy": lambda: memcpy_work(src, dst)}
     results = {w: {m: [] for m in MODES} for w in works}
     not_overlapped = []
     for r in range(args.rounds + 1):  # round 0 warms caches, clocks and the copy paths: not kept
