@@ -182,3 +182,23 @@ def test_the_split_sizes_copy_goes_on_the_side_stream_after_the_current_one(monk
     assert log == ["side waits for current", "copy on side", "event on side", "sizes kept for side"]
     assert split_check.copy_stream(torch.device("cuda", 0)).priority == -1
     assert check._host.tolist() == [1, 2, 3]
+
+
+def test_the_fused_op_hands_its_kernels_int32_split_sizes_and_checks_them_as_given(monkeypatch):
+    import te_offload_ops as teo
+    from te_offload_ops.fused import srelu_mlp
+
+    fc1 = teo.GroupedLinear(3, 16, 8, bias=False, device="cpu")
+    fc2 = teo.GroupedLinear(3, 8, 16, bias=False, device="cpu")
+    op = srelu_mlp.FusedScaledSReLUMLP(fc1=fc1, activation=teo.ScaledSReLU(), fc2=fc2)
+    x2d = torch.zeros(8, 16)
+    sizes, check = op._device_split_sizes(x2d, torch.tensor([3, 0, 5]))  # on the CPU: checked at once
+    assert sizes.dtype == torch.int32 and sizes.tolist() == [3, 0, 5] and check is None
+    with pytest.raises(ValueError, match="sum to 7, not to the input's 8 tokens"):
+        op._device_split_sizes(x2d, torch.tensor([3, 0, 4]))
+    seen = []  # on a device: the deferred check gets the caller's tensor, the kernels an int32 copy
+    monkeypatch.setattr(srelu_mlp, "start_check", lambda s, tokens, where: seen.append(s) or "check")
+    given = torch.tensor([[3, 0, 5]], device="meta")
+    sizes, check = op._device_split_sizes(x2d, given)
+    assert seen == [given] and check == "check"
+    assert sizes.dtype == torch.int32 and sizes.shape == (3,) and sizes.device.type == "meta"
