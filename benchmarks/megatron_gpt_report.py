@@ -138,12 +138,13 @@ def cap_targets(cap: list[dict] | None) -> list[dict]:
     if not cap:
         return []
     found = {r["variant"]: r for r in cap}
-    megatron = found.get("ours+megatron")
     out = []
     for name, row in found.items():
+        megatron = found.get("ours+megatron" + split_precision(name)[1])  # at the same precision
         if name.startswith("ours+teo") and megatron is not None:
             a, b = row["tokens_per_step"] or 0, megatron["tokens_per_step"] or 0
-            out.append({"target": f"{name} fits more tokens than ours+megatron under {row['cap_GiB']:g} GiB (EP=1)",
+            out.append({"target": f"{name} fits more tokens than {megatron['variant']} under {row['cap_GiB']:g} GiB "
+                                  "(EP=1)",
                         "value": f"{a} vs {b} tokens per step", "met": a > b})
     return out
 

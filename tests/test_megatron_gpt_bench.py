@@ -298,9 +298,12 @@ def test_tokens_under_the_cap_compare_each_teo_variant_with_megatrons_offloading
                 "tokens_per_s": None if mb is None else tokens / (step * 1e-3), "hit_max": mb == 8}
 
     cap = [cap_row("ours", 4), cap_row("ours+megatron", 5), cap_row("ours+teo", 6), cap_row("ours+teo-layer", None),
-           {**cap_row("ours+teo+kdtoh", None), "error": "RuntimeError: boom"}]
+           {**cap_row("ours+teo+kdtoh", None), "error": "RuntimeError: boom"},
+           cap_row("ours+megatron+fp8block", 7), cap_row("ours+teo+fp8block", 6)]
     found = {t["target"]: t for t in mgr.cap_targets(cap)}
     assert found["ours+teo fits more tokens than ours+megatron under 60 GiB (EP=1)"]["met"] is True
+    # an FP8 variant against Megatron's offloading in FP8, not in bf16
+    assert found["ours+teo+fp8block fits more tokens than ours+megatron+fp8block under 60 GiB (EP=1)"]["met"] is False
     assert found["ours+teo-layer fits more tokens than ours+megatron under 60 GiB (EP=1)"]["met"] is False
     assert mgr.cap_targets(None) == []
     rows = _rows()
