@@ -31,8 +31,10 @@ so no variant's memory, hooks or global state reach another; each starts from th
   sizes to the host by kernel, past the copy engine's queue of offload copies);
 * a last suffix ``+fp8block``, ``+fp8current`` or ``+fp8delayed`` runs the variant under that FP8
   recipe (Megatron's ``fp8="e4m3", fp8_recipe="blockwise"``; ``"hybrid"`` with ``"tensorwise"`` or
-  ``"delayed"``), e.g. ``ours+fp8block,ours+teo+fp8block,stock+fp8current``; such a row compares
-  with ours at the same precision, and a table sets each against its bf16 variant.
+  ``"delayed"``; the router pads each expert's tokens for them, unless ``moe_preprocess`` is
+  graphed), e.g. ``ours+fp8block,ours+teo+fp8block,stock+fp8current``; such a row compares with
+  ours (and its loss with stock) at the same precision, and a table sets each against its bf16
+  variant. ``stock+fp8block`` needs TE's block-scaled grouped GEMM (cuBLASLt >= 13.6 on Hopper).
 
 Per variant and EP: median step time (the slowest rank's), tokens/s over all ranks, peak memory
 allocated, the floor held between steps (weights, grads, optimizer state) and the peak above it,
@@ -670,7 +672,8 @@ def launch(args) -> int:
                                           for ep, merged in numerics.items() for c in checks(merged, int(ep))]
                          + cap_targets(cap))
     suffixes = (() if args.ep == [1, 2] else ("ep" + "-".join(map(str, args.ep)),)) + \
-        (("graphs",) if args.cuda_graphs else ())
+        (("graphs",) if args.cuda_graphs else ()) + \
+        (("fp8",) if any(split_precision(v)[1] for v in args.variants) else ())
     paths = write_reports(args.out, file_stem("megatron_gpt", gpu, *suffixes), result, markdown, chart)
     log("wrote " + ", ".join(str(p) for p in paths))
     failed = [r for r in rows if "error" in r] + [m for m in numerics.values() if "error" in m] \

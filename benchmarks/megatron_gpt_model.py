@@ -202,6 +202,10 @@ def make_config(shape: GPTShape, variant: Variant, ep: int):
         kwargs.update(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
     if variant.fp8 is not None:
         kwargs.update(fp8=variant.fp8, fp8_recipe=variant.fp8_recipe or "delayed")
+        if "moe_preprocess" not in variant.cuda_graph_modules:  # Megatron refuses the two together
+            # the router pads each expert's tokens for the quantized GEMMs, as Megatron's FP8
+            # recipes advise: else the experts pad them after reading the counts on the host
+            kwargs.update(moe_router_padding_for_quantization=True)
     if variant.cuda_graph_modules:
         kwargs.update(cuda_graph_impl="transformer_engine", cuda_graph_modules=list(variant.cuda_graph_modules),
                       cuda_graph_warmup_steps=1, use_te_rng_tracker=True)

@@ -72,8 +72,9 @@ def add_comparisons(rows: list[dict], tokens_per_rank: int) -> None:
         def alike(other):
             return other is not None and other.get("weights_digest") == row.get("weights_digest")
 
-        row["loss_rel_err_vs_stock"] = abs(row["first_loss"] - stock["first_loss"]) / abs(stock["first_loss"]) \
-            if alike(stock) else None
+        stock_alike = same.get("stock" + split_precision(row["variant"])[1])  # the loss at the same precision
+        row["loss_rel_err_vs_stock"] = abs(row["first_loss"] - stock_alike["first_loss"]) / abs(stock_alike["first_loss"]) \
+            if alike(stock_alike) else None
         row["loss_equal_to_ours"] = row["first_losses"] == ours["first_losses"] \
             if alike(ours) and row is not ours and row["variant"].startswith("ours") else None
         # activations grow with the tokens of a micro-batch: under ours' peak as a cap, the tokens
@@ -266,8 +267,9 @@ def precision_lines(rows: list[dict]) -> list[str]:
     found = precision_comparisons(rows)
     if not found:
         return []
-    out = ["", "FP8 against bf16 (each FP8 variant against the same variant in bf16, same EP; tokens: predicted under "
-               "the bf16 variant's peak):", "",
+    out = ["", "FP8 against bf16 (each FP8 variant against the same variant in bf16, same EP; in FP8 the router "
+               "pads each expert's tokens for the quantized GEMMs unless moe_preprocess is graphed; tokens: predicted "
+               "under the bf16 variant's peak):", "",
            "| EP | variant | step ms | bf16 step ms | speed-up | above floor GiB | bf16 above floor GiB | tokens x |",
            "|---|---|---|---|---|---|---|---|"]
     for c in found:
@@ -318,19 +320,20 @@ def host_growth(base: dict, other: dict) -> list[dict]:
 def host_growth_lines(rows: list[dict], top: int = 15) -> list[str]:
     """Where each offloading variant's host time went beyond ours' at the same EP (rank 0), by
     function: the step's extra host time is spread over many functions or sits in a few."""
-    base = {row["ep"]: (row.get("host_profile_per_rank") or [None])[0] for row in rows if row["variant"] == "ours"}
+    base = {(row["ep"], row["variant"]): (row.get("host_profile_per_rank") or [None])[0] for row in rows}
     out = []
     for row in rows:
-        host, ref = (row.get("host_profile_per_rank") or [None])[0], base.get(row["ep"])
-        if row["variant"] == "ours" or not host or not ref or "functions" not in host or "functions" not in ref:
+        ours = _ours_of(row["variant"])  # at the same precision
+        host, ref = (row.get("host_profile_per_rank") or [None])[0], base.get((row["ep"], ours))
+        if row["variant"] == ours or not host or not ref or "functions" not in host or "functions" not in ref:
             continue
         grown = host_growth(ref, host)
         more = sum(r["self_ms"] for r in grown if r["self_ms"] > 0)
         less = sum(r["self_ms"] for r in grown if r["self_ms"] < 0)
-        out += ["", f"Host time under cProfile, EP={row['ep']} {row['variant']} against ours (rank 0): "
+        out += ["", f"Host time under cProfile, EP={row['ep']} {row['variant']} against {ours} (rank 0): "
                     f"{host['wall_ms'] - ref['wall_ms']:+.1f} ms per step; functions that grew add {more:.1f} ms, "
                     f"those that shrank {less:.1f}; the {top} that grew most:", "",
-                "| function | ours self ms/step | this self ms/step | grew ms | calls/step more |", "|---|---|---|---|---|"]
+                f"| function | {ours} self ms/step | this self ms/step | grew ms | calls/step more |", "|---|---|---|---|---|"]
         out += [f"| `{r['function']}` | {r['self_ms_base']:.2f} | {r['self_ms_other']:.2f} | {r['self_ms']:+.2f} | "
                 f"{r['calls']:+.0f} |" for r in grown[:top]]
     return out

@@ -538,3 +538,30 @@ def test_use_te_offload_ops_puts_the_flags_on_the_experts_builder(stub_megatron)
     experts = builder(4, stub_config(), pg_collection=groups, name="layer.experts")
     assert type(experts) is teo_megatron.TEOGroupedMLP
     assert experts.expert_offload == ExpertOffload(fc1=True, activation=False, fc2=True)
+
+
+@requires_megatron
+def test_teo_experts_hand_megatrons_first_microbatch_flag_to_their_ops():
+    from te_offload_ops.megatron.experts import TEOGroupedMLP
+
+    def experts(**config):
+        ops = (teo.GroupedLinear(2, 8, 8, bias=False, device="cpu"), teo.ScaledSReLU(),
+               teo.GroupedLinear(2, 8, 8, bias=False, device="cpu"))
+        return SimpleNamespace(config=SimpleNamespace(**config), _fused_ops=(ops,),
+                               linear_fc1=SimpleNamespace(is_first_microbatch=True, disable_parameter_transpose_cache=False),
+                               linear_fc2=SimpleNamespace(is_first_microbatch=True, disable_parameter_transpose_cache=False))
+
+    fp8 = experts(fp8="e4m3")  # set_is_first_microbatch marked the modules at the step's first micro-batch
+    TEOGroupedMLP._pass_first_microbatch(fp8)
+    fc1, _, fc2 = fp8._fused_ops[0]
+    assert fc1.is_first_microbatch is True and fc2.is_first_microbatch is True
+    assert fp8.linear_fc1.is_first_microbatch is False  # cleared, as the module's own forward would
+    TEOGroupedMLP._pass_first_microbatch(fp8)  # the step's next micro-batch
+    assert fc1.is_first_microbatch is False and fc2.is_first_microbatch is False
+    bf16 = experts(fp8=None)  # Megatron never resets the modules' flag: the ops must not cache
+    TEOGroupedMLP._pass_first_microbatch(bf16)
+    assert bf16._fused_ops[0][0].is_first_microbatch is None and bf16.linear_fc1.is_first_microbatch is True
+    no_cache = experts(fp8="e4m3")
+    no_cache.linear_fc2.disable_parameter_transpose_cache = True
+    TEOGroupedMLP._pass_first_microbatch(no_cache)
+    assert no_cache._fused_ops[0][0].is_first_microbatch is True and no_cache._fused_ops[0][2].is_first_microbatch is None

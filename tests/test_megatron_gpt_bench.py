@@ -270,6 +270,7 @@ def test_fp8_variants_compare_with_ours_at_their_precision_and_with_their_bf16_v
     assert fp8["speedup_vs_stock"] == pytest.approx(200 / 80) and fp8["step_vs_ours"] == 1.0  # against itself
     assert teo8["step_vs_ours"] == pytest.approx(88 / 80) and teo8["freed_vs_ours_GiB"] == pytest.approx(0.5)
     assert teo8["loss_equal_to_ours"] is True and fp8["loss_equal_to_ours"] is None
+    assert fp8["loss_rel_err_vs_stock"] is None  # no stock+fp8block row: FP8 loss not set against bf16's
     found = {t["target"]: t["met"] for t in mgr.targets(rows)}
     assert found["ours+teo+fp8block at EP=2 costs <= 3% over ours+fp8block"] is False  # 1.10
     assert found["ours+teo+fp8block's first loss equals ours+fp8block's bitwise (EP=2)"] is True
@@ -280,6 +281,17 @@ def test_fp8_variants_compare_with_ours_at_their_precision_and_with_their_bf16_v
     assert cmp["ours+fp8block"]["speedup"] == pytest.approx(110 / 80)
     assert cmp["ours+fp8block"]["tokens_under_bf16_peak_x"] == pytest.approx((7.0 - 4.0) / 2.0)
     assert "| 2 | ours+fp8block | 80.0 | 110.0 | 1.375 | 2.00 | 3.00 | x1.50 |" in mgr.precision_lines(rows)
+
+
+def test_fp8_variants_configure_megatrons_recipe_with_the_router_padding_the_tokens():
+    pytest.importorskip("megatron.core", reason="Megatron-Core validates the configs (not installed here)")
+    shape = mgm.GPTShape()
+    config = mgm.make_config(shape, mg.variant_for("ours+teo+fp8block", 4, ("moe_act",)), 1)
+    assert (config.fp8, config.fp8_recipe, config.moe_router_padding_for_quantization) == ("e4m3", "blockwise", True)
+    graphed = mg.variant_for("ours+fp8current", 4, ("moe_act",), None, ("attn", "moe_router", "moe_preprocess"))
+    config = mgm.make_config(shape, graphed, 1)  # Megatron refuses the padding with moe_preprocess graphs
+    assert (config.fp8_recipe, config.moe_router_padding_for_quantization) == ("tensorwise", False)
+    assert not mgm.make_config(shape, mg.variant_for("ours", 4, ("moe_act",)), 1).moe_router_padding_for_quantization
 
 
 def test_losses_are_compared_only_between_jobs_from_the_same_weights():

@@ -185,8 +185,9 @@ def step_weights(op, q, recipe) -> Weights:
     ones (quantized now if there are none, or the recipe's weight settings changed). Megatron's
     ``set_is_first_microbatch`` sets True at each step's first micro-batch (with FP8 on), and the
     flag turns False after the call, so the later micro-batches of a step, where the weights
-    cannot change, reuse the first one's. A CUDA graph capture always quantizes: a replay must
-    read the weights of its step."""
+    cannot change, reuse the first one's (set it True again after writing the weights outside an
+    optimizer step, e.g. loading a checkpoint). A CUDA graph capture always quantizes: a replay
+    must read the weights of its step."""
     first = getattr(op, "is_first_microbatch", None)
     if first is None or capturing():
         return quantize_weights(op, q, recipe)
@@ -194,6 +195,7 @@ def step_weights(op, q, recipe) -> Weights:
     key = None if params is None else (float(params.amax_epsilon), bool(params.power_2_scale))
     kept = getattr(op, "_teo_step_weights", None)
     if first or kept is None or kept[0] != key:
+        op._teo_step_weights = kept = None  # the old copies go before the new ones are made
         kept = op._teo_step_weights = (key, quantize_weights(op, q, recipe))
     op.is_first_microbatch = False
     return kept[1]

@@ -134,7 +134,7 @@ class FusedScaledSReLUMLP(FusedOperation):
                     "the GPU would read this call's host memory again on every replay. Pass split sizes as a "
                     "CUDA tensor (e.g. a static buffer you copy each step's sizes into before replaying)")
             check_now(split_sizes, x2d.shape[0], where)
-            return split_sizes.to(x2d.device, torch.int32, non_blocking=True), None
+            return split_sizes.reshape(-1).to(x2d.device, torch.int32, non_blocking=True), None
         check = start_check(split_sizes, x2d.shape[0], where)
         return split_sizes.to(torch.int32).reshape(-1), check
 

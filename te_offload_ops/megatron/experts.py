@@ -106,6 +106,31 @@ class TEOGroupedMLP(TEGroupedMLP):
             raise ValueError("TEOGroupedMLP cannot run these experts as TE ops: " + "; ".join(reasons))
         return True
 
+    def _fused_forward(self, *args: Any, **kwargs: Any):
+        if self._fused_ops is None:  # built here rather than in Megatron's forward: the flags below need it
+            self._fused_ops = (self._make_fused_ops(),)
+        self._pass_first_microbatch()
+        return super()._fused_forward(*args, **kwargs)
+
+    def _pass_first_microbatch(self) -> None:
+        """Megatron's per-step FP8 weight caching, for the ops that run instead of its modules.
+
+        ``set_is_first_microbatch`` marks each step's first micro-batch (when the config quantizes)
+        on the modules that have ``is_first_microbatch``: here ``linear_fc1`` and ``linear_fc2``,
+        which the op-fuser path never calls. The ops it runs are not submodules (Megatron keeps
+        them in a tuple) and are built after that list is made, so the flag is handed to them
+        here, and cleared on the modules as their own forward would. Without quantization the
+        modules' flag is never reset by Megatron, so the ops get None (quantize every call)."""
+        ops = self._fused_ops[0]
+        config = self.config
+        quantized = (getattr(config, "fp8", None) is not None or getattr(config, "fp4", None) is not None
+                     or getattr(config, "quant_recipe", None) is not None or getattr(config, "use_kitchen", False))
+        for linear, op in ((self.linear_fc1, ops[0]), (self.linear_fc2, ops[2])):
+            cache = quantized and not getattr(linear, "disable_parameter_transpose_cache", False)
+            op.is_first_microbatch = getattr(linear, "is_first_microbatch", None) if cache else None
+            if quantized:
+                linear.is_first_microbatch = False
+
     def _make_fused_ops(self) -> te.ops.Sequential:
         ops = super()._make_fused_ops()
         if len(ops) != 3:

@@ -48,11 +48,11 @@ class GroupedLinear(OffloadableOp, te.ops.GroupedLinear):
     buffer itself instead and cuts the slices again in backward.
 
     ``is_first_microbatch`` follows TE's and Megatron's convention for FP8 weights, on the fused
-    Float8BlockScaling path: None (default) quantizes the weights in every forward; Megatron sets
-    True at each step's first micro-batch, and the later micro-batches reuse that quantization.
+    Float8BlockScaling path: None (default) quantizes the weights in every forward; True at a
+    step's first micro-batch quantizes and keeps them, and the later micro-batches (False) reuse
+    them. Under Megatron-Core, ``TEOGroupedMLP`` hands over the flag Megatron sets each step.
     """
 
-    # found by MegatronModule.set_is_first_microbatch, which looks for modules with this attribute
     is_first_microbatch: Optional[bool] = None
 
     def _layout(self) -> tuple[int, int]:
