@@ -335,18 +335,25 @@ def _entries(cache: Path) -> list[Path]:
     return sorted(cache.glob("*" + disk_cache.SUFFIX))
 
 
+def _compiled_then_loaded(cache: Path, call: str, script: str = _RUN):
+    """Two processes running ``script``: the first compiles one kernel into ``cache``, the second
+    loads it, both quietly, with ``call``; returns (first's result, second's, the entry's path)."""
+    if call == "tvm-ffi" and importlib.util.find_spec("tvm_ffi") is None:
+        pytest.skip("apache-tvm-ffi is not installed")
+    first, logs = _run(cache, script, TEO_KERNEL_CALL=call)
+    assert (first["compiled"], first["loaded"], first["call"]) == (1, 0, call) and logs == []
+    [path] = _entries(cache)
+    second, logs = _run(cache, script, TEO_KERNEL_CALL=call)
+    assert (second["compiled"], second["loaded"], second["call"]) == (0, 1, call) and logs == []
+    return first, second, path
+
+
 @needs_dsl
 @pytest.mark.parametrize("call", ["tvm-ffi", "python"])
 def test_a_kernel_compiled_in_one_process_loads_in_the_next(tmp_path, call):
-    if call == "tvm-ffi" and importlib.util.find_spec("tvm_ffi") is None:
-        pytest.skip("apache-tvm-ffi is not installed")
     cache = tmp_path / "cache"
     t0 = time.perf_counter()
-    first, logs = _run(cache, TEO_KERNEL_CALL=call)
-    assert (first["compiled"], first["loaded"], first["call"]) == (1, 0, call) and logs == []
-    [path] = _entries(cache)
-    second, logs = _run(cache, TEO_KERNEL_CALL=call)
-    assert (second["compiled"], second["loaded"], second["call"]) == (0, 1, call) and logs == []
+    first, second, path = _compiled_then_loaded(cache, call)
     assert second["callable"] and second["n_tiles"] == first["n_tiles"]
     assert second["type"] == ("Function" if call == "tvm-ffi" else first["type"])
     assert _entries(cache) == [path]
@@ -369,14 +376,8 @@ _RUN_FP8 = textwrap.dedent("""
 @needs_dsl
 @pytest.mark.parametrize("call", ["tvm-ffi", "python"])
 def test_an_fp8_kernel_compiled_in_one_process_loads_in_the_next(tmp_path, call):
-    if call == "tvm-ffi" and importlib.util.find_spec("tvm_ffi") is None:
-        pytest.skip("apache-tvm-ffi is not installed")
     cache = tmp_path / "cache"
-    first, logs = _run(cache, _RUN_FP8, TEO_KERNEL_CALL=call)
-    assert (first["compiled"], first["loaded"], first["call"]) == (1, 0, call) and logs == []
-    [path] = _entries(cache)
-    second, logs = _run(cache, _RUN_FP8, TEO_KERNEL_CALL=call)
-    assert (second["compiled"], second["loaded"], second["call"]) == (0, 1, call) and logs == []
+    first, second, path = _compiled_then_loaded(cache, call, _RUN_FP8)
     # the launch reads the same tile walk from the DSL-free plan as from the kernel object
     from te_offload_ops.kernels import api, shared_object
 

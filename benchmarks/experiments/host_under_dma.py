@@ -33,7 +33,7 @@ import torch
 BENCH = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(BENCH))
 
-from bench_common import command_line, file_stem, pyplot, save_png, write_reports  # noqa: E402
+from bench_common import command_line, file_stem, pyplot, refuse, save_png, write_reports  # noqa: E402
 
 MODES = ("idle", "d2h", "h2d", "both")
 
@@ -133,9 +133,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="folder for JSON, markdown and PNG")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("host_under_dma: needs a CUDA GPU", file=sys.stderr)
-        return 2
+    if not torch.cuda.is_available():  # torch alone: it needs neither TE nor this package
+        return refuse("host_under_dma.py", "no CUDA GPU is visible (torch.cuda.is_available() is False)")
     numel = args.copy_mib * 2**20 // 2
     gpu = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
     host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)

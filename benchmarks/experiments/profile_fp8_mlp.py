@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench_common import add_mlp_shape_args  # noqa: E402
+from bench_common import add_mlp_shape_args, cuda_problem, refuse  # noqa: E402
 
 
 def host_time(step, steps: int) -> dict:
@@ -60,14 +60,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", type=Path, default=Path("profile_fp8_mlp.json"))
     args = ap.parse_args()
+    if problem := cuda_problem():
+        return refuse("profile_fp8_mlp.py", problem)
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     import fp8_recipes as fr
 
-    if not torch.cuda.is_available():
-        print("profile_fp8_mlp.py: cannot run: no CUDA GPU", file=sys.stderr)
-        return 2
     mlp, inputs = fr.make_mlp("ours", args), fr.make_inputs(args)
     for _ in range(3):
         fr.step(mlp, inputs, "Float8BlockScaling")

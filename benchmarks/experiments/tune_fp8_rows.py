@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench_common import add_mlp_shape_args  # noqa: E402
+from bench_common import add_mlp_shape_args, cuda_problem, refuse  # noqa: E402
 
 
 def main() -> int:
@@ -26,13 +26,12 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", type=Path, default=Path("tune_fp8_rows.json"))
     args = ap.parse_args()
+    if problem := cuda_problem():
+        return refuse("tune_fp8_rows.py", problem)
     import torch
 
     from timing import event_ms
 
-    if not torch.cuda.is_available():
-        print("tune_fp8_rows.py: cannot run: no CUDA GPU", file=sys.stderr)
-        return 2
     from te_offload_ops.kernels import fp8_rows as fr
 
     t, h, f, e = args.experts * args.tokens, args.hidden, args.ffn, args.experts
