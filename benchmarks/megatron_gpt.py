@@ -18,6 +18,8 @@ so no variant's memory, hooks or global state reach another; each starts from th
   (default expert_fc1,moe_act; Megatron keeps the last layer's group on the GPU);
 * ``ours+teo``: ours with the routed experts of the first L-1 layers under teo
   (``use_teo_offload(scope="experts")``: what Megatron's choice moves), ``--teo-budget-gib`` its budget;
+* ``ours+teo-ahead``: ``ours+teo`` with its reloads started ``--teo-reload-ahead`` layers (default
+  1) before the peak-neutral point (``reload_ahead``: less waiting in backward for a higher peak);
 * ``ours+teo-layer``: whole transformer layers 1..L-1 under teo (``scope="layer"``);
 * ``stock+megatron``: stock under Megatron's "fused_group_mlp" offloading (the only choice its
   op-fuser path takes; not in the default);
@@ -81,14 +83,16 @@ from megatron_gpt_model import (EXPERT_OFFLOAD_CHOICES, PRECISIONS, GPTShape, Va
                                 split_precision, worker_env)
 from megatron_gpt_report import add_comparisons, cap_targets, chart, markdown, merge_variant, targets  # noqa: E402
 
-BASE_VARIANTS = ("stock", "ours", "ours+megatron", "ours+teo", "ours+teo-layer", "stock+megatron", "ours+copies")
+BASE_VARIANTS = ("stock", "ours", "ours+megatron", "ours+teo", "ours+teo-ahead", "ours+teo-layer", "stock+megatron",
+                 "ours+copies")
 KERNEL_DTOH_SUFFIX = "+kdtoh"
 DEFAULT_VARIANTS = "stock,ours,ours+megatron,ours+teo"
 JOBS = ("time", "numerics", "cap")  # what one job of a worker does
 GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess")  # graphable around eager experts
 
 
-def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=None, cuda_graphs: tuple = ()) -> Variant:
+def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=None, cuda_graphs: tuple = (),
+                teo_reload_ahead: int = 1) -> Variant:
     """The Variant a variant name stands for (ValueError for unknown names); ``cuda_graphs``: the
     per-layer CUDA graph modules every variant of the run takes."""
     plain, precision = split_precision(name)
@@ -99,6 +103,7 @@ def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=N
         "ours": Variant(ours=True),
         "ours+megatron": Variant(ours=True, offload_modules=tuple(offload_modules)),
         "ours+teo": Variant(ours=True, teo_scope="experts", **teo),
+        "ours+teo-ahead": Variant(ours=True, teo_scope="experts", teo_reload_ahead=teo_reload_ahead, **teo),
         "ours+teo-layer": Variant(ours=True, teo_scope="layer", **teo),
         "stock+megatron": Variant(ours=False, offload_modules=("fused_group_mlp",)),
         "ours+copies": Variant(ours=True, copy_traffic=True),
@@ -134,6 +139,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-modules", default="expert_fc1,moe_act",
                    help=f"Megatron's offload_modules for ours+megatron, from {', '.join(EXPERT_OFFLOAD_CHOICES)}")
     p.add_argument("--teo-budget-gib", type=float, default=None, help="teo's memory_budget (default: none)")
+    p.add_argument("--teo-reload-ahead", type=int, default=1,
+                   help="ours+teo-ahead's reload_ahead: layers before the peak-neutral point its reloads start (default 1)")
     p.add_argument("--cuda-graphs", default="",
                    help="Megatron's per-layer CUDA graphs of these modules in every timed variant, as its trainer "
                         f"captures them (cuda_graph_impl=transformer_engine), e.g. attn,moe_router,moe_preprocess; "
@@ -184,6 +191,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--layers must be at least 2: the offloading variants offload layers 1..L-1")
     if args.teo_budget_gib is not None and args.teo_budget_gib <= 0:
         p.error("--teo-budget-gib must be positive")
+    if args.teo_reload_ahead < 0:
+        p.error("--teo-reload-ahead must be >= 0")
     if args.job_timeout <= 0:
         p.error("--job-timeout must be positive")
     if args.worker_ep is not None:  # a worker's arguments come from job_argv
@@ -295,7 +304,8 @@ def time_variant(args, rank: int, weights: dict) -> dict:
     from te_offload_ops.megatron import use_kernel_dtoh
 
     shape, ep, name = args.shape, args.worker_ep, args.worker_variant
-    v = variant_for(name, shape.layers, args.offload_modules, args.teo_budget_gib, args.cuda_graphs)
+    v = variant_for(name, shape.layers, args.offload_modules, args.teo_budget_gib, args.cuda_graphs,
+                    args.teo_reload_ahead)
     config = make_config(shape, v, ep)
     model = build_gpt(shape, config, v.ours, weights)
     teo = apply_teo(model, v)
@@ -467,7 +477,7 @@ def cap_trial(args, weights: dict) -> dict:
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
     shape = replace(args.shape, micro_batch=mb)
-    v = variant_for(name, shape.layers, args.offload_modules, args.teo_budget_gib)
+    v = variant_for(name, shape.layers, args.offload_modules, args.teo_budget_gib, teo_reload_ahead=args.teo_reload_ahead)
     found = {"variant": name, "micro_batch": mb, "fits": False}
     try:
         config = make_config(shape, v, 1)
@@ -662,7 +672,7 @@ def launch(args) -> int:
         "config": {**{k: getattr(args.shape, k) for k in ("layers", "hidden", "heads", "ffn", "experts", "topk",
                                                           "seq", "micro_batch", "microbatches", "vocab")},
                    "ep": args.ep, "variants": args.variants, "offload_modules": list(args.offload_modules),
-                   "teo_budget_gib": args.teo_budget_gib, "warmup": args.warmup, "iters": args.iters,
+                   "teo_budget_gib": args.teo_budget_gib, "teo_reload_ahead": args.teo_reload_ahead, "warmup": args.warmup, "iters": args.iters,
                    "seed": args.seed, "profile": args.profile, "numerics": not args.no_numerics,
                    "cap_gib": args.cap_gib, "cap_max_micro_batch": args.cap_max_micro_batch,
                    "cuda_graphs": list(args.cuda_graphs)},

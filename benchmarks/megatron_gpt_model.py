@@ -116,6 +116,7 @@ class Variant:
     teo_scope: Optional[str] = None  # use_teo_offload's scope (None: teo off)
     teo_layers: Optional[int] = None  # use_teo_offload's num_layers (None: all)
     teo_budget_gib: Optional[float] = None  # use_teo_offload's memory_budget, GiB
+    teo_reload_ahead: int = 0  # use_teo_offload's reload_ahead
     kernel_dtoh: bool = False  # use_kernel_dtoh: the dispatcher's split sizes to the host by kernel
     copy_traffic: bool = False  # the offload copies' bytes moved with no engine (CopyTraffic)
     cuda_graph_modules: tuple = ()  # Megatron's per-layer CUDA graphs (TE's make_graphed_callables) of these
@@ -406,7 +407,8 @@ def apply_teo(model, variant: Variant):
     from te_offload_ops.megatron import use_teo_offload
 
     budget = None if variant.teo_budget_gib is None else int(variant.teo_budget_gib * 2**30)
-    return use_teo_offload(model, scope=variant.teo_scope, num_layers=variant.teo_layers, memory_budget=budget)
+    return use_teo_offload(model, scope=variant.teo_scope, num_layers=variant.teo_layers, memory_budget=budget,
+                           reload_ahead=variant.teo_reload_ahead)
 
 
 class LayerGraphs:

@@ -13,7 +13,7 @@ from pathlib import Path
 from bench_common import pyplot, save_png
 from megatron_gpt_model import split_precision
 
-OFFLOADING = ("ours+megatron", "ours+teo", "ours+teo-layer")  # variants (at any precision) that offload
+OFFLOADING = ("ours+megatron", "ours+teo", "ours+teo-ahead", "ours+teo-layer")  # variants (at any precision) that offload
 
 TARGETS = {"speedup_ep2": 1.7, "offload_cost_ep2": 1.03}
 

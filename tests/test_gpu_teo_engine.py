@@ -183,12 +183,14 @@ def _zero_grads(stack, inputs):
 
 
 @requires_gpu
-def test_slow_copies_and_reused_memory_keep_steps_exact(monkeypatch, path):
+@pytest.mark.parametrize("reload_ahead", [0, 2])
+def test_slow_copies_and_reused_memory_keep_steps_exact(monkeypatch, path, reload_ahead):
     """Cross-stream ordering under stress: every offload and reload copy is queued behind a ~1 ms
     sleep on its copy stream (so the compute stream runs far ahead), and after each forward the
     compute stream fills large fresh allocations with NaN (so a block handed out before its copy
     finished, or a pinned buffer overwritten while read, would poison the result). Three steps back
-    to back with one context and no host synchronization: each bitwise equal to no offload."""
+    to back with one context and no host synchronization: each bitwise equal to no offload; also
+    with reloads started two layers ahead of peak-neutral."""
     cfg = Config(layers=LAYERS)
     stack, inputs = make_stack(cfg), make_inputs(cfg)
     none_ctx, none_sync, _ = offload_context("none", num_layers=0, model_layers=LAYERS)
@@ -198,7 +200,7 @@ def test_slow_copies_and_reused_memory_keep_steps_exact(monkeypatch, path):
 
     slow_copies_to_host(monkeypatch, ns=1_000_000)
     slow_reloads(monkeypatch, ns=1_000_000)
-    ctx, sync, counter = offload_context("teo", num_layers=LAYERS, model_layers=LAYERS)
+    ctx, sync, counter = offload_context("teo", num_layers=LAYERS, model_layers=LAYERS, reload_ahead=reload_ahead)
     x, probs, dy, splits = inputs
     results = []
     for _ in range(3):

@@ -38,6 +38,9 @@ def test_variant_names_map_to_what_each_runs():
     assert mg.variant_for("stock+megatron", 4, ()).offload_modules == ("fused_group_mlp",)
     assert mg.variant_for("ours+teo-layer", 6, ()).teo_scope == "layer" and not mg.variant_for("stock", 4, ()).ours
     assert mg.variant_for("ours+copies", 4, ()).copy_traffic and not mg.variant_for("ours+teo", 4, ()).copy_traffic
+    ahead = mg.variant_for("ours+teo-ahead", 4, (), teo_reload_ahead=2)
+    assert (ahead.teo_scope, ahead.teo_layers, ahead.teo_reload_ahead) == ("experts", 3, 2)
+    assert mg.variant_for("ours+teo", 4, (), teo_reload_ahead=2).teo_reload_ahead == 0
     with pytest.raises(ValueError, match=r"unknown variant 'ours\+fast'"):
         mg.variant_for("ours+fast", 4, ())
     with pytest.raises(ValueError, match=r"\+kdtoh is for variants that offload"):

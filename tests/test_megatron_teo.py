@@ -149,9 +149,10 @@ def test_each_module_runs_inside_the_context_and_its_output_goes_through_sync(sp
     model = GPTModel(layers=3)
     x = torch.randn(4, 8)
     expected = model(x)
-    handle = use_teo_offload(DistributedDataParallel(model), scope=scope, num_layers=2, memory_budget=5 << 30)
+    handle = use_teo_offload(DistributedDataParallel(model), scope=scope, num_layers=2, memory_budget=5 << 30,
+                             reload_ahead=1)
     assert spy["kwargs"] == {"num_layers": 2, "model_layers": 3, "memory_budget": 5 << 30,
-                             "classify": None}
+                             "reload_ahead": 1, "classify": None}
     assert handle.model_layers == 3 and handle.num_layers == 2
     out = model(x)
     assert spy["log"] == ["enter", "exit", "sync"] * 3

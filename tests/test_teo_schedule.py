@@ -13,12 +13,12 @@ from teo_fakes import FakeStream, current_stream, layer_copies, queued_copies
 # The backward: reloads that never raise the step's peak
 
 
-def _peak_neutral_schedule(n: int, L: int) -> list[tuple[str, int, list[int]]]:
+def _peak_neutral_schedule(n: int, L: int, ahead: int = 0) -> list[tuple[str, int, list[int]]]:
     """The reloads started at each event of a backward: layer j begins, then j's region ends."""
     events = []
     for j in range(L - 1, -1, -1):
-        events.append(("start", j, reloads_at_backward_start(j, n, L)))
-        events.append(("end", j, reloads_at_region_end(j, n, L)))
+        events.append(("start", j, reloads_at_backward_start(j, n, L, ahead)))
+        events.append(("end", j, reloads_at_region_end(j, n, L, ahead)))
     return events
 
 
@@ -56,6 +56,46 @@ def test_peak_neutral_reloads_start_when_a_region_frees_room(n, L, expected):
             first.setdefault(r, (what, j))
     assert first == expected
     assert peak_neutral_lead(n, L) == max(L - 1 - n, 0)
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("n, L", [(3, 4), (2, 4), (4, 4), (7, 8), (1, 8)])
+def test_reload_ahead_starts_each_reload_that_many_layers_earlier_for_as_many_layers_more(n, L, ahead):
+    """Each reload starts ``ahead`` layers' events (a start and a region end each) earlier than
+    peak-neutral, or at the backward's first event where that would be before it; every one before
+    its use, and the layers on the GPU exceed the peak-neutral count by at most ``ahead``."""
+    def first_event(events):
+        first = {}
+        for i, (_, _, reloads) in enumerate(events):
+            for r in reloads:
+                first.setdefault(r, i)
+        return first
+
+    neutral, early = first_event(_peak_neutral_schedule(n, L)), first_event(_peak_neutral_schedule(n, L, ahead))
+    assert sorted(early) == list(range(n))
+    assert {layer: early[layer] for layer in neutral} == {layer: max(i - 2 * ahead, 0) for layer, i in neutral.items()}
+    on_gpu, allowed = set(range(n, L)), max(L - n, 1) + ahead
+    for what, j, reloads in _peak_neutral_schedule(n, L, ahead):
+        if what == "end":
+            on_gpu.discard(j)
+        on_gpu.update(reloads)
+        if what == "start":
+            assert j in on_gpu
+        assert len(on_gpu) <= allowed, (what, j, sorted(on_gpu))
+
+
+@pytest.mark.parametrize("bad, error", [(-1, ValueError), (1.0, TypeError), (True, TypeError)])
+def test_reload_ahead_must_be_a_count_of_layers(bad, error):
+    with pytest.raises(error, match="reload_ahead"):
+        TeoEngine(3, 4, reload_ahead=bad)
+
+
+def test_reload_ahead_belongs_to_teo_alone():
+    from te_offload_ops.engines import offload_context
+
+    with pytest.raises(ValueError, match="reload_ahead is an option of the teo engine"):
+        offload_context("v2", num_layers=1, model_layers=2, reload_ahead=1)
+    assert offload_context("teo", num_layers=1, model_layers=2, reload_ahead=1)[0].engine.reload_ahead == 1
 
 
 # ------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ def offload_context(
     classify: Optional[Callable[[torch.Tensor], Hashable]] = None,
     retain_pinned_cpu_buffers: bool = False,
     memory_budget: Optional[int] = None,
+    reload_ahead: int = 0,
 ):
     """Returns ``(context, sync_function, counter)`` for ``engine`` over ``model_layers`` layers,
     the first ``num_layers`` offloaded.
@@ -50,6 +51,11 @@ def offload_context(
     last two steps. :func:`te_offload_ops.engines.measure_budget` measures the budget of a target
     peak with your step and says whether it beats the default there; a budget pays off only where
     the default schedule's forward waits for copies (see its documentation).
+    ``reload_ahead`` ("teo" only): start each reload that many layers earlier than the
+    peak-neutral point (a layer's reload starts once the layers after it that the peak holds have
+    finished their backward). Where reloads are slower than the backward between that point and
+    their use, the backward waits for them; each layer ahead hides up to one layer's backward of
+    copy time and may raise the peak by up to one offloaded layer's bytes.
     "teo" accepts ``num_layers == model_layers``; its pinned buffers are always kept for reuse.
     """
     if engine not in ENGINES:
@@ -59,11 +65,14 @@ def offload_context(
                          + (" (it always reuses its pinned buffers)" if engine == "teo" else ""))
     if memory_budget is not None and engine != "teo":
         raise ValueError(f"memory_budget is an option of the teo engine, not of {engine!r}")
+    if reload_ahead and engine != "teo":
+        raise ValueError(f"reload_ahead is an option of the teo engine, not of {engine!r}")
     counter = OffloadCounter(classify)
     if engine == "none":
         return contextlib.nullcontext(), (lambda t: t), counter
     if engine == "teo":
-        ctx, sync = make_teo_context(num_layers, model_layers, counter=counter, memory_budget=memory_budget)
+        ctx, sync = make_teo_context(num_layers, model_layers, counter=counter, memory_budget=memory_budget,
+                                     reload_ahead=reload_ahead)
         return ctx, sync, counter
     ctx, sync = te_offload_context(engine, num_layers=num_layers, model_layers=model_layers, counter=counter,
                                    retain_pinned_cpu_buffers=retain_pinned_cpu_buffers)

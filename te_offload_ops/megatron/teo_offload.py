@@ -199,7 +199,7 @@ class TeoOffload:
 
 
 def use_teo_offload(model: Any, *, scope: str = "layer", num_layers: Optional[int] = None,
-                    memory_budget: Optional[int] = None,
+                    memory_budget: Optional[int] = None, reload_ahead: int = 0,
                     classify: Optional[Callable[[torch.Tensor], Hashable]] = None,
                     config: Any = None, modules: Optional[Iterable[torch.nn.Module]] = None) -> TeoOffload:
     """Put ``model``'s Megatron modules of ``scope`` under one teo engine; returns a :class:`TeoOffload`.
@@ -211,7 +211,10 @@ def use_teo_offload(model: Any, *, scope: str = "layer", num_layers: Optional[in
     offload the first n of them (default all; the rest run inside the context without moving
     anything, as teo counts every layer). ``memory_budget``: bytes of
     ``torch.cuda.memory_allocated`` the step may reach (teo then waits for copies only where
-    memory would pass it; e.g. a memory cap less a GiB or two). ``classify``: key for the byte counter.
+    memory would pass it; e.g. a memory cap less a GiB or two). ``reload_ahead``: start reloads
+    that many layers before the peak-neutral point (hides reloads slower than the backward between
+    layers, for up to one offloaded layer's bytes more at the peak each; see
+    ``te_offload_ops.engines.offload_context``). ``classify``: key for the byte counter.
     ``config``: Megatron's TransformerConfig (default: ``model.config``), checked for settings
     teo cannot follow. ``modules``: the modules to wrap, in forward order, instead of finding them.
     """
@@ -240,7 +243,8 @@ def use_teo_offload(model: Any, *, scope: str = "layer", num_layers: Optional[in
                                       or memory_budget <= 0):
         raise ValueError(f"memory_budget must be a positive int (bytes), got {memory_budget!r}")
     context, sync, counter = offload_context("teo", num_layers=n, model_layers=len(found),
-                                             memory_budget=memory_budget, classify=classify)
+                                             memory_budget=memory_budget, reload_ahead=reload_ahead,
+                                             classify=classify)
     handle = TeoOffload(modules=found, scope=scope, num_layers=n, context=context, sync=sync, counter=counter)
     for index, module in enumerate(found):
         own = vars(module).get("forward")  # a forward set on the instance by someone else, kept under ours

@@ -108,8 +108,11 @@ class TeoContext:
 
 
 def make_teo_context(num_layers: int, model_layers: int, *, counter: Any = None,
-                     pool: Optional[PinnedBufferPool] = None, memory_budget: Optional[int] = None):
+                     pool: Optional[PinnedBufferPool] = None, memory_budget: Optional[int] = None,
+                     reload_ahead: int = 0):
     """``(context, sync_function)`` of a new teo engine over ``model_layers`` layers, the first
-    ``num_layers`` offloaded; ``memory_budget``: see ``te_offload_ops.engines.offload_context``."""
-    ctx = TeoContext(TeoEngine(num_layers, model_layers, counter=counter, pool=pool, memory_budget=memory_budget))
+    ``num_layers`` offloaded; ``memory_budget``, ``reload_ahead``: see
+    ``te_offload_ops.engines.offload_context``."""
+    ctx = TeoContext(TeoEngine(num_layers, model_layers, counter=counter, pool=pool, memory_budget=memory_budget,
+                               reload_ahead=reload_ahead))
     return ctx, ctx.sync

@@ -73,9 +73,13 @@ class TeoEngine:
     """Pack/unpack hooks behind one teo context (one model's layers); the schedule says when."""
 
     def __init__(self, num_layers: int, model_layers: int, *, counter: Any = None,
-                 pool: Optional[PinnedBufferPool] = None, memory_budget: Optional[int] = None):
+                 pool: Optional[PinnedBufferPool] = None, memory_budget: Optional[int] = None,
+                 reload_ahead: int = 0):
         _check_int("num_layers", num_layers)
         _check_int("model_layers", model_layers)
+        _check_int("reload_ahead", reload_ahead)
+        if reload_ahead < 0:
+            raise ValueError(f"reload_ahead must be >= 0 (layers), got {reload_ahead}")
         if memory_budget is not None:
             _check_int("memory_budget", memory_budget)
         if model_layers < 1:
@@ -91,6 +95,7 @@ class TeoEngine:
                                "(NVTE_CPU_OFFLOAD_V1=1 when transformer_engine was imported): run teo in a process "
                                "without NVTE_CPU_OFFLOAD_V1=1, or use offload_context('v1', ...)")
         self.num_layers, self.model_layers = num_layers, model_layers
+        self.reload_ahead = reload_ahead
         self.counter = counter
         self.pool = pool if pool is not None else default_pool()
         self.schedule: Schedule = LayerSchedule() if memory_budget is None else BudgetSchedule(memory_budget)
@@ -305,7 +310,7 @@ class TeoEngine:
         for done in [j for j in self.copies.layers if j > layer]:
             self.release_reload(done)
         self.schedule.backward_ready(layer)
-        for j in reloads_at_backward_start(layer, self.num_layers, self.model_layers):
+        for j in reloads_at_backward_start(layer, self.num_layers, self.model_layers, self.reload_ahead):
             self.reload(j, prefetch=j != layer)
 
     def region_backward_done(self, layer: int) -> None:
@@ -313,7 +318,7 @@ class TeoEngine:
         saved tensors: its reloads go back to the allocator, and the next reload may start."""
         self.release_reload(layer)
         self.schedule.region_ended()
-        for j in reloads_at_region_end(layer, self.num_layers, self.model_layers):
+        for j in reloads_at_region_end(layer, self.num_layers, self.model_layers, self.reload_ahead):
             self.reload(j, prefetch=True)
 
     def finish_backward(self) -> None:

@@ -13,7 +13,11 @@ the forward and whether a reload may start now. Two strategies share the interfa
 
 Reloads follow :func:`reloads_at_backward_start` and :func:`reloads_at_region_end` under either:
 a layer's reload starts as soon as enough of the layers after it have finished their backward for
-its bytes to fit under the no-offload peak less what was offloaded (peak-neutral).
+its bytes to fit under the no-offload peak less what was offloaded (peak-neutral). ``reload_ahead``
+starts each reload that many layers earlier still: where a reload takes longer than the backward
+between its start and its use (with ``n = L - 1`` peak-neutral leaves it only what runs outside
+the offloaded region), each layer ahead hides up to one layer's backward of copy time for up to one
+offloaded layer's bytes more at the peak.
 """
 
 from __future__ import annotations
@@ -42,18 +46,22 @@ def peak_neutral_lead(num_layers: int, model_layers: int) -> int:
     return max(model_layers - 1 - num_layers, 0)
 
 
-def reloads_at_backward_start(layer: int, num_layers: int, model_layers: int) -> list[int]:
-    """Offloaded layers whose reload starts when layer ``layer``'s backward begins: ``layer`` itself
-    (needed now) and the layer ``peak_neutral_lead`` below it, where TE V2 would start it (normally
-    already started by :func:`reloads_at_region_end`)."""
-    lead = peak_neutral_lead(num_layers, model_layers)
-    return [j for j in dict.fromkeys((layer, layer - lead)) if 0 <= j < num_layers]
+def reloads_at_backward_start(layer: int, num_layers: int, model_layers: int, ahead: int = 0) -> list[int]:
+    """Offloaded layers whose reload starts when layer ``layer``'s backward begins, the one needed
+    first first: ``layer`` itself (needed now) and the layer ``peak_neutral_lead + ahead`` below it,
+    where TE V2 would start it with ``ahead=0`` (normally already started by
+    :func:`reloads_at_region_end`). The backward's first layer also starts every layer between,
+    whose points would fall before the backward began."""
+    lead = peak_neutral_lead(num_layers, model_layers) + ahead
+    first = layer == model_layers - 1
+    candidates = range(layer, layer - lead - 1, -1) if first else (layer, layer - lead)
+    return [j for j in dict.fromkeys(candidates) if 0 <= j < num_layers]
 
 
-def reloads_at_region_end(layer: int, num_layers: int, model_layers: int) -> list[int]:
+def reloads_at_region_end(layer: int, num_layers: int, model_layers: int, ahead: int = 0) -> list[int]:
     """Offloaded layers whose reload starts when the backward of ``layer``'s region is over and its
-    memory has gone back: the layer ``peak_neutral_lead + 1`` below."""
-    j = layer - peak_neutral_lead(num_layers, model_layers) - 1
+    memory has gone back: the layer ``peak_neutral_lead + ahead + 1`` below."""
+    j = layer - peak_neutral_lead(num_layers, model_layers) - ahead - 1
     return [j] if 0 <= j < num_layers else []
 
 
