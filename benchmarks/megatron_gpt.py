@@ -139,6 +139,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-modules", default="expert_fc1,moe_act",
                    help=f"Megatron's offload_modules for ours+megatron, from {', '.join(EXPERT_OFFLOAD_CHOICES)}")
     p.add_argument("--teo-budget-gib", type=float, default=None, help="teo's memory_budget (default: none)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timing jobs per variant, in rounds through the variants; each row is the run with the "
+                        "median step, every run's step listed (default 1)")
     p.add_argument("--teo-reload-ahead", type=int, default=1,
                    help="ours+teo-ahead's reload_ahead: layers before the peak-neutral point its reloads start (default 1)")
     p.add_argument("--cuda-graphs", default="",
@@ -191,6 +194,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--layers must be at least 2: the offloading variants offload layers 1..L-1")
     if args.teo_budget_gib is not None and args.teo_budget_gib <= 0:
         p.error("--teo-budget-gib must be positive")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     if args.teo_reload_ahead < 0:
         p.error("--teo-reload-ahead must be >= 0")
     if args.job_timeout <= 0:
@@ -592,6 +597,15 @@ def run_job(args, ep: int, label: str, job: str, **what) -> dict:
     return found
 
 
+def median_run(runs: list[dict]) -> dict:
+    """A variant's row from its runs: the run with the median step (the lower of the two middle ones
+    for an even count; the first failure where none ran), with every run's step in ``step_ms_runs``."""
+    ran = sorted((r for r in runs if "error" not in r), key=lambda r: r["step_ms"])
+    if not ran:
+        return runs[0]
+    return {**ran[(len(ran) - 1) // 2], "step_ms_runs": [r.get("step_ms") for r in runs]}
+
+
 def cap_search(args) -> list:
     """Per --cap-variants at EP=1: the most sequences per micro-batch that fit under --cap-gib,
     trying --micro-batch upward until one does not fit (each trial a job of its own)."""
@@ -632,24 +646,28 @@ def launch(args) -> int:
     from te_offload_ops.megatron import installed_version
 
     s = args.shape
-    per_ep = len(args.variants) + (0 if args.no_numerics else 1)
+    per_ep = len(args.variants) * args.repeats + (0 if args.no_numerics else 1)
     log(f"L={s.layers} H={s.hidden} E={s.experts} top-{s.topk} F={s.ffn}, {s.microbatches} x {s.micro_batch} x "
         f"{s.seq} tokens per rank; {per_ep * len(args.ep)} jobs, each in processes of its own: per EP in "
         f"{args.ep}, the variants {', '.join(args.variants)}" + ("" if args.no_numerics else ", then the numerics")
         + ("; then the cap trials at EP=1" if args.cap_gib is not None else ""))
     rows, numerics, cap, gpus = [], {}, None, []  # the GPU's name comes from the workers
     for ep in args.ep:
-        for i, name in enumerate(args.variants, 1):
-            label = f"EP={ep} [{i}/{len(args.variants)}] {name}"
-            log(f"{label} ...")
-            job = run_job(args, ep, label, "time", variant=name)
-            gpus += [r["gpu"] for r in job["per_rank"] if "gpu" in r]
-            row = merge_variant(job["per_rank"], ep, name, job["failure"])
-            rows.append(row)
-            if "error" not in row:
-                log(f"{label}: step {row['step_ms']:.1f} ms, peak {row['peak_GiB']:.2f} GiB "
-                    f"({row['peak_above_floor_GiB']:.2f} above the floor of {row['floor_GiB']:.2f}), offloaded "
-                    f"{row['offloaded_MiB_per_step']:.0f} MiB/step ({job['seconds']:.0f} s)")
+        runs = {name: [] for name in args.variants}
+        for round_ in range(1, args.repeats + 1):  # rounds through the variants: a slow spell hits all alike
+            for i, name in enumerate(args.variants, 1):
+                label = f"EP={ep} [{i}/{len(args.variants)}] {name}" + \
+                    (f" (run {round_}/{args.repeats})" if args.repeats > 1 else "")
+                log(f"{label} ...")
+                job = run_job(args, ep, label, "time", variant=name)
+                gpus += [r["gpu"] for r in job["per_rank"] if "gpu" in r]
+                row = merge_variant(job["per_rank"], ep, name, job["failure"])
+                runs[name].append(row)
+                if "error" not in row:
+                    log(f"{label}: step {row['step_ms']:.1f} ms, peak {row['peak_GiB']:.2f} GiB "
+                        f"({row['peak_above_floor_GiB']:.2f} above the floor of {row['floor_GiB']:.2f}), offloaded "
+                        f"{row['offloaded_MiB_per_step']:.0f} MiB/step ({job['seconds']:.0f} s)")
+        rows += [median_run(runs[name]) for name in args.variants]
         if not args.no_numerics:
             label = f"EP={ep} numerics"
             log(f"{label} ...")
@@ -672,7 +690,8 @@ def launch(args) -> int:
         "config": {**{k: getattr(args.shape, k) for k in ("layers", "hidden", "heads", "ffn", "experts", "topk",
                                                           "seq", "micro_batch", "microbatches", "vocab")},
                    "ep": args.ep, "variants": args.variants, "offload_modules": list(args.offload_modules),
-                   "teo_budget_gib": args.teo_budget_gib, "teo_reload_ahead": args.teo_reload_ahead, "warmup": args.warmup, "iters": args.iters,
+                   "teo_budget_gib": args.teo_budget_gib, "teo_reload_ahead": args.teo_reload_ahead,
+                   "repeats": args.repeats, "warmup": args.warmup, "iters": args.iters,
                    "seed": args.seed, "profile": args.profile, "numerics": not args.no_numerics,
                    "cap_gib": args.cap_gib, "cap_max_micro_batch": args.cap_max_micro_batch,
                    "cuda_graphs": list(args.cuda_graphs)},

@@ -184,14 +184,21 @@ def markdown(result: dict) -> str:
         "floor (activations scale with tokens). Loss: the first step against stock's and ours' (same weights and "
         "tokens)." + graphs_sentence(result["rows"]) + (f" Command: `{result['command']}`" if result.get("command") else ""),
         "",
-        "| " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
     ]
+    repeats = c.get("repeats", 1) > 1
+    columns = COLUMNS + ([("step ms of each run", "step_ms_runs_text", "{}")] if repeats else [])
+    if repeats:
+        lines[-2] += (f" Each variant ran {c['repeats']} times, in rounds through the variants; its row is the run "
+                      "with the median step.")
+    lines += ["", "| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
     for row in result["rows"]:
         if "error" in row:
             lines.append(f"| {row.get('ep')} | {row['variant']} | failed: {row['error'][:120]} |"
-                         + " |" * (len(COLUMNS) - 3))
+                         + " |" * (len(columns) - 3))
             continue
-        lines.append("| " + " | ".join(cell(row.get(k), f) for _, k, f in COLUMNS) + " |")
+        runs = row.get("step_ms_runs") or []
+        row = {**row, "step_ms_runs_text": " / ".join("failed" if x is None else f"{x:.1f}" for x in runs) or None}
+        lines.append("| " + " | ".join(cell(row.get(k), f) for _, k, f in columns) + " |")
     lines += numerics_lines(result.get("numerics") or {})
     if result.get("targets"):
         lines += ["", "| target | reached | met |", "|---|---|---|"]

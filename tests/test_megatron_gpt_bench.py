@@ -556,6 +556,33 @@ def test_the_launcher_runs_a_job_per_variant_and_ep_then_numerics_and_cap_trials
     assert "cap 60 GiB: ours+teo at micro-batch 5: fits, step 100.0 ms" in out
 
 
+def test_repeats_run_in_rounds_and_each_row_is_the_median_run(tmp_path, monkeypatch):
+    calls, steps = [], {"ours": iter([103.0, 99.0, 101.0]), "ours+teo": iter([140.0, 110.0, None])}
+
+    def fake_job(args, ep, label, job, variant=None, micro_batch=None):
+        calls.append(variant)
+        base = {"rc": 0, "seconds": 1.0, "timed_out": False, "tail": "", "failure": None}
+        step = next(steps[variant])
+        if step is None:
+            return {**base, "per_rank": [], "rc": 1, "failure": "0 of 1 ranks wrote results (exit status 1)"}
+        return {**base, "per_rank": [{"rank": 0, "gpu": "NVIDIA H100 80GB HBM3", "weights_digest": 1.0,
+                                      "row": _row(variant, ep, step, 8.0, rank=0)}]}
+
+    monkeypatch.setattr(mg, "run_job", fake_job)
+    monkeypatch.setattr(mg, "problem", lambda max_ep: None)
+    mg.main(["--out", str(tmp_path), "--ep", "1", "--variants", "ours,ours+teo", "--repeats", "3", "--no-numerics"])
+    assert calls == ["ours", "ours+teo"] * 3  # rounds, not one variant's runs back to back
+    result = json.loads((tmp_path / "megatron_gpt_NVIDIA_H100_80GB_HBM3_ep1.json").read_text())
+    ours, teo = result["rows"]
+    assert ours["step_ms"] == 101.0 and ours["step_ms_runs"] == [103.0, 99.0, 101.0]
+    assert teo["step_ms"] == 110.0 and teo["step_ms_runs"] == [140.0, 110.0, None]  # lower middle of two that ran
+    assert teo["step_vs_ours"] == pytest.approx(110.0 / 101.0)
+    md = (tmp_path / "megatron_gpt_NVIDIA_H100_80GB_HBM3_ep1.md").read_text()
+    assert "Each variant ran 3 times" in md and "| 140.0 / 110.0 / failed |" in md
+    with pytest.raises(SystemExit):
+        mg.parse_args(["--repeats", "0"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the worker's failure path without a GPU")
 def test_a_worker_that_cannot_start_writes_why_and_exits_non_zero(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCH / "megatron_gpt.py"), "--worker-ep", "1", "--worker-out",
