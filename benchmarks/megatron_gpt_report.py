@@ -190,7 +190,7 @@ def markdown(result: dict) -> str:
     if repeats:
         lines[-2] += (f" Each variant ran {c['repeats']} times, in rounds through the variants; its row is the run "
                       "with the median step.")
-    lines += ["", "| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
     for row in result["rows"]:
         if "error" in row:
             lines.append(f"| {row.get('ep')} | {row['variant']} | failed: {row['error'][:120]} |"
