@@ -362,6 +362,8 @@ def time_variant(args, rank: int, weights: dict) -> dict:
             "offloaded_MiB_per_step": moved / 2**20, "step_ms_each": times,
             "teo_pinned_allocations_timed": pinned[0] if teo is not None else None,
             "teo_pinned_MiB_timed": pinned[1] / 2**20 if teo is not None else None,
+            "teo_pinned_ms_timed": pinned[2] * 1e3 if teo is not None else None,
+            "teo_pinned_timed": latest_pinned_allocations(pinned[0]) if teo is not None else None,
             "first_loss": first_loss, "profile": profile, "host_profile": host,
             "cuda_graphs": list(v.cuda_graph_modules), "graph_capture_s": capture_s}
 
@@ -406,12 +408,21 @@ def host_profile(args, ddp, optimizer, data, steps: int = 3, top: int = 25, keep
             "functions": [r for r in rows if r["self_ms"] >= keep_ms]}
 
 
-def pinned_allocations() -> tuple[int, int]:
-    """(pinned buffers, bytes) teo's shared pool has allocated so far."""
+def pinned_allocations() -> tuple[int, int, float]:
+    """(pinned buffers, bytes, host seconds spent allocating them) teo's shared pool has allocated so far."""
     from te_offload_ops.engines.teo import default_pool
 
     pool = default_pool()
-    return pool.allocations, pool.allocated_bytes
+    return pool.allocations, pool.allocated_bytes, pool.allocation_seconds
+
+
+def latest_pinned_allocations(count: int) -> list:
+    """The last ``count`` allocations of teo's shared pool (at most the 64 it remembers), each with
+    what the pool held when its request found no buffer."""
+    from te_offload_ops.engines.teo import default_pool
+
+    recent = list(default_pool().recent_allocations)
+    return recent[len(recent) - min(count, len(recent)):]
 
 
 def profile_steps(args, name, ep, rank, ddp, optimizer, data) -> dict:

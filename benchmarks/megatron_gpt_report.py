@@ -34,7 +34,8 @@ def merge_variant(per_rank: list[dict], ep: int, name: str, failure: str | None 
     row["first_losses"] = [r["first_loss"] for r in rows]
     row["first_loss"] = sum(row["first_losses"]) / len(rows)
     row["weights_digest"] = [r.get("weights_digest") for r in per_rank]
-    for key in ("teo_pinned_allocations_timed", "teo_pinned_MiB_timed", "step_ms_each", "host_profile"):
+    for key in ("teo_pinned_allocations_timed", "teo_pinned_MiB_timed", "teo_pinned_ms_timed", "teo_pinned_timed",
+                "step_ms_each", "host_profile"):
         row[key + "_per_rank"] = [r.get(key) for r in rows]
         row.pop(key, None)
     row["profile_per_rank"] = [r.get("profile") for r in rows] if any(r.get("profile") for r in rows) else None
@@ -243,12 +244,26 @@ def markdown(result: dict) -> str:
     pinned = [r for r in result["rows"]
               if any(n is not None for n in r.get("teo_pinned_allocations_timed_per_rank") or [])]
     if pinned:
-        lines += ["", "Pinned host buffers teo allocated during the timed steps (per rank):", "",
-                  "| EP | variant | buffers | MiB |", "|---|---|---|---|"]
+        lines += ["", "Pinned host buffers teo allocated during the timed steps (per rank; host ms: the time "
+                      "the host spent pinning them):", "",
+                  "| EP | variant | buffers | MiB | host ms |", "|---|---|---|---|---|"]
         for r in pinned:
             buffers = " / ".join(str(n) for n in r["teo_pinned_allocations_timed_per_rank"])
             mib = " / ".join(f"{m:.0f}" for m in r["teo_pinned_MiB_timed_per_rank"])
-            lines.append(f"| {r['ep']} | {r['variant']} | {buffers} | {mib} |")
+            ms = " / ".join("-" if m is None else f"{m:.1f}" for m in
+                            r.get("teo_pinned_ms_timed_per_rank") or [None] * len(r["teo_pinned_MiB_timed_per_rank"]))
+            lines.append(f"| {r['ep']} | {r['variant']} | {buffers} | {mib} | {ms} |")
+        allocations = [(r, rank, a) for r in pinned for rank, found in enumerate(r.get("teo_pinned_timed_per_rank") or [])
+                       for a in found or []]
+        if allocations:
+            lines += ["", "Each of those allocations: the request that found no free buffer, and what the pool "
+                          "held then:", "",
+                      "| EP | variant | rank | requested MiB | allocated MiB | host ms | buffers in use | free "
+                      "buffers | largest free MiB |", "|---|---|---|---|---|---|---|---|---|"]
+            for r, rank, a in allocations:
+                lines.append(f"| {r['ep']} | {r['variant']} | {rank} | {a['requested'] / 2**20:.1f} | "
+                             f"{a['allocated'] / 2**20:.1f} | {a['seconds'] * 1e3:.1f} | {a['in_use']} | {a['free']} | "
+                             f"{a['largest_free'] / 2**20:.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -72,3 +72,20 @@ def test_new_buffers_are_powers_of_two_with_room_to_grow():
         grown = pool.acquire(int(n * 1.29) + 1)  # grown by 29%: the buffer it had still serves it
         pool.release(grown, None)
         assert grown is again and pool.allocations == before
+
+
+def test_pool_remembers_each_allocation_with_what_it_held_then():
+    pool, made = fake_pool()
+    first = pool.acquire(3 << 20)
+    pool.release(first, None)
+    pool.acquire(3 << 20)  # reused: not an allocation
+    pool.acquire(3 << 20)  # a second at once: allocated, with nothing free
+    assert pool.allocations == 2 and len(pool.recent_allocations) == 2
+    a = pool.recent_allocations[-1]
+    assert (a["requested"], a["allocated"], a["in_use"], a["free"], a["largest_free"]) == \
+        (3 << 20, made[-1], 1, 0, 0)
+    assert a["seconds"] >= 0 and pool.allocation_seconds >= a["seconds"]
+    big = pool.acquire(64 << 20)
+    pool.release(big, None)
+    pool.acquire(1 << 20)  # the free one is far larger: not taken, and the record says so
+    assert pool.recent_allocations[-1]["free"] == 1 and pool.recent_allocations[-1]["largest_free"] == made[-2]

@@ -15,7 +15,8 @@ steps only.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -73,7 +74,11 @@ class PinnedBufferPool:
         self._free: dict[int, list[HostBuffer]] = defaultdict(list)
         self.allocations = 0  # pinned buffers allocated so far
         self.allocated_bytes = 0  # their bytes (those dropped by clear() included)
+        self.allocation_seconds = 0.0  # the host's time in those allocations
         self.in_use = 0
+        # the latest allocations, each with what the pool held when the request found no buffer:
+        # why a steady run still pins memory (sizes growing, or more buffers at once than before)
+        self.recent_allocations: deque = deque(maxlen=64)
 
     def acquire(self, nbytes: int) -> HostBuffer:
         """A buffer of at least ``nbytes``: a free one from its size class up to twice the size a new
@@ -86,10 +91,16 @@ class PinnedBufferPool:
             if bucket:
                 self.in_use += 1
                 return bucket.pop()
+        free = [class_bytes(c) for c, bucket in self._free.items() for _ in bucket]
         k = allocation_class(k)
+        start = time.perf_counter()
         buf = HostBuffer(self._allocate(class_bytes(k)), k)
+        seconds = time.perf_counter() - start
         self.allocations += 1
         self.allocated_bytes += class_bytes(k)
+        self.allocation_seconds += seconds
+        self.recent_allocations.append({"requested": nbytes, "allocated": class_bytes(k), "seconds": seconds,
+                                        "in_use": self.in_use, "free": len(free), "largest_free": max(free, default=0)})
         self.in_use += 1
         return buf
 
