@@ -14,7 +14,9 @@ and gradients, 128x128 for weights), quantized with the recipe's settings as TE'
 The row passes (x's and dy's quantization, SReLU and its backward with the activations'
 quantization, x's dequantization) and the weights' quantization are Triton kernels
 (:mod:`..kernels.fp8_rows`) that write the bytes TE's quantizer writes; with ``TEO_FP8_ROWS=torch``,
-or without Triton, torch ops and TE's quantizer do them.
+or without Triton, torch ops and TE's quantizer do them. With ``TEO_FP8_ROWS=gemm`` fc1's GEMM
+writes act and z quantized from its epilogue (the same bytes, no bf16 z in memory:
+:func:`..kernels.grouped_gemm_fp8_srelu_quantize`); the other passes stay Triton kernels.
 
 Saved for backward, each through the policy: x and z in FP8 with their 1x128 scales (half the bytes
 of the bf16 path's x and z), probs and the split sizes; the weights' FP8 columnwise data for the
@@ -39,7 +41,7 @@ from .expert_weights import expert_weights, stacked_weight
 BLOCK = 128  # TE's block length for both 1x128 and 128x128 scales
 BLOCK_DIMS = (1, 2, 1)  # (x, w, grad) block_scaling_dim the kernels take
 ROWS_PER_PASS = 4096  # token rows per elementwise pass of the torch fallback (bounds its fp32 temporaries)
-ROWS_ENV = "TEO_FP8_ROWS"  # "torch": the row passes in torch ops instead of the Triton kernels
+ROWS_ENV = "TEO_FP8_ROWS"  # "torch": the row passes in torch ops; "gemm": SReLU's in fc1's epilogue
 
 
 def _row_kernels():
@@ -241,6 +243,15 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
     qx, qw = quantizer(recipe, "input"), quantizer(recipe, "weight")
     xq = quantize_for(recipe, "input", x)
     w1 = step_weights(fc1, qw, recipe)
+    if x.is_cuda and os.environ.get(ROWS_ENV) == "gemm":  # act and z quantized in fc1's epilogue
+        from .. import kernels
+
+        eps, pow2 = _qparams(recipe, "input")
+        act_data, act_scales, z_data, z_scales = kernels.grouped_gemm_fp8_srelu_quantize(
+            xq.data, xq.scale_inv, w1.rows, w1.row_scales, split_sizes, probs, eps=eps, pow2=pow2, out_dtype=x.dtype)
+        w2 = step_weights(fc2, qw, recipe)
+        y = gemm(Rows(act_data, act_scales), w2.rows, w2.row_scales, split_sizes, x.dtype)
+        return y, xq, Rows(z_data, z_scales), w1, w2
     z = gemm(xq, w1.rows, w1.row_scales, split_sizes, x.dtype)
     if (fast := _row_kernels()) is not None:  # act and z quantized in one pass over z
         act_data, act_scales, z_data, z_scales = fast.srelu_quantize(z, probs.contiguous(), *_qparams(recipe, "input"))

@@ -50,6 +50,18 @@ Scale loads
   consumers load it from global memory one k-block ahead, so its latency hides under the WGMMAs.
   A BN=192 tile straddles two 128-column scale blocks: it loads both and picks per column group.
 
+The SReLU x prob epilogue, quantized (``epilogue="srelu_q"``)
+--------------------------------------------------------------
+For fc1 the tile can leave as the two FP8 tensors the next steps read instead of bf16 ``C``:
+``z = bf16(C)`` and ``act = bf16(relu(z)^2 * prob[r])``, each quantized in TE's 1x128 blocks
+(e4m3, scale from the block's amax by TE's rule: the recipe's epsilon floor, power-of-two rounding
+if asked, 1 where the amax is 0, inf or NaN) with its fp32 scale-inverses in TE's
+``(ceil(N / 128), tokens)`` layout: the bytes :func:`..fp8_rows.srelu_quantize` writes from the
+bf16 ``C``, without ``C`` ever reaching global memory. A 128-column block of a row lies in one
+128-column tile, held by the four lanes of a quad (32 values each): a local max and two butterfly
+shuffles give the row's amax, so the tile's BN must be 128 (or 64 where N <= 64). Each output goes
+through the staging buffer as FP8 bytes and leaves in 16-byte row vectors, predicated as ``C``'s.
+
 Schedule
 --------
 Persistent and warp-specialized like :mod:`.gemm_sm90` (whose tile scheduling, split-size
@@ -73,7 +85,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .gemm_sm90 import _CONSUMER_REGS, _PRODUCER_REGS, _THREADS, _WG, GroupedGemmSm90
+from .gemm_sm90 import _CONSUMER_REGS, _EPI_BARRIER, _PRODUCER_REGS, _THREADS, _WG, GroupedGemmSm90
 
 SCALE_BLOCK = 128  # Float8BlockScaling's block length (1 x 128 and 128 x 128)
 _BK = SCALE_BLOCK  # one k-tile per scale block: the promotion happens once per k-tile
@@ -82,10 +94,16 @@ TILE_NS = (64, 128, 192)  # tmp and acc stay in registers: BN fp32 registers a c
 # must be 16-byte aligned): 4 fp32 more than the tile's rows, each stage's box 128-byte aligned
 _SA_ALIGN = 4
 _SA_STAGE_FLOATS = 32 * -(-(128 + _SA_ALIGN) // 32)
+FP8_EPILOGUES = ("plain", "srelu_q")  # C in bf16/fp16; or z and act quantized (see the module's docstring)
+_Q_PAD = 16  # bytes past each staged FP8 row: rows 16-byte aligned, quads' stores spread over banks
+_E4M3_MAX = 448.0
+_F32_MAX = 3.4028234663852886e38
+_OUT_MAX = {"BFloat16": 3.3895313892515355e38, "Float16": 65504.0}  # TE's scale where 448 / amax overflows
 
 
 class GroupedGemmFp8Sm90(GroupedGemmSm90):
-    """One compiled variant: (output dtype, BN, cluster_n, N, K, E, scale row length of sb)."""
+    """One compiled variant: (output dtype, BN, cluster_n, N, K, E, scale row length of sb, epilogue,
+    power-of-two scales)."""
 
     # False only for fault isolation (benchmarks/experiments/diagnose_fp8_gemm.py): no TMA of A's
     # scales, every A scale read as 1
@@ -101,8 +119,19 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         tile_mn: tuple[int, int] = (128, 128),
         cluster_n: int = 1,
         sb_cols: int | None = None,
+        epilogue: str = "plain",
+        pow2: bool = False,
     ):
         bm, bn = tile_mn
+        if epilogue not in FP8_EPILOGUES:
+            raise ValueError(f"FP8 epilogues are {FP8_EPILOGUES}, got {epilogue!r}")
+        if epilogue == "srelu_q":
+            if not (bn == SCALE_BLOCK or (bn == 64 and n <= 64)):
+                raise ValueError(f"the srelu_q epilogue needs a row's 128-column scale block inside one tile: BN=128 "
+                                 f"(or 64 where N <= 64), got BN={bn} for N={n}")
+            if n % 16:
+                raise ValueError(f"the srelu_q epilogue writes 16-byte FP8 row vectors: N must be a multiple of 16, "
+                                 f"got {n}")
         if bn not in TILE_NS:
             raise ValueError(f"FP8 tiles take BN in {TILE_NS} (the fp32 partial sums and the "
                              f"accumulator both stay in registers), got {bn}")
@@ -118,6 +147,11 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         self.k_tiles = (k + _BK - 1) // _BK
         self.n_sblocks = (n + SCALE_BLOCK - 1) // SCALE_BLOCK
         self.sb_cols = self.k_tiles if sb_cols is None else sb_cols
+        self.fp8_epilogue = epilogue  # the base class's epilogue stays "plain" (its staging sizes C's)
+        self.pow2 = bool(pow2)
+        self.q_row = bn + _Q_PAD  # bytes per staged FP8 row
+        unit = out_dtype.width // 8
+        self.epi_units = max(self.n_out * self.epi_elems, -(-(bm * self.q_row) // unit))
         if self.sb_cols < self.k_tiles:
             raise ValueError(f"B's scale rows must hold ceil(K / 128) = {self.k_tiles} k-blocks, got {sb_cols}")
         # a BN=192 tile covers parts of two 128-column scale blocks; 64 and 128 lie inside one
@@ -126,7 +160,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             raise ValueError(f"FP8 tiles take BM <= {_SA_STAGE_FLOATS - _SA_ALIGN}, got {bm}")
         stage_bytes = (bm + bn) * _BK + _SA_STAGE_FLOATS * 4  # A and B tiles (1-byte elements), A's scales
         budget = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 2048
-        budget -= self.n_out * self.epi_elems * (out_dtype.width // 8)  # epilogue staging
+        # epilogue staging: C's chunks, or one tile of FP8 bytes at a time
+        budget -= max(self.n_out * self.epi_elems * (out_dtype.width // 8), bm * (bn + _Q_PAD))
         budget -= 1024  # alignment of the A-scale buffers
         self.stages = max(2, min(8, budget // stage_bytes))
 
@@ -140,11 +175,22 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         p_split: cute.Pointer,
         p_sa: cute.Pointer,
         p_sb: cute.Pointer,
+        p_prob: cute.Pointer,
+        p_act: cute.Pointer,
+        p_act_s: cute.Pointer,
+        p_zq: cute.Pointer,
+        p_zq_s: cute.Pointer,
         num_tokens: cutlass.Int32,
         sa_stride: cutlass.Int32,
         num_ctas: cutlass.Int32,
+        q_stride: cutlass.Int32,
+        eps: cutlass.Float32,
         stream,
     ):
+        """``p_c`` takes C (``epilogue="plain"``); ``p_prob`` (fp32, per token), ``p_act``/``p_zq``
+        (e4m3, (T, N)) and their scale-inverses ``p_act_s``/``p_zq_s`` (fp32, (ceil(N / 128), T)
+        with row stride ``q_stride``) and ``eps`` (the recipe's amax floor) take the srelu_q
+        epilogue's inputs and outputs; the other form's pointers are not read."""
         n, k, e = self.n, self.k, self.num_experts
         bm, bn, bk = self.bm, self.bn, self.bk
         ab = self.ab_dtype
@@ -161,6 +207,11 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             p_sb, cute.make_layout((e, self.n_sblocks, self.sb_cols),
                                    stride=(self.n_sblocks * self.sb_cols, self.sb_cols, 1))
         )
+        m_prob = cute.make_tensor(p_prob, cute.make_layout((num_tokens,)))
+        m_act = cute.make_tensor(p_act, cute.make_layout((num_tokens, n), stride=(n, 1)))
+        m_zq = cute.make_tensor(p_zq, cute.make_layout((num_tokens, n), stride=(n, 1)))
+        m_act_s = cute.make_tensor(p_act_s, cute.make_layout((self.n_sblocks, num_tokens), stride=(q_stride, 1)))
+        m_zq_s = cute.make_tensor(p_zq_s, cute.make_layout((self.n_sblocks, num_tokens), stride=(q_stride, 1)))
 
         k_major = LayoutEnum.ROW_MAJOR
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -194,11 +245,12 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             sa: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sa_layout)], 1024]
             sb: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sb_layout)], 1024]
             ssa: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(ssa_layout)], 128]
-            epi: cute.struct.Align[cute.struct.MemRange[self.dtype, self.n_out * self.epi_elems], 128]
+            epi: cute.struct.Align[cute.struct.MemRange[self.dtype, self.epi_units], 128]
 
         self.smem_struct = Smem
         self.kernel(
             tma_a, g_a, tma_a1, g_a1, tma_b, g_b, tma_sa, g_sa, m_c, m_split, m_sb,
+            m_prob, m_act, m_act_s, m_zq, m_zq_s, eps,
             tiled_mma, sa_layout, sb_layout, ssa_layout,
         ).launch(
             grid=[num_ctas, 1, 1], block=[_THREADS, 1, 1], cluster=[self.cluster_n, 1, 1],
@@ -220,6 +272,12 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         m_c: cute.Tensor,
         m_split: cute.Tensor,
         m_sb: cute.Tensor,
+        m_prob: cute.Tensor,
+        m_act: cute.Tensor,
+        m_act_s: cute.Tensor,
+        m_zq: cute.Tensor,
+        m_zq_s: cute.Tensor,
+        eps: cutlass.Float32,
         tiled_mma: cute.TiledMma,
         sa_layout: cute.ComposedLayout,
         sb_layout: cute.ComposedLayout,
@@ -281,7 +339,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self._consume_fp8(tidx - _WG, wg - 1, rank, cluster, num_clusters, n_work, m_split, pipe,
-                              sa, sb, ssa, st, tiled_mma, m_c, m_sb, num_tokens)
+                              sa, sb, ssa, st, tiled_mma, m_c, m_sb, num_tokens,
+                              (m_prob, m_act, m_act_s, m_zq, m_zq_s, eps))
 
     @cute.jit
     def _produce_fp8(self, rank, cluster, num_clusters, n_work, m_split, pipe, tma_a, g_a, tma_a1, g_a1,
@@ -334,7 +393,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 
     @cute.jit
     def _consume_fp8(self, ctid, cwg, rank, cluster, num_clusters, n_work, m_split, pipe, sa, sb, ssa, st,
-                     tiled_mma, m_c, m_sb, num_tokens):
+                     tiled_mma, m_c, m_sb, num_tokens, q_args):
         bm, bn = self.bm, self.bn
         etid = ctid  # cooperative: the tile's threads are both consumer warpgroups
         wg_mma = tiled_mma.get_slice(cute.make_layout(2, stride=_WG)(cwg))
@@ -361,7 +420,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         sa_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
         thr_cp = self._staging_copy().get_slice(etid)
         cp_id = thr_cp.partition_S(cute.make_identity_tensor((bm, self.epi_cols)))
-        no_probs = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)  # the plain epilogue reads none
+        prob_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)  # the plain epilogue reads none
+        m_prob = q_args[0]
 
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tile = cluster
@@ -379,6 +439,11 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                     sblk1 = sblk0 + 1
             sb0 = m_sb[expert, sblk0, 0]
             sb1 = sb0
+            if cutlass.const_expr(self.fp8_epilogue == "srelu_q"):  # in flight during the mainloop
+                for i in cutlass.range_constexpr(n_rows):
+                    prob_r[i] = cutlass.Float32(0.0)
+                    if rows[i] < rows_here:
+                        prob_r[i] = m_prob[row0 + rows[i]]
             if cutlass.const_expr(self.straddles):
                 sb1 = m_sb[expert, sblk1, 0]
 
@@ -428,9 +493,122 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 sb0 = sb0_next
                 sb1 = sb1_next
 
-            self._epilogue(etid, cwg, n_blk, row0, rows_here, cols_here, acc, no_probs, [], thr_mma, c_id,
-                           thr_cp, cp_id, st, m_c, m_c, m_c, m_c)
+            if cutlass.const_expr(self.fp8_epilogue == "srelu_q"):
+                self._epilogue_srelu_q(etid, cwg, n_blk, row0, rows_here, cols_here, acc, tmp, prob_r, thr_mma,
+                                       c_id, st, q_args)
+            else:
+                self._epilogue(etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, [], thr_mma, c_id,
+                               thr_cp, cp_id, st, m_c, m_c, m_c, m_c)
             tile = tile + num_clusters
 
+    @cute.jit
+    def _block_scale(self, amax, eps):
+        """TE's scale of a 1x128 block from its amax (``compute_scale_from_amax``), as
+        :func:`..fp8_rows.block_scale` computes it: division and its rounding included."""
+        a = cute.arch.fmax(amax, eps)
+        scale = cutlass.Float32(_E4M3_MAX) / a
+        if scale > cutlass.Float32(_F32_MAX):
+            scale = cutlass.Float32(_OUT_MAX[self.dtype.__name__])
+        if cutlass.const_expr(self.pow2):
+            scale = (scale.bitcast(cutlass.Uint32) & cutlass.Uint32(0xFF800000)).bitcast(cutlass.Float32)
+        if a == cutlass.Float32(0.0) or a > cutlass.Float32(_F32_MAX) or a != a:
+            scale = cutlass.Float32(1.0)
+        return scale
 
-__all__ = ["GroupedGemmFp8Sm90", "SCALE_BLOCK", "TILE_NS"]
+    @cute.jit
+    def _epilogue_srelu_q(self, etid, cwg, n_blk, row0, rows_here, cols_here, acc, tmp, prob_r, thr_mma, c_id,
+                          st, q_args):
+        """The tile's z and act, each quantized by row in its 128-column block, -> FP8 data and scales.
+
+        Per element ``z = f32(round(acc))`` (the output dtype's rounding, as C would be stored) and
+        ``act = f32(round(relu(z)^2 * prob))``, z kept in ``acc`` and act in ``tmp`` (dead after the
+        mainloop); masked to 0 past N, as the row kernel reads zeros there. A row's amax is the
+        max over a thread's 32 (BN=128) values and its quad's (two butterflies; every lane takes
+        part, valid row or not). Each output is staged as FP8 bytes, then leaves as 16-byte row
+        vectors predicated on the tile's rows and N; the quad's first lane stores the row's scale-
+        inverse."""
+        _, m_act, m_act_s, m_zq, m_zq_s, eps = q_args
+        bm, bn = self.bm, self.bn
+        dt = self.dtype
+        f8 = cutlass.Float8E4M3FN
+        shp = acc.shape
+        n_pair = cute.size(shp[0][0])
+        n_half = cute.size(shp[0][1])
+        n_grp = cute.size(shp[0][2])
+        n_m = cute.size(shp[1])
+        n_rows = n_half * n_m
+        z_scale = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        a_scale = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        magnitude = cutlass.Uint32(0x7FFFFFFF)
+        for mm in cutlass.range_constexpr(n_m):
+            for h in cutlass.range_constexpr(n_half):
+                p = prob_r[mm * n_half + h]
+                z_max = cutlass.Float32(0.0)
+                a_max = cutlass.Float32(0.0)
+                for g in cutlass.range_constexpr(n_grp):
+                    for pr in cutlass.range_constexpr(n_pair):
+                        crd = ((pr, h, g), mm, 0)
+                        z = acc[crd].to(dt).to(cutlass.Float32)
+                        if c_id[crd][1] >= cols_here:
+                            z = cutlass.Float32(0.0)
+                        r = cute.arch.fmax(z, cutlass.Float32(0.0))
+                        a = (r * r * p).to(dt).to(cutlass.Float32)
+                        acc[crd] = z
+                        tmp[crd] = a
+                        z_max = cute.arch.fmax(z_max, (z.bitcast(cutlass.Uint32) & magnitude).bitcast(cutlass.Float32))
+                        a_max = cute.arch.fmax(a_max, (a.bitcast(cutlass.Uint32) & magnitude).bitcast(cutlass.Float32))
+                z_max = cute.arch.fmax(z_max, cute.arch.shuffle_sync_bfly(z_max, offset=1))
+                z_max = cute.arch.fmax(z_max, cute.arch.shuffle_sync_bfly(z_max, offset=2))
+                a_max = cute.arch.fmax(a_max, cute.arch.shuffle_sync_bfly(a_max, offset=1))
+                a_max = cute.arch.fmax(a_max, cute.arch.shuffle_sync_bfly(a_max, offset=2))
+                z_scale[mm * n_half + h] = self._block_scale(z_max, eps)
+                a_scale[mm * n_half + h] = self._block_scale(a_max, eps)
+
+        bar_id, n_threads = self._bar(_EPI_BARRIER, cwg)
+        staged = cute.make_tensor(cute.recast_ptr(st.epi.data_ptr(), dtype=f8),
+                                  cute.make_layout((bm, bn), stride=(self.q_row, 1)))
+        c_staged = thr_mma.partition_C(staged)
+        per_row = bn // 16  # 16-byte vectors per tile row
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f8, num_bits_per_copy=128)
+        tiled_cp = cute.make_tiled_copy_tv(
+            atom, cute.make_layout((self.tile_threads // per_row, per_row), stride=(per_row, 1)),
+            cute.make_layout((1, 16)),
+        )
+        thr_cp = tiled_cp.get_slice(etid)
+        cp_s = thr_cp.partition_S(staged)
+        cp_id = thr_cp.partition_S(cute.make_identity_tensor((bm, bn)))
+        n_i = cute.size(cp_id, mode=[1])
+        n_j = cute.size(cp_id, mode=[2])
+        sblk = (n_blk * bn) // SCALE_BLOCK
+        for which in cutlass.range_constexpr(2):  # act (fc2's input), then z (saved for backward)
+            vals = tmp if which == 0 else acc
+            scales = a_scale if which == 0 else z_scale
+            m_data = m_act if which == 0 else m_zq
+            m_s = m_act_s if which == 0 else m_zq_s
+            for mm in cutlass.range_constexpr(n_m):
+                for h in cutlass.range_constexpr(n_half):
+                    sc = scales[mm * n_half + h]
+                    for g in cutlass.range_constexpr(n_grp):
+                        for pr in cutlass.range_constexpr(n_pair):
+                            crd = ((pr, h, g), mm, 0)
+                            c_staged[crd] = (vals[crd] * sc).to(f8)
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
+            # 64-bit: row0 * N passes 2^31 for operands past 2^31 elements
+            ptr = (m_data.iterator + (cutlass.Int64(row0) * self.n + n_blk * bn)).align(16)
+            cp_g = thr_cp.partition_D(cute.make_tensor(ptr, cute.make_layout((bm, bn), stride=(self.n, 1))))
+            for i in cutlass.range_constexpr(n_i):
+                for j in cutlass.range_constexpr(n_j):
+                    crd = cp_id[0, i, j]
+                    if crd[0] < rows_here:
+                        if crd[1] < cols_here:
+                            cute.autovec_copy(cp_s[None, i, j], cp_g[None, i, j])
+            if etid % 4 == 0:
+                for mm in cutlass.range_constexpr(n_m):
+                    for h in cutlass.range_constexpr(n_half):
+                        row = c_id[(0, h, 0), mm, 0][0]
+                        if row < rows_here:
+                            m_s[sblk, row0 + row] = cutlass.Float32(1.0) / scales[mm * n_half + h]
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
+
+
+__all__ = ["GroupedGemmFp8Sm90", "FP8_EPILOGUES", "SCALE_BLOCK", "TILE_NS"]
