@@ -166,6 +166,38 @@ def test_srelu_quantize_epilogue_compiles_to_te_quantizers_arithmetic(n, k, e, o
 
 
 @needs_dsl
+@pytest.mark.parametrize("n,k,e,out_dtype,pow2", SRELU_Q_VARIANTS,
+                         ids=[f"N{v[0]}-K{v[1]}-{str(v[3])[6:]}{'-pow2' if v[4] else ''}" for v in SRELU_Q_VARIANTS])
+def test_dsrelu_quantize_epilogue_compiles_to_the_row_pass_arithmetic(n, k, e, out_dtype, pow2):
+    """fc2's dgrad with the SReLU backward: z read as FP8 (converted exactly), dact, act and dz
+    rounded to the output dtype, dz's scales by round-to-nearest division, four butterflies per row
+    (dz's amax and the dprob partial), dz and act staged out in the output dtype and dz's FP8 rows;
+    no register spills."""
+    kern, compiled, _ = kernels.compile_variant_fp8(n, k, e, out_dtype=out_dtype, epilogue="dsrelu_q", pow2=pow2,
+                                                    options="--keep-ptx --keep-cubin")
+    ptx = str(compiled.artifacts.PTX)
+    bn = kern.bn
+    per_thread = 64 * bn // 128
+    cvt_round = "cvt.rn.bf16.f32" if out_dtype == torch.bfloat16 else "cvt.rn.f16.f32"
+    assert len(re.findall(re.escape(cvt_round), ptx)) >= 3 * per_thread  # dact, act, dz
+    assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)) >= per_thread // 2
+    assert len(re.findall(r"\bdiv\.rn\.f32\b", ptx)) == 2 and len(re.findall(r"\brcp\.rn\.f32\b", ptx)) == 2
+    assert "div.approx" not in ptx and "div.full" not in ptx and "max.NaN" not in ptx
+    assert len(re.findall(r"shfl\.sync\.bfly", ptx)) == 8
+    assert len(re.findall(r"and\.b32\s+%r\d+, %r\d+, -8388608;", ptx)) == (2 if pow2 else 0)
+    # dz and act: 128 x BN x 2 bytes each, dz's FP8 rows 128 x BN, in 16-byte vectors over 256 threads
+    assert len(re.findall(r"st\.global\.v4", ptx)) == (2 * 128 * bn * 2 + 128 * bn) // 16 // 256
+    tool = _cuobjdump()
+    if tool:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.artifacts.CUBIN)
+            f.flush()
+            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
+        assert m and m.group(2) == "0" and m.group(3) == "0", out
+
+
+@needs_dsl
 def test_srelu_quantize_epilogue_refuses_tiles_that_split_a_scale_block():
     from te_offload_ops.kernels.gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
@@ -193,6 +225,25 @@ def test_srelu_quantize_entry_point_refuses_bad_probs_and_widths():
         kernels.grouped_gemm_fp8_srelu_quantize(a, sa, b, sb, splits, torch.ones(T), tile=(128, 192))
     with pytest.raises(ValueError, match="CUDA device"):  # well-formed: only the device is wrong
         kernels.grouped_gemm_fp8_srelu_quantize(a, sa, b, sb, splits, torch.ones(T))
+
+
+def test_dsrelu_quantize_entry_point_refuses_bad_z_and_probs():
+    a, sa, b, sb, splits = _ok_args()
+    z = torch.zeros(T, N, dtype=torch.uint8)
+    zs = torch.ones(N // 128, (T + 3) // 4 * 4)
+    call = kernels.grouped_gemm_fp8_dsrelu_quantize
+    with pytest.raises(ValueError, match="one value per token"):
+        call(a, sa, b, sb, splits, z, zs, torch.ones(T - 1))
+    with pytest.raises(ValueError, match="z_data must be FP8"):
+        call(a, sa, b, sb, splits, z[:, :128], zs, torch.ones(T))
+    with pytest.raises(ValueError, match="z_data must be FP8"):
+        call(a, sa, b, sb, splits, z.float(), zs, torch.ones(T))
+    with pytest.raises(ValueError, match="z_scale_inv must be fp32"):
+        call(a, sa, b, sb, splits, z, zs[:, :T - 4], torch.ones(T))
+    with pytest.raises(ValueError, match="z_scale_inv must be fp32"):
+        call(a, sa, b, sb, splits, z, zs.t().contiguous().t(), torch.ones(T))
+    with pytest.raises(ValueError, match="CUDA device"):  # well-formed: only the device is wrong
+        call(a, sa, b, sb, splits, z, zs, torch.ones(T))
 
 
 # ------------------------------------------------------------------ entry point checks (no GPU)

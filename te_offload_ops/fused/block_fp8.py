@@ -15,8 +15,10 @@ The row passes (x's and dy's quantization, SReLU and its backward with the activ
 quantization, x's dequantization) and the weights' quantization are Triton kernels
 (:mod:`..kernels.fp8_rows`) that write the bytes TE's quantizer writes; with ``TEO_FP8_ROWS=torch``,
 or without Triton, torch ops and TE's quantizer do them. With ``TEO_FP8_ROWS=gemm`` fc1's GEMM
-writes act and z quantized from its epilogue (the same bytes, no bf16 z in memory:
-:func:`..kernels.grouped_gemm_fp8_srelu_quantize`); the other passes stay Triton kernels.
+writes act and z quantized from its epilogue and fc2's dgrad the SReLU backward from its (the same
+bytes, dprob summed in another order; no bf16 z or dact in memory:
+:func:`..kernels.grouped_gemm_fp8_srelu_quantize`, :func:`..kernels.grouped_gemm_fp8_dsrelu_quantize`);
+x's and dy's quantization and x's dequantization stay Triton kernels.
 
 Saved for backward, each through the policy: x and z in FP8 with their 1x128 scales (half the bytes
 of the bf16 path's x and z), probs and the split sizes; the weights' FP8 columnwise data for the
@@ -41,7 +43,7 @@ from .expert_weights import expert_weights, stacked_weight
 BLOCK = 128  # TE's block length for both 1x128 and 128x128 scales
 BLOCK_DIMS = (1, 2, 1)  # (x, w, grad) block_scaling_dim the kernels take
 ROWS_PER_PASS = 4096  # token rows per elementwise pass of the torch fallback (bounds its fp32 temporaries)
-ROWS_ENV = "TEO_FP8_ROWS"  # "torch": the row passes in torch ops; "gemm": SReLU's in fc1's epilogue
+ROWS_ENV = "TEO_FP8_ROWS"  # "torch": the row passes in torch ops; "gemm": SReLU's in the GEMMs' epilogues
 
 
 def _row_kernels():
@@ -268,7 +270,16 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
 def dgrads(recipe, dy: torch.Tensor, z: Rows, probs: torch.Tensor, split_sizes: torch.Tensor,
            w2_cols: tuple[torch.Tensor, torch.Tensor]):
     """fc2's dgrad and the activation's backward: ``(dz, dz in FP8 or None, dprobs, act)``."""
-    dact = gemm(quantize_for(recipe, "grad", dy), *w2_cols, split_sizes, dy.dtype)
+    dyq = quantize_for(recipe, "grad", dy)
+    if dy.is_cuda and os.environ.get(ROWS_ENV) == "gemm":  # the SReLU backward in fc2's dgrad epilogue
+        from .. import kernels
+
+        eps, pow2 = _qparams(recipe, "grad")
+        dz, dz_data, dz_scales, dprobs, act = kernels.grouped_gemm_fp8_dsrelu_quantize(
+            dyq.data, dyq.scale_inv, *w2_cols, split_sizes, z.data, z.scale_inv, probs, eps=eps, pow2=pow2,
+            out_dtype=dy.dtype)
+        return dz, Rows(dz_data, dz_scales), dprobs, act
+    dact = gemm(dyq, *w2_cols, split_sizes, dy.dtype)
     if dact.is_cuda and (fast := _row_kernels()) is not None:
         dz, dz_data, dz_scales, dprobs, act = fast.dsrelu_quantize(dact, z.data, z.scale_inv, probs.contiguous(),
                                                                    *_qparams(recipe, "grad"))

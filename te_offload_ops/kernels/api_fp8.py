@@ -59,11 +59,13 @@ def _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call="python", op
         make_ptr(cutlass.Int32, fake, gmem, assumed_align=4),  # split sizes
         make_ptr(cutlass.Float32, fake, gmem, assumed_align=16),  # A scales (read by TMA)
         make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # B scales
-        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # probs (srelu_q)
-        make_ptr(f8, fake, gmem, assumed_align=16),  # act data (srelu_q)
-        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # act scales (srelu_q)
-        make_ptr(f8, fake, gmem, assumed_align=16),  # z data (srelu_q)
-        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # z scales (srelu_q)
+        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # probs
+        make_ptr(f8, fake, gmem, assumed_align=16),  # the next GEMM's FP8 rows: act (srelu_q), dz (dsrelu_q)
+        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # their scales
+        make_ptr(f8, fake, gmem, assumed_align=16),  # z in FP8: written (srelu_q), read (dsrelu_q)
+        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # its scales
+        make_ptr(od, fake, gmem, assumed_align=16),  # act in the output dtype (dsrelu_q)
+        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # dprob partials (dsrelu_q)
     ]
     if call == "tvm-ffi":
         options = f"{options} --enable-tvm-ffi" if options else "--enable-tvm-ffi"
@@ -314,9 +316,62 @@ def grouped_gemm_fp8_srelu_quantize(a_data, a_scale_inv, b_data, b_scale_inv, sp
     s = api._splits_i32(split_sizes, a.device)
     p = probs.reshape(t).to(torch.float32).contiguous()
     _launch_fp8(kern, compiled, a, b, a, s, a_scale_inv, sb, t,
-                q=(p, act.view(torch.float8_e4m3fn), act_s, zq.view(torch.float8_e4m3fn), zq_s, act_s.stride(0),
+                q=(p, act.view(torch.float8_e4m3fn), act_s, zq.view(torch.float8_e4m3fn), zq_s, a, act_s, act_s.stride(0),
                    float(eps)))
     return act, act_s, zq, zq_s
+
+
+def grouped_gemm_fp8_dsrelu_quantize(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, z_data, z_scale_inv,
+                                     probs, *, eps: float = 0.0, pow2: bool = False, out_dtype=torch.bfloat16,
+                                     tile=None):
+    """fc2's dgrad of the MLP under ``Float8BlockScaling`` with the SReLU backward in its epilogue:
+    from ``dact = round(dequant(a) @ dequant(b[e])^T)`` (a: dy's FP8 rows, b: fc2's weights
+    transposed) and the saved FP8 z (``z_data`` (T, N), ``z_scale_inv`` TE's 1x128 layout, as
+    :func:`grouped_gemm_fp8_srelu_quantize` or :func:`.fp8_rows.srelu_quantize` write them), with
+    ``r = relu(z)``: ``dz = round(dact * r * prob * 2)``, dz's FP8 rows (1x128 blocks, the recipe's
+    ``eps`` and ``pow2``), ``dprobs = sum(dact * r^2)`` per row (fp32) and ``act = round(r^2 *
+    prob)``. Returns ``(dz, dz data, dz scales, dprobs, act)`` as :func:`.fp8_rows.dsrelu_quantize`
+    does (the same bytes; dprobs summed in another order), without dact in memory."""
+    if tile is not None:
+        tile = _check_tile(tile)
+
+    def epilogue_checks(t, n):
+        if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() or probs.numel() != t:
+            raise ValueError(f"probs must be a float tensor of one value per token ({t}), got "
+                             f"{_shape(probs) if isinstance(probs, torch.Tensor) else type(probs).__name__}")
+        if n % 16:
+            raise ValueError(f"N must be a multiple of 16 (16-byte FP8 output rows), got {n}")
+        if (tile or pick_tile_fp8(n))[1] != SCALE_BLOCK and n > 64:
+            raise ValueError(f"the quantizing epilogue needs 128-column tiles where N > 64, got {tile}")
+        if not isinstance(z_data, torch.Tensor) or z_data.dtype not in _FP8_DTYPES or tuple(z_data.shape) != (t, n):
+            raise ValueError(f"z_data must be FP8 e4m3 (T, N) = ({t}, {n}), got "
+                             f"{_shape(z_data) if isinstance(z_data, torch.Tensor) else type(z_data).__name__}")
+        want = (-(-n // SCALE_BLOCK), -(-t // 4) * 4)
+        if (not isinstance(z_scale_inv, torch.Tensor) or z_scale_inv.dtype != torch.float32
+                or tuple(z_scale_inv.shape) != want or z_scale_inv.stride() != (want[1], 1)):
+            raise ValueError(f"z_scale_inv must be fp32 {want} and contiguous (TE's 1x128 layout of z), got "
+                             f"{_shape(z_scale_inv) if isinstance(z_scale_inv, torch.Tensor) else z_scale_inv}")
+        for name, x in (("probs", probs), ("z_data", z_data), ("z_scale_inv", z_scale_inv)):
+            if x.device != a_data.device:
+                raise ValueError(f"{name} must be on a_data's device ({a_data.device}), got {x.device}")
+
+    e, n, k, sb = _check_fp8(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, out_dtype, epilogue_checks)
+    t = a_data.shape[0]
+    device = a_data.device
+    dz, act = (torch.empty((t, n), dtype=out_dtype, device=device) for _ in range(2))
+    dzq = torch.empty((t, n), dtype=torch.uint8, device=device)
+    dzq_s = torch.empty((-(-n // SCALE_BLOCK), -(-t // 4) * 4), dtype=torch.float32, device=device)
+    if t == 0:
+        return dz, dzq, dzq_s, torch.empty(0, dtype=torch.float32, device=device), act
+    kern, compiled = get_kernel_fp8(out_dtype, n, k, e, sb.shape[2], tile, "dsrelu_q", pow2)
+    part = torch.empty((t, kern.n_tiles), dtype=torch.float32, device=device)
+    a, b = _as_e4m3(a_data), _as_e4m3(b_data)
+    s = api._splits_i32(split_sizes, a.device)
+    p = probs.reshape(t).to(torch.float32).contiguous()
+    _launch_fp8(kern, compiled, a, b, dz, s, a_scale_inv, sb, t,
+                q=(p, dzq.view(torch.float8_e4m3fn), dzq_s, _as_e4m3(z_data), z_scale_inv, act, part,
+                   dzq_s.stride(0), float(eps)))
+    return dz, dzq, dzq_s, part.sum(dim=1), act
 
 
 def _launch_fp8(kern, compiled, a, b, c, s, sa, sb, num_tokens, q=None):
@@ -334,8 +389,8 @@ def _launch_fp8(kern, compiled, a, b, c, s, sa, sb, num_tokens, q=None):
     stream = torch.cuda.current_stream().cuda_stream
     kern.launched = True
     # the other epilogue's pointers are not read: any valid address of the right alignment serves
-    prob, act, act_s, zq, zq_s, q_stride, eps = q if q is not None else (sb, a, sb, a, sb, 4, 0.0)
-    tensors = (a, b, c, s, sa, sb, prob, act, act_s, zq, zq_s)
+    prob, qd, qs, zd, zs, c2, part, q_stride, eps = q if q is not None else (sb, a, sb, a, sb, c, sb, 4, 0.0)
+    tensors = (a, b, c, s, sa, sb, prob, qd, qs, zd, zs, c2, part)
     if getattr(kern, "call", "python") == "tvm-ffi":
         compiled(*(x.data_ptr() for x in tensors), num_tokens, sa_stride, num_ctas, q_stride, eps, stream)
         return
@@ -345,11 +400,12 @@ def _launch_fp8(kern, compiled, a, b, c, s, sa, sb, num_tokens, q=None):
     gmem = cute.AddressSpace.gmem
     f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
     kinds = ((f8, 16), (f8, 16), (kern.dtype, 16), (cutlass.Int32, 4), (f32, 16), (f32, 4),
-             (f32, 4), (f8, 16), (f32, 4), (f8, 16), (f32, 4))
+             (f32, 4), (f8, 16), (f32, 4), (f8, 16), (f32, 4), (kern.dtype, 16), (f32, 4))
     ptrs = [make_ptr(dt, x.data_ptr(), gmem, assumed_align=al) for x, (dt, al) in zip(tensors, kinds)]
     compiled(*ptrs, cutlass.Int32(num_tokens), cutlass.Int32(sa_stride), cutlass.Int32(num_ctas),
              cutlass.Int32(q_stride), f32(eps), cuda.CUstream(stream))
 
 
-__all__ = ["grouped_gemm_fp8_blockwise", "grouped_gemm_fp8_srelu_quantize", "compile_variant_fp8", "get_kernel_fp8", "launch_plan_fp8",
+__all__ = ["grouped_gemm_fp8_blockwise", "grouped_gemm_fp8_dsrelu_quantize", "grouped_gemm_fp8_srelu_quantize",
+           "compile_variant_fp8", "get_kernel_fp8", "launch_plan_fp8",
            "pick_tile_fp8", "SCALE_BLOCK", "TILE_NS", "OUT_DTYPES"]
