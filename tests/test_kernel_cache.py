@@ -535,6 +535,16 @@ def test_the_fp8_path_variants_are_the_fp8_gemms_and_the_same_wgrads(monkeypatch
     assert megatron[2:] == mlp_variants(8, 2688, 1856, main_grad=True, tokens=8 * 4096)[4:]
     with pytest.raises(ValueError, match="multiples of 16"):
         mlp_variants(8, 2688, 1864, fp8=True)
+    # SReLU and its backward in the GEMMs' epilogues: fc1's forward and fc2's dgrad kernels of their
+    # own, with the recipe's default scale rounding
+    monkeypatch.setenv("TEO_FP8_ROWS", "gemm")
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    gemm = mlp_variants(8, 2688, 1856, fp8=True)
+    assert [(v.kwargs["n"], v.kwargs.get("fp8_epilogue", "plain"), v.kwargs.get("pow2")) for v in gemm[:3]] == \
+        [(2688, "plain", None), (1856, "srelu_q", True), (1856, "dsrelu_q", True)]
+    assert gemm[3:] == fp8[2:] and "power-of-two" in gemm[1].describe()
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    assert [v.kwargs.get("pow2") for v in mlp_variants(8, 2688, 1856, fp8=True)[1:3]] == [False, False]
 
 
 @needs_dsl
