@@ -187,7 +187,8 @@ def markdown(result: dict) -> str:
         "",
     ]
     repeats = c.get("repeats", 1) > 1
-    columns = COLUMNS + ([("step ms of each run", "step_ms_runs_text", "{}")] if repeats else [])
+    columns = COLUMNS + ([("step ms of each run", "step_ms_runs_text", "{}"),
+                          ("vs ours in each round", "step_vs_ours_runs_text", "{}")] if repeats else [])
     if repeats:
         lines[-2] += (f" Each variant ran {c['repeats']} times, in rounds through the variants; its row is the run "
                       "with the median step.")
@@ -198,7 +199,9 @@ def markdown(result: dict) -> str:
                          + " |" * (len(columns) - 3))
             continue
         runs = row.get("step_ms_runs") or []
-        row = {**row, "step_ms_runs_text": " / ".join("failed" if x is None else f"{x:.1f}" for x in runs) or None}
+        ratios = round_ratios(row, result["rows"])
+        row = {**row, "step_ms_runs_text": " / ".join("failed" if x is None else f"{x:.1f}" for x in runs) or None,
+               "step_vs_ours_runs_text": " / ".join("-" if x is None else f"{x:.3f}" for x in ratios) or None}
         lines.append("| " + " | ".join(cell(row.get(k), f) for _, k, f in columns) + " |")
     lines += numerics_lines(result.get("numerics") or {})
     if result.get("targets"):
@@ -265,6 +268,17 @@ def markdown(result: dict) -> str:
                              f"{a['allocated'] / 2**20:.1f} | {a['seconds'] * 1e3:.1f} | {a['in_use']} | {a['free']} | "
                              f"{a['largest_free'] / 2**20:.1f} |")
     return "\n".join(lines) + "\n"
+
+
+def round_ratios(row: dict, rows: list[dict]) -> list:
+    """Each round's step of a variant run ``--repeats`` times against ours' (same EP and precision)
+    in the same round: ours ran minutes before it at most, so slow spells of the host cancel."""
+    ours = next((r for r in rows if r.get("ep") == row.get("ep") and "error" not in r
+                 and r["variant"] == "ours" + split_precision(row["variant"])[1]), None)
+    if ours is None:
+        return []
+    return [None if a is None or b is None else a / b
+            for a, b in zip(row.get("step_ms_runs") or [], ours.get("step_ms_runs") or [])]
 
 
 def precision_comparisons(rows: list[dict]) -> list[dict]:

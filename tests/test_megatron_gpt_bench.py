@@ -581,7 +581,9 @@ def test_repeats_run_in_rounds_and_each_row_is_the_median_run(tmp_path, monkeypa
     assert teo["step_ms"] == 110.0 and teo["step_ms_runs"] == [140.0, 110.0, None]  # lower middle of two that ran
     assert teo["step_vs_ours"] == pytest.approx(110.0 / 101.0)
     md = (tmp_path / "megatron_gpt_NVIDIA_H100_80GB_HBM3_ep1.md").read_text()
-    assert "Each variant ran 3 times" in md and "| 140.0 / 110.0 / failed |" in md
+    assert "Each variant ran 3 times" in md
+    assert "| 103.0 / 99.0 / 101.0 | 1.000 / 1.000 / 1.000 |" in md  # ours against itself, round by round
+    assert "| 140.0 / 110.0 / failed | 1.359 / 1.111 / - |" in md
     with pytest.raises(SystemExit):
         mg.parse_args(["--repeats", "0"])
 
