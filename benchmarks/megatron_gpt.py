@@ -38,6 +38,10 @@ so no variant's memory, hooks or global state reach another; each starts from th
   ours (and its loss with stock) at the same precision, and a table sets each against its bf16
   variant. ``stock+fp8block`` needs TE's block-scaled grouped GEMM (cuBLASLt >= 13.6 on Hopper).
 
+``--repeats N`` runs each variant's timing job N times, in rounds through the variants (a slow
+spell of the host falls on every variant alike); a row is the run with the median step, and the
+report lists every run's step and, round by round, the step against ours' in the same round.
+
 Per variant and EP: median step time (the slowest rank's), tokens/s over all ranks, peak memory
 allocated, the floor held between steps (weights, grads, optimizer state) and the peak above it,
 memory freed against ours (ours' peak above its floor less the variant's), bytes offloaded per
