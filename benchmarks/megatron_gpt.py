@@ -36,7 +36,12 @@ so no variant's memory, hooks or global state reach another; each starts from th
   ``"delayed"``; the router pads each expert's tokens for them, unless ``moe_preprocess`` is
   graphed), e.g. ``ours+fp8block,ours+teo+fp8block,stock+fp8current``; such a row compares with
   ours (and its loss with stock) at the same precision, and a table sets each against its bf16
-  variant. ``stock+fp8block`` needs TE's block-scaled grouped GEMM (cuBLASLt >= 13.6 on Hopper).
+  variant. ``stock+fp8block`` needs TE's block-scaled grouped GEMM (cuBLASLt >= 13.6 on Hopper; refused
+  up front without it).
+
+``--repeats N`` runs each variant's timing job N times, in rounds through the variants (a slow
+spell of the host falls on every variant alike); a row is the run with the median step, and the
+report lists every run's step and, round by round, the step against ours' in the same round.
 
 Per variant and EP: median step time (the slowest rank's), tokens/s over all ranks, peak memory
 allocated, the floor held between steps (weights, grads, optimizer state) and the peak above it,
@@ -262,7 +267,19 @@ def shape_of(args) -> GPTShape:
                     vocab=args.vocab)
 
 
-def problem(max_ep: int) -> str | None:
+STOCK_FP8_BLOCK_CUBLASLT = 130600  # TE's block-scaled grouped GEMM on Hopper needs cuBLASLt >= 13.6
+
+
+def variants_problem(variants: list, capability: tuple, cublaslt: int) -> str | None:
+    """Why a chosen variant cannot run on this GPU and cuBLASLt, or None."""
+    if "stock+fp8block" in variants and capability < (10, 0) and cublaslt < STOCK_FP8_BLOCK_CUBLASLT:
+        major, minor = cublaslt // 10000, cublaslt // 100 % 100
+        return (f"stock+fp8block runs TE's block-scaled grouped GEMM, which on Hopper needs cuBLASLt >= 13.6; "
+                f"this process has {major}.{minor} (drop that variant; ours+fp8block runs this package's FP8 kernels)")
+    return None
+
+
+def problem(max_ep: int, variants: list = ()) -> str | None:
     """Why this benchmark cannot run here, or None."""
     from bench_common import cuda_problem
 
@@ -272,6 +289,11 @@ def problem(max_ep: int) -> str | None:
 
     if torch.cuda.device_count() < max_ep:
         return f"--ep {max_ep} needs {max_ep} GPUs of this host, {torch.cuda.device_count()} visible (pass --ep 1)"
+    import transformer_engine_torch as tex
+
+    if (found := variants_problem(list(variants), torch.cuda.get_device_capability(),
+                                  tex.get_cublasLt_version())) is not None:
+        return found
     from te_offload_ops.megatron import require_megatron
 
     try:
@@ -725,7 +747,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker_ep is not None:
         return worker(args)
-    reason = problem(max(args.ep))
+    reason = problem(max(args.ep), args.variants)
     if reason:
         return refuse("megatron_gpt.py", reason)
     return launch(args)

@@ -538,7 +538,7 @@ def test_the_launcher_runs_a_job_per_variant_and_ep_then_numerics_and_cap_trials
         return {**base, "per_rank": [{"rank": 0, "gpu": "NVIDIA H100 80GB HBM3", "cap": found}]}
 
     monkeypatch.setattr(mg, "run_job", fake_job)
-    monkeypatch.setattr(mg, "problem", lambda max_ep: None)
+    monkeypatch.setattr(mg, "problem", lambda max_ep, variants=(): None)
     rc = mg.main(["--out", str(tmp_path), "--cap-gib", "60", "--cap-max-micro-batch", "5"])
     assert rc == 1  # the failed variant
     variants = ["stock", "ours", "ours+megatron", "ours+teo"]
@@ -559,6 +559,14 @@ def test_the_launcher_runs_a_job_per_variant_and_ep_then_numerics_and_cap_trials
     assert "cap 60 GiB: ours+teo at micro-batch 5: fits, step 100.0 ms" in out
 
 
+def test_stock_block_fp8_is_refused_up_front_where_cublaslt_lacks_its_grouped_gemm():
+    said = mg.variants_problem(["ours", "stock+fp8block"], (9, 0), 130100)
+    assert "cuBLASLt >= 13.6" in said and "13.1" in said and "ours+fp8block" in said
+    assert mg.variants_problem(["ours", "stock+fp8block"], (9, 0), 130600) is None
+    assert mg.variants_problem(["stock+fp8block"], (10, 0), 130100) is None  # Blackwell: another path
+    assert mg.variants_problem(["ours+fp8block", "stock+fp8current"], (9, 0), 130100) is None
+
+
 def test_repeats_run_in_rounds_and_each_row_is_the_median_run(tmp_path, monkeypatch):
     calls, steps = [], {"ours": iter([103.0, 99.0, 101.0]), "ours+teo": iter([140.0, 110.0, None])}
 
@@ -572,7 +580,7 @@ def test_repeats_run_in_rounds_and_each_row_is_the_median_run(tmp_path, monkeypa
                                       "row": _row(variant, ep, step, 8.0, rank=0)}]}
 
     monkeypatch.setattr(mg, "run_job", fake_job)
-    monkeypatch.setattr(mg, "problem", lambda max_ep: None)
+    monkeypatch.setattr(mg, "problem", lambda max_ep, variants=(): None)
     mg.main(["--out", str(tmp_path), "--ep", "1", "--variants", "ours,ours+teo", "--repeats", "3", "--no-numerics"])
     assert calls == ["ours", "ours+teo"] * 3  # rounds, not one variant's runs back to back
     result = json.loads((tmp_path / "megatron_gpt_NVIDIA_H100_80GB_HBM3_ep1.json").read_text())
