@@ -524,6 +524,7 @@ def test_the_fp8_path_variants_are_the_fp8_gemms_and_the_same_wgrads(monkeypatch
 
     for env in (api.WGRAD_BACKEND_ENV, api.MAIN_GRAD_ADD_ENV, api.SCHEDULE_ENV):
         monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("TEO_FP8_ROWS", "triton")  # SReLU and its backward as row passes: the plain FP8 GEMMs
     fp8 = mlp_variants(8, 2688, 1856, fp8=True)
     # fc1's forward and fc2's dgrad read (N=F, K=H) weights, fc2's forward and fc1's dgrad (N=H, K=F);
     # B's scale rows hold ceil(K / 128) blocks padded to 4, as TE's quantizer pads them
@@ -535,9 +536,9 @@ def test_the_fp8_path_variants_are_the_fp8_gemms_and_the_same_wgrads(monkeypatch
     assert megatron[2:] == mlp_variants(8, 2688, 1856, main_grad=True, tokens=8 * 4096)[4:]
     with pytest.raises(ValueError, match="multiples of 16"):
         mlp_variants(8, 2688, 1864, fp8=True)
-    # SReLU and its backward in the GEMMs' epilogues: fc1's forward and fc2's dgrad kernels of their
-    # own, with the recipe's default scale rounding
-    monkeypatch.setenv("TEO_FP8_ROWS", "gemm")
+    # by default SReLU and its backward run in the GEMMs' epilogues: fc1's forward and fc2's dgrad
+    # kernels of their own, with the recipe's default scale rounding
+    monkeypatch.delenv("TEO_FP8_ROWS")
     monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
     gemm = mlp_variants(8, 2688, 1856, fp8=True)
     assert [(v.kwargs["n"], v.kwargs.get("fp8_epilogue", "plain"), v.kwargs.get("pow2")) for v in gemm[:3]] == \
@@ -554,9 +555,12 @@ def test_warm_up_command_compiles_then_loads_the_fp8_path(tmp_path):
     first = _warmup(cache, *args)
     assert first.returncode == 0, first.stderr[-3000:]
     lines = [ln for ln in first.stdout.splitlines() if ln.startswith("[")]
-    assert len(lines) == 4 and all(": compiled in " in ln for ln in lines), first.stdout
-    assert sum("FP8 e4m3" in ln for ln in lines) == 2 and "FP8 block scaling" in first.stdout
-    assert len(_entries(cache)) == 4
+    # fc2's forward / fc1's dgrad, fc1's forward with the SReLU epilogue, fc2's dgrad with its
+    # backward (all three FP8), and the two bf16 wgrads
+    assert len(lines) == 5 and all(": compiled in " in ln for ln in lines), first.stdout
+    assert sum("FP8 e4m3" in ln for ln in lines) == 3 and "FP8 block scaling" in first.stdout
+    assert sum("quantized" in ln for ln in lines) == 2
+    assert len(_entries(cache)) == 5
     second = _warmup(cache, *args)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "0 compiled and written, 4 already in" in second.stdout, second.stdout
+    assert "0 compiled and written, 5 already in" in second.stdout, second.stdout

@@ -11,14 +11,14 @@ and gradients, 128x128 for weights), quantized with the recipe's settings as TE'
   FP8 operands dequantized (x, and act recomputed from z), with Megatron's settings
   (:mod:`.weight_grads`).
 
-The row passes (x's and dy's quantization, SReLU and its backward with the activations'
-quantization, x's dequantization) and the weights' quantization are Triton kernels
-(:mod:`..kernels.fp8_rows`) that write the bytes TE's quantizer writes; with ``TEO_FP8_ROWS=torch``,
-or without Triton, torch ops and TE's quantizer do them. With ``TEO_FP8_ROWS=gemm`` fc1's GEMM
-writes act and z quantized from its epilogue and fc2's dgrad the SReLU backward from its (the same
-bytes, dprob summed in another order; no bf16 z or dact in memory:
-:func:`..kernels.grouped_gemm_fp8_srelu_quantize`, :func:`..kernels.grouped_gemm_fp8_dsrelu_quantize`);
-x's and dy's quantization and x's dequantization stay Triton kernels.
+The row passes (x's and dy's quantization, x's dequantization) and the weights' quantization are
+Triton kernels (:mod:`..kernels.fp8_rows`) that write the bytes TE's quantizer writes; fc1's GEMM
+writes act and z quantized from its epilogue and fc2's dgrad runs the SReLU backward in its epilogue
+(the same bytes, dprob summed in another order; no bf16 z or dact in memory:
+:func:`..kernels.grouped_gemm_fp8_srelu_quantize`, :func:`..kernels.grouped_gemm_fp8_dsrelu_quantize`).
+``TEO_FP8_ROWS=triton`` runs SReLU and its backward as Triton row passes between plain FP8 GEMMs;
+``TEO_FP8_ROWS=torch`` runs every row pass as torch ops and TE's quantizer (so does a process
+without Triton, for the passes the GEMMs do not take).
 
 Saved for backward, each through the policy: x and z in FP8 with their 1x128 scales (half the bytes
 of the bf16 path's x and z), probs and the split sizes; the weights' FP8 columnwise data for the
@@ -31,26 +31,26 @@ step's first micro-batch, and the later micro-batches of the step reuse that qua
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from .. import settings
 from ..capture import capturing
 from .expert_weights import expert_weights, stacked_weight
 
 BLOCK = 128  # TE's block length for both 1x128 and 128x128 scales
 BLOCK_DIMS = (1, 2, 1)  # (x, w, grad) block_scaling_dim the kernels take
 ROWS_PER_PASS = 4096  # token rows per elementwise pass of the torch fallback (bounds its fp32 temporaries)
-ROWS_ENV = "TEO_FP8_ROWS"  # "torch": the row passes in torch ops; "gemm": SReLU's in the GEMMs' epilogues
+ROWS_ENV = settings.FP8_ROWS_ENV  # gemm (default), triton or torch: settings.fp8_rows
 
 
 def _row_kernels():
     """:mod:`..kernels.fp8_rows` where Triton runs (one pass per step piece), else None (torch ops)."""
     from ..kernels import fp8_rows
 
-    if os.environ.get(ROWS_ENV) == "torch" or fp8_rows.unavailable() is not None:
+    if settings.fp8_rows() == "torch" or fp8_rows.unavailable() is not None:
         return None
     return fp8_rows
 
@@ -245,7 +245,7 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
     qx, qw = quantizer(recipe, "input"), quantizer(recipe, "weight")
     xq = quantize_for(recipe, "input", x)
     w1 = step_weights(fc1, qw, recipe)
-    if x.is_cuda and os.environ.get(ROWS_ENV) == "gemm":  # act and z quantized in fc1's epilogue
+    if x.is_cuda and settings.fp8_rows() == "gemm":  # act and z quantized in fc1's epilogue
         from .. import kernels
 
         eps, pow2 = _qparams(recipe, "input")
@@ -271,7 +271,7 @@ def dgrads(recipe, dy: torch.Tensor, z: Rows, probs: torch.Tensor, split_sizes: 
            w2_cols: tuple[torch.Tensor, torch.Tensor]):
     """fc2's dgrad and the activation's backward: ``(dz, dz in FP8 or None, dprobs, act)``."""
     dyq = quantize_for(recipe, "grad", dy)
-    if dy.is_cuda and os.environ.get(ROWS_ENV) == "gemm":  # the SReLU backward in fc2's dgrad epilogue
+    if dy.is_cuda and settings.fp8_rows() == "gemm":  # the SReLU backward in fc2's dgrad epilogue
         from .. import kernels
 
         eps, pow2 = _qparams(recipe, "grad")

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import settings
 from . import api, disk_cache
 
 LAYOUTS = ("te", "megatron")
@@ -116,7 +117,7 @@ def mlp_variants(num_experts: int, hidden_size: int, ffn_hidden_size: int, param
     if fp8:  # B: each expert's FP8 weight (E, N, K), its 128x128 scales' rows padded to 4 as TE's
         out = [Variant(label, dict(base, fp8=True, n=n, k=k, sb_cols=-(-(-(-k // 128)) // 4) * 4))
                for label, n, k in (("fc1 forward, fc2 dgrad", f, h), ("fc2 forward, fc1 dgrad", h, f))]
-        if os.environ.get("TEO_FP8_ROWS") == "gemm":  # SReLU and its backward in those GEMMs' epilogues
+        if settings.fp8_rows() == "gemm":  # SReLU and its backward in those GEMMs' epilogues
             # the scales' rounding of Float8BlockScaling's defaults (power-of-two unless TE is told otherwise)
             pow2 = os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") != "1"
             sb_cols = out[0].kwargs["sb_cols"]
