@@ -18,3 +18,17 @@ def mib_from_env(name: str, default: int, zero_means: str) -> int:
     if value < 0:
         raise ValueError(f"{name} must be a whole number of MiB >= 0 (0: {zero_means}), got {raw!r}")
     return value
+
+
+FP8_ROWS_ENV = "TEO_FP8_ROWS"
+FP8_ROWS_CHOICES = ("gemm", "triton", "torch")
+
+
+def fp8_rows() -> str:
+    """Where the FP8 path's passes between its GEMMs run: ``gemm`` (default: SReLU and its backward
+    with their quantization in the GEMMs' epilogues), ``triton`` (separate Triton row passes) or
+    ``torch`` (torch ops and TE's quantizer)."""
+    raw = os.environ.get(FP8_ROWS_ENV, "") or FP8_ROWS_CHOICES[0]
+    if raw not in FP8_ROWS_CHOICES:
+        raise ValueError(f"{FP8_ROWS_ENV} must be one of {', '.join(FP8_ROWS_CHOICES)}, got {raw!r}")
+    return raw

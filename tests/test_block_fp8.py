@@ -119,3 +119,19 @@ def test_step_weights_follow_megatrons_is_first_microbatch(monkeypatch):
     fc.is_first_microbatch = False
     assert block_fp8.step_weights(fc, None, other) == "w6"  # a graph's replays must quantize their step's
     assert made == [fc] * 6
+
+
+def test_the_fp8_row_passes_default_to_the_gemm_epilogues_and_refuse_unknown_choices(monkeypatch):
+    from te_offload_ops import settings
+
+    monkeypatch.delenv(block_fp8.ROWS_ENV, raising=False)
+    assert settings.fp8_rows() == "gemm"
+    for choice in ("gemm", "triton", "torch"):
+        monkeypatch.setenv(block_fp8.ROWS_ENV, choice)
+        assert settings.fp8_rows() == choice
+    monkeypatch.setenv(block_fp8.ROWS_ENV, "cublas")
+    with pytest.raises(ValueError, match=r"TEO_FP8_ROWS must be one of gemm, triton, torch, got 'cublas'"):
+        settings.fp8_rows()
+    # the torch fallback does the rows in torch ops whatever Triton offers
+    monkeypatch.setenv(block_fp8.ROWS_ENV, "torch")
+    assert block_fp8._row_kernels() is None

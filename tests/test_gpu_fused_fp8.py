@@ -240,7 +240,7 @@ def test_row_kernels_and_torch_passes_give_the_same_step(monkeypatch):
         pytest.skip(reason)
     E, H, F, splits = CASES["uneven-zero-partial-ffn"]
     runs = {}
-    for rows in ("torch", "triton"):
+    for rows in ("torch", "triton", "gemm"):
         monkeypatch.setenv(block_fp8.ROWS_ENV, rows)
         cfg, stack = _block_stack(E, H, F, splits)
         runs[rows] = run_step(stack, make_inputs(cfg), "none")
@@ -250,6 +250,49 @@ def test_row_kernels_and_torch_passes_give_the_same_step(monkeypatch):
             torch.testing.assert_close(runs["triton"]["grads"][name], g, rtol=1e-2, atol=1e-3)
         else:
             assert torch.equal(runs["triton"]["grads"][name], g), name
+    # SReLU and its backward in the GEMMs' epilogues write the row kernels' bytes: the same step,
+    # bitwise but for dprob (summed per 128-column tile, then over the tiles)
+    assert torch.equal(runs["gemm"]["out"], runs["triton"]["out"])
+    for name, g in runs["triton"]["grads"].items():
+        if name.startswith("probs"):
+            torch.testing.assert_close(runs["gemm"]["grads"][name], g, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(runs["gemm"]["grads"][name], g), name
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("pow2, eps", [(True, 0.0), (False, 0.0), (False, 1e-6)], ids=["pow2", "fp32", "eps"])
+@pytest.mark.parametrize("f", [1856, 320, 64])
+def test_srelu_quantize_epilogue_writes_the_row_kernels_bytes(f, pow2, eps, out_dtype):
+    """fc1's GEMM with the quantizing SReLU epilogue against the plain GEMM then the Triton row
+    pass (TE's quantizer's bytes, checked above): act and z data and scales bitwise, for experts
+    of 0, 1 and 127-555 tokens (tiles that start mid-expert), a partial last 128-column block,
+    rows whose prob is 0 (act all zero: scale 1), and a row of tiny values."""
+    from te_offload_ops import kernels
+    from te_offload_ops.kernels import fp8_rows
+
+    if (reason := fp8_rows.unavailable()) is not None:
+        pytest.skip(reason)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    splits = torch.tensor([0, 1, 127, 128, 129, 300, 0, 555], device="cuda")
+    e, k, t = len(splits), 256, int(splits.sum()) + 3  # rows past the experts' sum stay unwritten
+    x = torch.randn(t, k, device="cuda", generator=g).to(out_dtype)
+    x[5] *= 1e-3  # small z: a scale far from the others'
+    w = (torch.randn(e, f, k, device="cuda", generator=g) * 0.05).to(out_dtype)
+    probs = torch.rand(t, device="cuda", generator=g).to(out_dtype)
+    probs[[0, 200, 700]] = 0
+    xd, xs = fp8_rows.quantize(x, eps, pow2)
+    wd, ws, _, _ = fp8_rows.quantize_weights(w, False, eps, pow2)
+    z = kernels.grouped_gemm_fp8_blockwise(xd, xs, wd, ws, splits, out_dtype)
+    used = int(splits.sum())
+    ref = fp8_rows.srelu_quantize(z[:used].contiguous(), probs[:used].contiguous(), eps, pow2)
+    got = kernels.grouped_gemm_fp8_srelu_quantize(xd, xs, wd, ws, splits, probs, eps=eps, pow2=pow2,
+                                                  out_dtype=out_dtype)
+    for name, r, o in zip(("act", "act scales", "z", "z scales"), ref, got):
+        if name.endswith("scales"):
+            assert torch.equal(o[:, :used], r[:, :used]), name
+        else:
+            assert torch.equal(o[:used], r), name
 
 
 @pytest.mark.parametrize("n, k", [(320, 384), (256, 200)], ids=["partial-n", "partial-k"])
@@ -275,3 +318,42 @@ def test_weight_kernel_writes_te_quantizers_bytes_in_both_orientations(n, k):
         assert torch.equal(rows[i], ref["rowwise_data"]) and torch.equal(cols[i], ref["columnwise_data"])
         assert torch.equal(row_s[i, :, :kb], ref["rowwise_scale_inv"][:, :kb])
         assert torch.equal(col_s[i, :, :nb], ref["columnwise_scale_inv"][:, :nb])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "fp32"])
+@pytest.mark.parametrize("f", [1856, 320, 64])
+def test_dsrelu_quantize_epilogue_writes_the_row_kernels_bytes(f, pow2, out_dtype):
+    """fc2's dgrad with the SReLU backward in its epilogue against the plain dgrad then the Triton
+    row pass: dz, act and dz's FP8 data and scales bitwise; dprob within fp32 summation-order
+    rounding and the same from run to run; experts of 0, 1 and 127-555 tokens, a partial last
+    128-column block, rows whose prob is 0, a z row SReLU zeroes."""
+    from te_offload_ops import kernels
+    from te_offload_ops.kernels import fp8_rows
+
+    if (reason := fp8_rows.unavailable()) is not None:
+        pytest.skip(reason)
+    g = torch.Generator(device="cuda").manual_seed(13)
+    splits = torch.tensor([0, 1, 127, 128, 129, 300, 0, 555], device="cuda")
+    e, h = len(splits), 256
+    t = int(splits.sum())
+    dy = torch.randn(t, h, device="cuda", generator=g).to(out_dtype)
+    w2t = (torch.randn(e, f, h, device="cuda", generator=g) * 0.05).to(out_dtype)  # fc2's weights transposed
+    z = (torch.randn(t, f, device="cuda", generator=g) * 2).to(out_dtype)
+    z[9] = -1  # SReLU zeroes the row
+    probs = torch.rand(t, device="cuda", generator=g).to(out_dtype)
+    probs[[0, 200, 700]] = 0
+    dyd, dys = fp8_rows.quantize(dy, 0.0, pow2)
+    wd, ws, _, _ = fp8_rows.quantize_weights(w2t, False, 0.0, pow2)
+    _, _, zd, zs = fp8_rows.srelu_quantize(z, probs, 0.0, pow2)
+    dact = kernels.grouped_gemm_fp8_blockwise(dyd, dys, wd, ws, splits, out_dtype)
+    ref_dz, ref_q, ref_qs, ref_dp, ref_act = fp8_rows.dsrelu_quantize(dact.clone(), zd, zs, probs, 0.0, pow2)
+    runs = [kernels.grouped_gemm_fp8_dsrelu_quantize(dyd, dys, wd, ws, splits, zd, zs, probs, pow2=pow2,
+                                                     out_dtype=out_dtype) for _ in range(2)]
+    dz, q, qs, dp, act = runs[0]
+    assert torch.equal(dz, ref_dz) and torch.equal(act, ref_act)
+    assert torch.equal(q, ref_q) and torch.equal(qs[:, :t], ref_qs[:, :t])
+    r = torch.relu(zd.view(torch.float8_e4m3fn).float() * zs[:, :t].t().repeat_interleave(128, dim=1)[:, :f])
+    sizes = (dact.float().abs() * r * r).sum(dim=1)
+    assert ((dp - ref_dp).abs() <= 1e-6 * f * sizes.clamp_min(1e-30)).all()
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))  # deterministic

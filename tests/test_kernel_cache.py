@@ -524,6 +524,7 @@ def test_the_fp8_path_variants_are_the_fp8_gemms_and_the_same_wgrads(monkeypatch
 
     for env in (api.WGRAD_BACKEND_ENV, api.MAIN_GRAD_ADD_ENV, api.SCHEDULE_ENV):
         monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("TEO_FP8_ROWS", "triton")  # SReLU and its backward as row passes: the plain FP8 GEMMs
     fp8 = mlp_variants(8, 2688, 1856, fp8=True)
     # fc1's forward and fc2's dgrad read (N=F, K=H) weights, fc2's forward and fc1's dgrad (N=H, K=F);
     # B's scale rows hold ceil(K / 128) blocks padded to 4, as TE's quantizer pads them
@@ -535,6 +536,16 @@ def test_the_fp8_path_variants_are_the_fp8_gemms_and_the_same_wgrads(monkeypatch
     assert megatron[2:] == mlp_variants(8, 2688, 1856, main_grad=True, tokens=8 * 4096)[4:]
     with pytest.raises(ValueError, match="multiples of 16"):
         mlp_variants(8, 2688, 1864, fp8=True)
+    # by default SReLU and its backward run in the GEMMs' epilogues: fc1's forward and fc2's dgrad
+    # kernels of their own, with the recipe's default scale rounding
+    monkeypatch.delenv("TEO_FP8_ROWS")
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    gemm = mlp_variants(8, 2688, 1856, fp8=True)
+    assert [(v.kwargs["n"], v.kwargs.get("fp8_epilogue", "plain"), v.kwargs.get("pow2")) for v in gemm[:3]] == \
+        [(2688, "plain", None), (1856, "srelu_q", True), (1856, "dsrelu_q", True)]
+    assert gemm[3:] == fp8[2:] and "power-of-two" in gemm[1].describe()
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    assert [v.kwargs.get("pow2") for v in mlp_variants(8, 2688, 1856, fp8=True)[1:3]] == [False, False]
 
 
 @needs_dsl
@@ -544,9 +555,12 @@ def test_warm_up_command_compiles_then_loads_the_fp8_path(tmp_path):
     first = _warmup(cache, *args)
     assert first.returncode == 0, first.stderr[-3000:]
     lines = [ln for ln in first.stdout.splitlines() if ln.startswith("[")]
-    assert len(lines) == 4 and all(": compiled in " in ln for ln in lines), first.stdout
-    assert sum("FP8 e4m3" in ln for ln in lines) == 2 and "FP8 block scaling" in first.stdout
-    assert len(_entries(cache)) == 4
+    # fc2's forward / fc1's dgrad, fc1's forward with the SReLU epilogue, fc2's dgrad with its
+    # backward (all three FP8), and the two bf16 wgrads
+    assert len(lines) == 5 and all(": compiled in " in ln for ln in lines), first.stdout
+    assert sum("FP8 e4m3" in ln for ln in lines) == 3 and "FP8 block scaling" in first.stdout
+    assert sum("quantized" in ln for ln in lines) == 2
+    assert len(_entries(cache)) == 5
     second = _warmup(cache, *args)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "0 compiled and written, 4 already in" in second.stdout, second.stdout
+    assert "0 compiled and written, 5 already in" in second.stdout, second.stdout

@@ -122,6 +122,130 @@ def test_fp8_kernel_refuses_unsupported_tiles():
         GroupedGemmFp8Sm90(cutlass.BFloat16, 512, 1024, 2, sb_cols=4)
 
 
+# (N, K, E, output dtype, pow2): fc1's shapes with the quantizing SReLU epilogue
+SRELU_Q_VARIANTS = [
+    (1856, 2688, 8, torch.bfloat16, False),  # the last 128-column block half full
+    (1792, 2688, 8, torch.bfloat16, True),  # power-of-two scales
+    (64, 128, 3, torch.float16, False),  # BN=64 (N <= 64), fp16 rounding
+]
+
+
+@needs_dsl
+@pytest.mark.parametrize("n,k,e,out_dtype,pow2", SRELU_Q_VARIANTS,
+                         ids=[f"N{v[0]}-K{v[1]}-{str(v[3])[6:]}{'-pow2' if v[4] else ''}" for v in SRELU_Q_VARIANTS])
+def test_srelu_quantize_epilogue_compiles_to_te_quantizers_arithmetic(n, k, e, out_dtype, pow2):
+    """z and act leave as FP8 bytes and scales computed as TE's quantizer computes them: values
+    rounded to the output dtype first, scales by round-to-nearest division (no approximate
+    division), power-of-two rounding by clearing the mantissa where asked, the row's amax over its
+    quad by two butterfly shuffles; no C stored, no register spills, as many stages as C's form."""
+    kern, compiled, secs = kernels.compile_variant_fp8(n, k, e, out_dtype=out_dtype, epilogue="srelu_q", pow2=pow2,
+                                                       options="--keep-ptx --keep-cubin")
+    plain, _, _ = kernels.compile_variant_fp8(n, k, e, out_dtype=out_dtype)
+    ptx = str(compiled.artifacts.PTX)
+    bn = kern.bn
+    per_thread = 64 * bn // 128  # accumulator values a consumer thread holds
+    cvt_round = "cvt.rn.bf16.f32" if out_dtype == torch.bfloat16 else "cvt.rn.f16.f32"
+    assert len(re.findall(re.escape(cvt_round), ptx)) == 2 * per_thread  # z, and act from it
+    assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)) >= per_thread  # both outputs, pairs or not
+    assert len(re.findall(r"\bdiv\.rn\.f32\b", ptx)) == 4  # 448 / amax: two rows, two outputs
+    assert len(re.findall(r"\brcp\.rn\.f32\b", ptx)) == 4  # the scale-inverses
+    assert "div.approx" not in ptx and "div.full" not in ptx and "max.NaN" not in ptx
+    assert len(re.findall(r"shfl\.sync\.bfly", ptx)) == 8  # 2 rows x 2 outputs x 2 butterflies
+    assert len(re.findall(r"and\.b32\s+%r\d+, %r\d+, -8388608;", ptx)) == (4 if pow2 else 0)
+    # 16-byte FP8 row vectors: 128 rows x BN bytes per output over 256 threads
+    assert len(re.findall(r"st\.global\.v4", ptx)) == 2 * (128 * bn // 16) // 256
+    assert kern.stages == plain.stages
+    tool = _cuobjdump()
+    if tool:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.artifacts.CUBIN)
+            f.flush()
+            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
+        assert m and m.group(2) == "0" and m.group(3) == "0", out
+
+
+@needs_dsl
+@pytest.mark.parametrize("n,k,e,out_dtype,pow2", SRELU_Q_VARIANTS,
+                         ids=[f"N{v[0]}-K{v[1]}-{str(v[3])[6:]}{'-pow2' if v[4] else ''}" for v in SRELU_Q_VARIANTS])
+def test_dsrelu_quantize_epilogue_compiles_to_the_row_pass_arithmetic(n, k, e, out_dtype, pow2):
+    """fc2's dgrad with the SReLU backward: z read as FP8 (converted exactly), dact, act and dz
+    rounded to the output dtype, dz's scales by round-to-nearest division, four butterflies per row
+    (dz's amax and the dprob partial), dz and act staged out in the output dtype and dz's FP8 rows;
+    no register spills."""
+    kern, compiled, _ = kernels.compile_variant_fp8(n, k, e, out_dtype=out_dtype, epilogue="dsrelu_q", pow2=pow2,
+                                                    options="--keep-ptx --keep-cubin")
+    ptx = str(compiled.artifacts.PTX)
+    bn = kern.bn
+    per_thread = 64 * bn // 128
+    cvt_round = "cvt.rn.bf16.f32" if out_dtype == torch.bfloat16 else "cvt.rn.f16.f32"
+    assert len(re.findall(re.escape(cvt_round), ptx)) >= 3 * per_thread  # dact, act, dz
+    assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)) >= per_thread // 2
+    assert len(re.findall(r"\bdiv\.rn\.f32\b", ptx)) == 2 and len(re.findall(r"\brcp\.rn\.f32\b", ptx)) == 2
+    assert "div.approx" not in ptx and "div.full" not in ptx and "max.NaN" not in ptx
+    assert len(re.findall(r"shfl\.sync\.bfly", ptx)) == 8
+    assert len(re.findall(r"and\.b32\s+%r\d+, %r\d+, -8388608;", ptx)) == (2 if pow2 else 0)
+    # dz and act: 128 x BN x 2 bytes each, dz's FP8 rows 128 x BN, in 16-byte vectors over 256 threads
+    assert len(re.findall(r"st\.global\.v4", ptx)) == (2 * 128 * bn * 2 + 128 * bn) // 16 // 256
+    tool = _cuobjdump()
+    if tool:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.artifacts.CUBIN)
+            f.flush()
+            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
+        assert m and m.group(2) == "0" and m.group(3) == "0", out
+
+
+@needs_dsl
+def test_srelu_quantize_epilogue_refuses_tiles_that_split_a_scale_block():
+    from te_offload_ops.kernels.gemm_fp8_sm90 import GroupedGemmFp8Sm90
+
+    with pytest.raises(ValueError, match="inside one tile"):
+        GroupedGemmFp8Sm90(cutlass.BFloat16, 512, 256, 2, tile_mn=(128, 192), epilogue="srelu_q")
+    with pytest.raises(ValueError, match="inside one tile"):
+        GroupedGemmFp8Sm90(cutlass.BFloat16, 512, 256, 2, tile_mn=(128, 64), epilogue="srelu_q")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        GroupedGemmFp8Sm90(cutlass.BFloat16, 520, 256, 2, epilogue="srelu_q")
+    with pytest.raises(ValueError, match="epilogues are"):
+        GroupedGemmFp8Sm90(cutlass.BFloat16, 512, 256, 2, epilogue="srelu")
+    GroupedGemmFp8Sm90(cutlass.BFloat16, 64, 256, 2, tile_mn=(128, 64), epilogue="srelu_q")
+
+
+def test_srelu_quantize_entry_point_refuses_bad_probs_and_widths():
+    a, sa, b, sb, splits = _ok_args()
+    with pytest.raises(ValueError, match="one value per token"):
+        kernels.grouped_gemm_fp8_srelu_quantize(a, sa, b, sb, splits, torch.ones(T + 1))
+    with pytest.raises(ValueError, match="one value per token"):
+        kernels.grouped_gemm_fp8_srelu_quantize(a, sa, b, sb, splits, torch.ones(T, dtype=torch.int32))
+    b8 = torch.zeros(E, 392, K, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernels.grouped_gemm_fp8_srelu_quantize(a, sa, b8, torch.ones(E, 4, 4), splits, torch.ones(T))
+    with pytest.raises(ValueError, match="128-column tiles"):
+        kernels.grouped_gemm_fp8_srelu_quantize(a, sa, b, sb, splits, torch.ones(T), tile=(128, 192))
+    with pytest.raises(ValueError, match="CUDA device"):  # well-formed: only the device is wrong
+        kernels.grouped_gemm_fp8_srelu_quantize(a, sa, b, sb, splits, torch.ones(T))
+
+
+def test_dsrelu_quantize_entry_point_refuses_bad_z_and_probs():
+    a, sa, b, sb, splits = _ok_args()
+    z = torch.zeros(T, N, dtype=torch.uint8)
+    zs = torch.ones(N // 128, (T + 3) // 4 * 4)
+    call = kernels.grouped_gemm_fp8_dsrelu_quantize
+    with pytest.raises(ValueError, match="one value per token"):
+        call(a, sa, b, sb, splits, z, zs, torch.ones(T - 1))
+    with pytest.raises(ValueError, match="z_data must be FP8"):
+        call(a, sa, b, sb, splits, z[:, :128], zs, torch.ones(T))
+    with pytest.raises(ValueError, match="z_data must be FP8"):
+        call(a, sa, b, sb, splits, z.float(), zs, torch.ones(T))
+    with pytest.raises(ValueError, match="z_scale_inv must be fp32"):
+        call(a, sa, b, sb, splits, z, zs[:, :T - 4], torch.ones(T))
+    with pytest.raises(ValueError, match="z_scale_inv must be fp32"):
+        call(a, sa, b, sb, splits, z, zs.t().contiguous().t(), torch.ones(T))
+    with pytest.raises(ValueError, match="CUDA device"):  # well-formed: only the device is wrong
+        call(a, sa, b, sb, splits, z, zs, torch.ones(T))
+
+
 # ------------------------------------------------------------------ entry point checks (no GPU)
 T, K, N, E = 200, 256, 384, 3
 

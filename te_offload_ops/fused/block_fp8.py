@@ -11,10 +11,14 @@ and gradients, 128x128 for weights), quantized with the recipe's settings as TE'
   FP8 operands dequantized (x, and act recomputed from z), with Megatron's settings
   (:mod:`.weight_grads`).
 
-The row passes (x's and dy's quantization, SReLU and its backward with the activations'
-quantization, x's dequantization) and the weights' quantization are Triton kernels
-(:mod:`..kernels.fp8_rows`) that write the bytes TE's quantizer writes; with ``TEO_FP8_ROWS=torch``,
-or without Triton, torch ops and TE's quantizer do them.
+The row passes (x's and dy's quantization, x's dequantization) and the weights' quantization are
+Triton kernels (:mod:`..kernels.fp8_rows`) that write the bytes TE's quantizer writes; fc1's GEMM
+writes act and z quantized from its epilogue and fc2's dgrad runs the SReLU backward in its epilogue
+(the same bytes, dprob summed in another order; no bf16 z or dact in memory:
+:func:`..kernels.grouped_gemm_fp8_srelu_quantize`, :func:`..kernels.grouped_gemm_fp8_dsrelu_quantize`).
+``TEO_FP8_ROWS=triton`` runs SReLU and its backward as Triton row passes between plain FP8 GEMMs;
+``TEO_FP8_ROWS=torch`` runs every row pass as torch ops and TE's quantizer (so does a process
+without Triton, for the passes the GEMMs do not take).
 
 Saved for backward, each through the policy: x and z in FP8 with their 1x128 scales (half the bytes
 of the bf16 path's x and z), probs and the split sizes; the weights' FP8 columnwise data for the
@@ -27,26 +31,26 @@ step's first micro-batch, and the later micro-batches of the step reuse that qua
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from .. import settings
 from ..capture import capturing
 from .expert_weights import expert_weights, stacked_weight
 
 BLOCK = 128  # TE's block length for both 1x128 and 128x128 scales
 BLOCK_DIMS = (1, 2, 1)  # (x, w, grad) block_scaling_dim the kernels take
 ROWS_PER_PASS = 4096  # token rows per elementwise pass of the torch fallback (bounds its fp32 temporaries)
-ROWS_ENV = "TEO_FP8_ROWS"  # "torch": the row passes in torch ops instead of the Triton kernels
+ROWS_ENV = settings.FP8_ROWS_ENV  # gemm (default), triton or torch: settings.fp8_rows
 
 
 def _row_kernels():
     """:mod:`..kernels.fp8_rows` where Triton runs (one pass per step piece), else None (torch ops)."""
     from ..kernels import fp8_rows
 
-    if os.environ.get(ROWS_ENV) == "torch" or fp8_rows.unavailable() is not None:
+    if settings.fp8_rows() == "torch" or fp8_rows.unavailable() is not None:
         return None
     return fp8_rows
 
@@ -241,6 +245,15 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
     qx, qw = quantizer(recipe, "input"), quantizer(recipe, "weight")
     xq = quantize_for(recipe, "input", x)
     w1 = step_weights(fc1, qw, recipe)
+    if x.is_cuda and settings.fp8_rows() == "gemm":  # act and z quantized in fc1's epilogue
+        from .. import kernels
+
+        eps, pow2 = _qparams(recipe, "input")
+        act_data, act_scales, z_data, z_scales = kernels.grouped_gemm_fp8_srelu_quantize(
+            xq.data, xq.scale_inv, w1.rows, w1.row_scales, split_sizes, probs, eps=eps, pow2=pow2, out_dtype=x.dtype)
+        w2 = step_weights(fc2, qw, recipe)
+        y = gemm(Rows(act_data, act_scales), w2.rows, w2.row_scales, split_sizes, x.dtype)
+        return y, xq, Rows(z_data, z_scales), w1, w2
     z = gemm(xq, w1.rows, w1.row_scales, split_sizes, x.dtype)
     if (fast := _row_kernels()) is not None:  # act and z quantized in one pass over z
         act_data, act_scales, z_data, z_scales = fast.srelu_quantize(z, probs.contiguous(), *_qparams(recipe, "input"))
@@ -257,7 +270,16 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
 def dgrads(recipe, dy: torch.Tensor, z: Rows, probs: torch.Tensor, split_sizes: torch.Tensor,
            w2_cols: tuple[torch.Tensor, torch.Tensor]):
     """fc2's dgrad and the activation's backward: ``(dz, dz in FP8 or None, dprobs, act)``."""
-    dact = gemm(quantize_for(recipe, "grad", dy), *w2_cols, split_sizes, dy.dtype)
+    dyq = quantize_for(recipe, "grad", dy)
+    if dy.is_cuda and settings.fp8_rows() == "gemm":  # the SReLU backward in fc2's dgrad epilogue
+        from .. import kernels
+
+        eps, pow2 = _qparams(recipe, "grad")
+        dz, dz_data, dz_scales, dprobs, act = kernels.grouped_gemm_fp8_dsrelu_quantize(
+            dyq.data, dyq.scale_inv, *w2_cols, split_sizes, z.data, z.scale_inv, probs, eps=eps, pow2=pow2,
+            out_dtype=dy.dtype)
+        return dz, Rows(dz_data, dz_scales), dprobs, act
+    dact = gemm(dyq, *w2_cols, split_sizes, dy.dtype)
     if dact.is_cuda and (fast := _row_kernels()) is not None:
         dz, dz_data, dz_scales, dprobs, act = fast.dsrelu_quantize(dact, z.data, z.scale_inv, probs.contiguous(),
                                                                    *_qparams(recipe, "grad"))

@@ -31,7 +31,8 @@ from .api import (
     unavailable_reasons,
     wgrad_backend,
 )
-from .api_fp8 import compile_variant_fp8, grouped_gemm_fp8_blockwise, pick_tile_fp8
+from .api_fp8 import (compile_variant_fp8, grouped_gemm_fp8_blockwise, grouped_gemm_fp8_dsrelu_quantize,
+                      grouped_gemm_fp8_srelu_quantize, pick_tile_fp8)
 
 __all__ = [
     "clear_cache",
@@ -45,6 +46,8 @@ __all__ = [
     "grouped_gemm",
     "grouped_gemm_dsrelu_bwd",
     "grouped_gemm_fp8_blockwise",
+    "grouped_gemm_fp8_dsrelu_quantize",
+    "grouped_gemm_fp8_srelu_quantize",
     "grouped_gemm_srelu_fwd",
     "grouped_wgrad",
     "grouped_wgrad_main_grad",

@@ -41,12 +41,14 @@ def _check_tile(tile) -> tuple[int, int]:
     return tile
 
 
-def _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call="python", options=None):
+def _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call="python", options=None, epilogue="plain",
+                 pow2=False):
     cutlass, cute, make_ptr, make_fake_stream = api._cutlass()
     from .gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
     od = api._cutlass_dtype(out_dtype)
-    kern = GroupedGemmFp8Sm90(od, n, k, e, tile_mn=tile, cluster_n=cluster_n, sb_cols=sb_cols)
+    kern = GroupedGemmFp8Sm90(od, n, k, e, tile_mn=tile, cluster_n=cluster_n, sb_cols=sb_cols, epilogue=epilogue,
+                              pow2=pow2)
     gmem = cute.AddressSpace.gmem
     fake = 1 << 20  # any aligned address: only the types matter at compile time
     f8 = cutlass.Float8E4M3FN
@@ -57,31 +59,39 @@ def _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call="python", op
         make_ptr(cutlass.Int32, fake, gmem, assumed_align=4),  # split sizes
         make_ptr(cutlass.Float32, fake, gmem, assumed_align=16),  # A scales (read by TMA)
         make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # B scales
+        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # probs
+        make_ptr(f8, fake, gmem, assumed_align=16),  # the next GEMM's FP8 rows: act (srelu_q), dz (dsrelu_q)
+        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # their scales
+        make_ptr(f8, fake, gmem, assumed_align=16),  # z in FP8: written (srelu_q), read (dsrelu_q)
+        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # its scales
+        make_ptr(od, fake, gmem, assumed_align=16),  # act in the output dtype (dsrelu_q)
+        make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # dprob partials (dsrelu_q)
     ]
     if call == "tvm-ffi":
         options = f"{options} --enable-tvm-ffi" if options else "--enable-tvm-ffi"
     kern.call = call
     extra = {"options": options} if options else {}
     t0 = time.perf_counter()
-    compiled = cute.compile(kern, *args, cutlass.Int32(1), cutlass.Int32(4), cutlass.Int32(1),
-                            make_fake_stream(), **extra)
+    compiled = cute.compile(kern, *args, cutlass.Int32(1), cutlass.Int32(4), cutlass.Int32(1), cutlass.Int32(4),
+                            cutlass.Float32(0.0), make_fake_stream(), **extra)
     return kern, compiled, time.perf_counter() - t0
 
 
 def compile_variant_fp8(n: int, k: int, e: int, *, out_dtype=torch.bfloat16, tile=None, cluster_n=None,
-                        sb_cols=None, options=None, call=None):
+                        sb_cols=None, options=None, call=None, epilogue="plain", pow2=False):
     """Compile one FP8 variant without caching; returns (kernel object, compiled, seconds).
 
     Works without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile tests); ``sb_cols`` is
-    the row length of B's scales (default ``roundup(ceil(K / 128), 4)``, TE's padding)."""
+    the row length of B's scales (default ``roundup(ceil(K / 128), 4)``, TE's padding);
+    ``epilogue``: "plain" (C) or "srelu_q" (z and act quantized; ``pow2`` its scale rounding)."""
     tile = _check_tile(tile) if tile is not None else pick_tile_fp8(n)
     cluster_n = cluster_n or api.pick_cluster(n, tile)
     sb_cols = sb_cols if sb_cols is not None else -(-(-(-k // SCALE_BLOCK)) // 4) * 4
     call = call or api.kernel_call_convention()
-    return _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call, options)
+    return _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call, options, epilogue, pow2)
 
 
-def launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols) -> GemmPlan:
+def launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue="plain", pow2=False) -> GemmPlan:
     """What launching a compiled FP8 variant reads (its tile walk: BM, N tiles, experts, cluster),
     as its kernel object derives it, without the DSL. Its parameters key the disk cache; what the
     FP8 kernel derives beyond them (stages, scale blocks) comes from its module's constants, which
@@ -89,20 +99,23 @@ def launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols) -> GemmPlan:
     plan = GemmPlan(out_dtype.itemsize, n, k, e, b_n_major=False, epilogue="plain", tile_mn=tile,
                     cluster_n=cluster_n, schedule="cooperative")
     plan.sb_cols = sb_cols  # part of the disk cache's key, with the plan's own parameters
+    if epilogue != "plain":  # the plain variants keep the keys they had
+        plan.fp8_epilogue, plan.pow2 = epilogue, bool(pow2)
     return plan
 
 
-def _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call):
+def _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue="plain", pow2=False):
     """(kernel or launch plan, compiled) of one FP8 variant: from the disk cache where it holds it,
     else compiled (and written there), one process at a time per variant, as :mod:`.api` does."""
     if not disk_cache.enabled():
-        return _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call)
-    plan = launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols)
+        return _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue, pow2)
+    plan = launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue, pow2)
     entry = disk_cache.Entry(key, api._kernel_params(plan), call)
     with entry.claim():
         compiled = entry.load()
         if compiled is None:
-            kern, compiled = _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call)
+            kern, compiled = _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue,
+                                              pow2)
             # the key again, with the DSL's settings as it states them now that it is imported (those
             # recalled for this context may be stale), as api does
             disk_cache.Entry(key, api._kernel_params(plan), call).store(compiled)
@@ -114,7 +127,7 @@ def _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call
         from .gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
         kern = GroupedGemmFp8Sm90(api._cutlass_dtype(out_dtype), n, k, e, tile_mn=tile, cluster_n=cluster_n,
-                                  sb_cols=sb_cols)
+                                  sb_cols=sb_cols, epilogue=epilogue, pow2=pow2)
     kern.call = call
     api._LOAD_SECONDS[key] = disk_cache.LOADED[entry.name]
     api._LOADED_BY[key] = disk_cache.LOADED_BY[entry.name]
@@ -123,19 +136,21 @@ def _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call
     return kern, compiled
 
 
-def _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call):
-    kern, compiled, secs = _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call)
+def _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue="plain", pow2=False):
+    kern, compiled, secs = _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue=epilogue,
+                                        pow2=pow2)
     api._COMPILE_SECONDS[key] = secs
     api._log.info("compiled grouped FP8 GEMM %s in %.2f s", key, secs)
     return kern, compiled
 
 
-def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None):
+def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None, epilogue="plain", pow2=False):
     """Compiled FP8 kernel for one variant (compiles and caches on first use)."""
     tile = _check_tile(tile) if tile is not None else pick_tile_fp8(n)
     cluster_n = api.pick_cluster(n, tile)
     call = api.kernel_call_convention()
-    key = ("fp8_blockwise", out_dtype, tile, cluster_n, n, k, e, sb_cols, call)
+    form = () if epilogue == "plain" else (epilogue, bool(pow2))
+    key = ("fp8_blockwise", out_dtype, tile, cluster_n, n, k, e, sb_cols, *form, call)
     hit = api._CACHE.get(key)
     if hit is None and capturing():
         raise GraphCaptureError(api._first_call_in_capture(key))
@@ -144,7 +159,8 @@ def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None):
             hit = api._CACHE.get(key)
             if hit is None:
                 try:
-                    kern, compiled = _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call)
+                    kern, compiled = _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call,
+                                                          epilogue, pow2)
                 except Exception as exc:
                     if call != "tvm-ffi" or os.environ.get(api.CALL_ENV):
                         raise
@@ -152,7 +168,7 @@ def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None):
                     # Python executor for good (a broken kernel raises here again)
                     key = key[:-1] + ("python",)
                     kern, compiled = _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols,
-                                                          "python")
+                                                          "python", epilogue, pow2)
                     api._TVM_FFI_FAILED.append(repr(exc)[:300])
                     api._log.warning("the TVM-FFI kernel call path failed to compile (%s); using the "
                                      "CuTe DSL's Python executor", api._TVM_FFI_FAILED[-1])
@@ -165,9 +181,10 @@ def _shape(t) -> str:
     return f"{tuple(t.shape)} {t.dtype} with stride {tuple(t.stride())}"
 
 
-def _check_fp8(a, sa, b, sb, split_sizes, out_dtype):
-    """Host checks, device last (so that every other check can be exercised without a GPU).
-    Returns (E, N, K, B's scales as (E, ceil(N / 128), Kp))."""
+def _check_fp8(a, sa, b, sb, split_sizes, out_dtype, more=None):
+    """Host checks, device last (so that every other check can be exercised without a GPU);
+    ``more(T, N)``: an entry point's own checks, run before the device's. Returns (E, N, K, B's
+    scales as (E, ceil(N / 128), Kp))."""
     named = {"a_data": a, "a_scale_inv": sa, "b_data": b, "b_scale_inv": sb}
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
@@ -217,6 +234,8 @@ def _check_fp8(a, sa, b, sb, split_sizes, out_dtype):
         raise ValueError(f"b_scale_inv must be ({e}, {n_blocks}, >= {k_blocks}): each expert's 2D "
                          f"Float8BlockQuantizer rowwise scales (ceil(N / 128), ceil(K / 128) padded to a multiple "
                          f"of 4) stacked, or ({e * n_blocks}, >= {k_blocks}), got {_shape(sb)}")
+    if more is not None:
+        more(t, n)
     devices = {x.device for x in (a, sa, b, sb)}
     if len(devices) != 1 or not a.is_cuda:
         raise ValueError(f"a_data, a_scale_inv, b_data and b_scale_inv must be on one CUDA device, got "
@@ -260,7 +279,102 @@ def grouped_gemm_fp8_blockwise(a_data, a_scale_inv, b_data, b_scale_inv, split_s
     return c
 
 
-def _launch_fp8(kern, compiled, a, b, c, s, sa, sb, num_tokens):
+def grouped_gemm_fp8_srelu_quantize(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, probs, *,
+                                    eps: float = 0.0, pow2: bool = False, out_dtype=torch.bfloat16, tile=None):
+    """fc1 of the MLP under ``Float8BlockScaling`` with its activation, quantized for what reads it:
+    ``z = round(dequant(a) @ dequant(b[e])^T)`` per expert (rounded to ``out_dtype``) and
+    ``act = round(relu(z)^2 * probs[:, None])``, each quantized in 1x128 blocks by TE's rule with the
+    recipe's ``eps`` (amax floor) and ``pow2`` (power-of-two scales). Returns ``(act data, act
+    scales, z data, z scales)``: uint8 (T, N) and fp32 ``(ceil(N / 128), roundup(T, 4))``, the
+    bytes :func:`.fp8_rows.srelu_quantize` writes from the bf16 output of
+    :func:`grouped_gemm_fp8_blockwise`, with no bf16 z in between. Operands as there; ``probs``
+    (T,) in any float dtype (read as fp32). Rows past ``sum(split_sizes)`` are left unwritten."""
+    if tile is not None:
+        tile = _check_tile(tile)
+
+    def epilogue_checks(t, n):
+        if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() or probs.numel() != t:
+            raise ValueError(f"probs must be a float tensor of one value per token ({t}), got "
+                             f"{_shape(probs) if isinstance(probs, torch.Tensor) else type(probs).__name__}")
+        if n % 16:
+            raise ValueError(f"N must be a multiple of 16 (16-byte FP8 output rows), got {n}")
+        if (tile or pick_tile_fp8(n))[1] != SCALE_BLOCK and n > 64:
+            raise ValueError(f"the quantizing epilogue needs 128-column tiles where N > 64, got {tile}")
+        if probs.device != a_data.device:
+            raise ValueError(f"probs must be on a_data's device ({a_data.device}), got {probs.device}")
+
+    e, n, k, sb = _check_fp8(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, out_dtype, epilogue_checks)
+    t = a_data.shape[0]
+    device = a_data.device
+    act, zq = (torch.empty((t, n), dtype=torch.uint8, device=device) for _ in range(2))
+    act_s, zq_s = (torch.empty((-(-n // SCALE_BLOCK), -(-t // 4) * 4), dtype=torch.float32, device=device)
+                   for _ in range(2))
+    if t == 0:
+        return act, act_s, zq, zq_s
+    kern, compiled = get_kernel_fp8(out_dtype, n, k, e, sb.shape[2], tile, "srelu_q", pow2)
+    a, b = _as_e4m3(a_data), _as_e4m3(b_data)
+    s = api._splits_i32(split_sizes, a.device)
+    p = probs.reshape(t).to(torch.float32).contiguous()
+    _launch_fp8(kern, compiled, a, b, a, s, a_scale_inv, sb, t,
+                q=(p, act.view(torch.float8_e4m3fn), act_s, zq.view(torch.float8_e4m3fn), zq_s, a, act_s, act_s.stride(0),
+                   float(eps)))
+    return act, act_s, zq, zq_s
+
+
+def grouped_gemm_fp8_dsrelu_quantize(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, z_data, z_scale_inv,
+                                     probs, *, eps: float = 0.0, pow2: bool = False, out_dtype=torch.bfloat16,
+                                     tile=None):
+    """fc2's dgrad of the MLP under ``Float8BlockScaling`` with the SReLU backward in its epilogue:
+    from ``dact = round(dequant(a) @ dequant(b[e])^T)`` (a: dy's FP8 rows, b: fc2's weights
+    transposed) and the saved FP8 z (``z_data`` (T, N), ``z_scale_inv`` TE's 1x128 layout, as
+    :func:`grouped_gemm_fp8_srelu_quantize` or :func:`.fp8_rows.srelu_quantize` write them), with
+    ``r = relu(z)``: ``dz = round(dact * r * prob * 2)``, dz's FP8 rows (1x128 blocks, the recipe's
+    ``eps`` and ``pow2``), ``dprobs = sum(dact * r^2)`` per row (fp32) and ``act = round(r^2 *
+    prob)``. Returns ``(dz, dz data, dz scales, dprobs, act)`` as :func:`.fp8_rows.dsrelu_quantize`
+    does (the same bytes; dprobs summed in another order), without dact in memory."""
+    if tile is not None:
+        tile = _check_tile(tile)
+
+    def epilogue_checks(t, n):
+        if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() or probs.numel() != t:
+            raise ValueError(f"probs must be a float tensor of one value per token ({t}), got "
+                             f"{_shape(probs) if isinstance(probs, torch.Tensor) else type(probs).__name__}")
+        if n % 16:
+            raise ValueError(f"N must be a multiple of 16 (16-byte FP8 output rows), got {n}")
+        if (tile or pick_tile_fp8(n))[1] != SCALE_BLOCK and n > 64:
+            raise ValueError(f"the quantizing epilogue needs 128-column tiles where N > 64, got {tile}")
+        if not isinstance(z_data, torch.Tensor) or z_data.dtype not in _FP8_DTYPES or tuple(z_data.shape) != (t, n):
+            raise ValueError(f"z_data must be FP8 e4m3 (T, N) = ({t}, {n}), got "
+                             f"{_shape(z_data) if isinstance(z_data, torch.Tensor) else type(z_data).__name__}")
+        want = (-(-n // SCALE_BLOCK), -(-t // 4) * 4)
+        if (not isinstance(z_scale_inv, torch.Tensor) or z_scale_inv.dtype != torch.float32
+                or tuple(z_scale_inv.shape) != want or z_scale_inv.stride() != (want[1], 1)):
+            raise ValueError(f"z_scale_inv must be fp32 {want} and contiguous (TE's 1x128 layout of z), got "
+                             f"{_shape(z_scale_inv) if isinstance(z_scale_inv, torch.Tensor) else z_scale_inv}")
+        for name, x in (("probs", probs), ("z_data", z_data), ("z_scale_inv", z_scale_inv)):
+            if x.device != a_data.device:
+                raise ValueError(f"{name} must be on a_data's device ({a_data.device}), got {x.device}")
+
+    e, n, k, sb = _check_fp8(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, out_dtype, epilogue_checks)
+    t = a_data.shape[0]
+    device = a_data.device
+    dz, act = (torch.empty((t, n), dtype=out_dtype, device=device) for _ in range(2))
+    dzq = torch.empty((t, n), dtype=torch.uint8, device=device)
+    dzq_s = torch.empty((-(-n // SCALE_BLOCK), -(-t // 4) * 4), dtype=torch.float32, device=device)
+    if t == 0:
+        return dz, dzq, dzq_s, torch.empty(0, dtype=torch.float32, device=device), act
+    kern, compiled = get_kernel_fp8(out_dtype, n, k, e, sb.shape[2], tile, "dsrelu_q", pow2)
+    part = torch.empty((t, kern.n_tiles), dtype=torch.float32, device=device)
+    a, b = _as_e4m3(a_data), _as_e4m3(b_data)
+    s = api._splits_i32(split_sizes, a.device)
+    p = probs.reshape(t).to(torch.float32).contiguous()
+    _launch_fp8(kern, compiled, a, b, dz, s, a_scale_inv, sb, t,
+                q=(p, dzq.view(torch.float8_e4m3fn), dzq_s, _as_e4m3(z_data), z_scale_inv, act, part,
+                   dzq_s.stride(0), float(eps)))
+    return dz, dzq, dzq_s, part.sum(dim=1), act
+
+
+def _launch_fp8(kern, compiled, a, b, c, s, sa, sb, num_tokens, q=None):
     if not getattr(kern, "launched", False) and capturing():  # the first call loads the module
         raise GraphCaptureError(api._first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
     # persistent grid: one CTA per SM at most, and no more CTAs than a bound of the tile count
@@ -274,20 +388,24 @@ def _launch_fp8(kern, compiled, a, b, c, s, sa, sb, num_tokens):
         sa_stride = -(-num_tokens // 4) * 4
     stream = torch.cuda.current_stream().cuda_stream
     kern.launched = True
-    tensors = (a, b, c, s, sa, sb)
+    # the other epilogue's pointers are not read: any valid address of the right alignment serves
+    prob, qd, qs, zd, zs, c2, part, q_stride, eps = q if q is not None else (sb, a, sb, a, sb, c, sb, 4, 0.0)
+    tensors = (a, b, c, s, sa, sb, prob, qd, qs, zd, zs, c2, part)
     if getattr(kern, "call", "python") == "tvm-ffi":
-        compiled(*(x.data_ptr() for x in tensors), num_tokens, sa_stride, num_ctas, stream)
+        compiled(*(x.data_ptr() for x in tensors), num_tokens, sa_stride, num_ctas, q_stride, eps, stream)
         return
     cutlass, cute, make_ptr, _ = api._cutlass()
     import cuda.bindings.driver as cuda
 
     gmem = cute.AddressSpace.gmem
-    kinds = ((cutlass.Float8E4M3FN, 16), (cutlass.Float8E4M3FN, 16), (kern.dtype, 16), (cutlass.Int32, 4),
-             (cutlass.Float32, 16), (cutlass.Float32, 4))
+    f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
+    kinds = ((f8, 16), (f8, 16), (kern.dtype, 16), (cutlass.Int32, 4), (f32, 16), (f32, 4),
+             (f32, 4), (f8, 16), (f32, 4), (f8, 16), (f32, 4), (kern.dtype, 16), (f32, 4))
     ptrs = [make_ptr(dt, x.data_ptr(), gmem, assumed_align=al) for x, (dt, al) in zip(tensors, kinds)]
     compiled(*ptrs, cutlass.Int32(num_tokens), cutlass.Int32(sa_stride), cutlass.Int32(num_ctas),
-             cuda.CUstream(stream))
+             cutlass.Int32(q_stride), f32(eps), cuda.CUstream(stream))
 
 
-__all__ = ["grouped_gemm_fp8_blockwise", "compile_variant_fp8", "get_kernel_fp8", "launch_plan_fp8",
+__all__ = ["grouped_gemm_fp8_blockwise", "grouped_gemm_fp8_dsrelu_quantize", "grouped_gemm_fp8_srelu_quantize",
+           "compile_variant_fp8", "get_kernel_fp8", "launch_plan_fp8",
            "pick_tile_fp8", "SCALE_BLOCK", "TILE_NS", "OUT_DTYPES"]

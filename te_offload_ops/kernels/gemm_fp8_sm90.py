@@ -50,6 +50,27 @@ Scale loads
   consumers load it from global memory one k-block ahead, so its latency hides under the WGMMAs.
   A BN=192 tile straddles two 128-column scale blocks: it loads both and picks per column group.
 
+The SReLU x prob epilogue, quantized (``epilogue="srelu_q"``)
+--------------------------------------------------------------
+For fc1 the tile can leave as the two FP8 tensors the next steps read instead of bf16 ``C``:
+``z = bf16(C)`` and ``act = bf16(relu(z)^2 * prob[r])``, each quantized in TE's 1x128 blocks
+(e4m3, scale from the block's amax by TE's rule: the recipe's epsilon floor, power-of-two rounding
+if asked, 1 where the amax is 0, inf or NaN) with its fp32 scale-inverses in TE's
+``(ceil(N / 128), tokens)`` layout: the bytes :func:`..fp8_rows.srelu_quantize` writes from the
+bf16 ``C``, without ``C`` ever reaching global memory. A 128-column block of a row lies in one
+128-column tile, held by the four lanes of a quad (32 values each): a local max and two butterfly
+shuffles give the row's amax, so the tile's BN must be 128 (or 64 where N <= 64). Each output goes
+through the staging buffer as FP8 bytes and leaves in 16-byte row vectors, predicated as ``C``'s.
+
+The SReLU backward in fc2's dgrad epilogue (``epilogue="dsrelu_q"``)
+-------------------------------------------------------------------
+For fc2's dgrad (``C = dact``) the tile instead reads the saved FP8 z of its rows and columns
+(loaded before the mainloop) and writes what :func:`..fp8_rows.dsrelu_quantize` writes from the
+bf16 ``dact``: ``dz = round(dact * relu(z) * prob * 2)`` and ``act = round(relu(z)^2 * prob)`` in
+the output dtype, dz's FP8 rows with their scales, and per row and n-tile the partial sum of
+``dact * relu(z)^2`` (the host sums the tiles' partials in a fixed order: dprob, deterministic but
+summed in another order than the row pass's).
+
 Schedule
 --------
 Persistent and warp-specialized like :mod:`.gemm_sm90` (whose tile scheduling, split-size
@@ -73,7 +94,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .gemm_sm90 import _CONSUMER_REGS, _PRODUCER_REGS, _THREADS, _WG, GroupedGemmSm90
+from .gemm_sm90 import _CONSUMER_REGS, _EPI_BARRIER, _PRODUCER_REGS, _THREADS, _WG, GroupedGemmSm90
 
 SCALE_BLOCK = 128  # Float8BlockScaling's block length (1 x 128 and 128 x 128)
 _BK = SCALE_BLOCK  # one k-tile per scale block: the promotion happens once per k-tile
@@ -82,10 +103,17 @@ TILE_NS = (64, 128, 192)  # tmp and acc stay in registers: BN fp32 registers a c
 # must be 16-byte aligned): 4 fp32 more than the tile's rows, each stage's box 128-byte aligned
 _SA_ALIGN = 4
 _SA_STAGE_FLOATS = 32 * -(-(128 + _SA_ALIGN) // 32)
+# C in bf16/fp16; fc1's z and act quantized; fc2's dgrad with the SReLU backward (see the module's docstring)
+FP8_EPILOGUES = ("plain", "srelu_q", "dsrelu_q")
+_Q_PAD = 16  # bytes past each staged FP8 row: rows 16-byte aligned, quads' stores spread over banks
+_E4M3_MAX = 448.0
+_F32_MAX = 3.4028234663852886e38
+_OUT_MAX = {"BFloat16": 3.3895313892515355e38, "Float16": 65504.0}  # TE's scale where 448 / amax overflows
 
 
 class GroupedGemmFp8Sm90(GroupedGemmSm90):
-    """One compiled variant: (output dtype, BN, cluster_n, N, K, E, scale row length of sb)."""
+    """One compiled variant: (output dtype, BN, cluster_n, N, K, E, scale row length of sb, epilogue,
+    power-of-two scales)."""
 
     # False only for fault isolation (benchmarks/experiments/diagnose_fp8_gemm.py): no TMA of A's
     # scales, every A scale read as 1
@@ -101,8 +129,19 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         tile_mn: tuple[int, int] = (128, 128),
         cluster_n: int = 1,
         sb_cols: int | None = None,
+        epilogue: str = "plain",
+        pow2: bool = False,
     ):
         bm, bn = tile_mn
+        if epilogue not in FP8_EPILOGUES:
+            raise ValueError(f"FP8 epilogues are {FP8_EPILOGUES}, got {epilogue!r}")
+        if epilogue != "plain":
+            if not (bn == SCALE_BLOCK or (bn == 64 and n <= 64)):
+                raise ValueError(f"the {epilogue} epilogue needs a row's 128-column scale block inside one tile: BN=128 "
+                                 f"(or 64 where N <= 64), got BN={bn} for N={n}")
+            if n % 16:
+                raise ValueError(f"the {epilogue} epilogue writes 16-byte FP8 row vectors: N must be a multiple of 16, "
+                                 f"got {n}")
         if bn not in TILE_NS:
             raise ValueError(f"FP8 tiles take BN in {TILE_NS} (the fp32 partial sums and the "
                              f"accumulator both stay in registers), got {bn}")
@@ -118,6 +157,11 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         self.k_tiles = (k + _BK - 1) // _BK
         self.n_sblocks = (n + SCALE_BLOCK - 1) // SCALE_BLOCK
         self.sb_cols = self.k_tiles if sb_cols is None else sb_cols
+        self.fp8_epilogue = epilogue  # the base class's epilogue stays "plain" (its staging sizes C's)
+        self.pow2 = bool(pow2)
+        self.q_row = bn + _Q_PAD  # bytes per staged FP8 row
+        unit = out_dtype.width // 8
+        self.epi_units = max(self.n_out * self.epi_elems, -(-(bm * self.q_row) // unit))
         if self.sb_cols < self.k_tiles:
             raise ValueError(f"B's scale rows must hold ceil(K / 128) = {self.k_tiles} k-blocks, got {sb_cols}")
         # a BN=192 tile covers parts of two 128-column scale blocks; 64 and 128 lie inside one
@@ -126,7 +170,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             raise ValueError(f"FP8 tiles take BM <= {_SA_STAGE_FLOATS - _SA_ALIGN}, got {bm}")
         stage_bytes = (bm + bn) * _BK + _SA_STAGE_FLOATS * 4  # A and B tiles (1-byte elements), A's scales
         budget = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 2048
-        budget -= self.n_out * self.epi_elems * (out_dtype.width // 8)  # epilogue staging
+        # epilogue staging: C's chunks, or one tile of FP8 bytes at a time
+        budget -= max(self.n_out * self.epi_elems * (out_dtype.width // 8), bm * (bn + _Q_PAD))
         budget -= 1024  # alignment of the A-scale buffers
         self.stages = max(2, min(8, budget // stage_bytes))
 
@@ -140,11 +185,27 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         p_split: cute.Pointer,
         p_sa: cute.Pointer,
         p_sb: cute.Pointer,
+        p_prob: cute.Pointer,
+        p_q: cute.Pointer,
+        p_q_s: cute.Pointer,
+        p_z: cute.Pointer,
+        p_z_s: cute.Pointer,
+        p_c2: cute.Pointer,
+        p_part: cute.Pointer,
         num_tokens: cutlass.Int32,
         sa_stride: cutlass.Int32,
         num_ctas: cutlass.Int32,
+        q_stride: cutlass.Int32,
+        eps: cutlass.Float32,
         stream,
     ):
+        """``p_c``: C ("plain"), or dz ("dsrelu_q"). The quantizing epilogues: ``p_prob`` (fp32, per
+        token); ``p_q`` (e4m3, (T, N)) the rows the next GEMM reads (act for "srelu_q", dz for
+        "dsrelu_q") and ``p_z`` z in FP8 (written by "srelu_q", read by "dsrelu_q"), each with its
+        scale-inverses (``p_q_s``, ``p_z_s``: fp32, (ceil(N / 128), T) with row stride
+        ``q_stride``); ``p_c2`` act in the output dtype and ``p_part`` the per-n-tile partial sums of
+        dprob (fp32, (T, ceil(N / BN))) for "dsrelu_q"; ``eps``: the recipe's amax floor. A form
+        does not read the others' pointers."""
         n, k, e = self.n, self.k, self.num_experts
         bm, bn, bk = self.bm, self.bn, self.bk
         ab = self.ab_dtype
@@ -161,6 +222,13 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             p_sb, cute.make_layout((e, self.n_sblocks, self.sb_cols),
                                    stride=(self.n_sblocks * self.sb_cols, self.sb_cols, 1))
         )
+        m_prob = cute.make_tensor(p_prob, cute.make_layout((num_tokens,)))
+        m_q = cute.make_tensor(p_q, cute.make_layout((num_tokens, n), stride=(n, 1)))
+        m_z = cute.make_tensor(p_z, cute.make_layout((num_tokens, n), stride=(n, 1)))
+        m_q_s = cute.make_tensor(p_q_s, cute.make_layout((self.n_sblocks, num_tokens), stride=(q_stride, 1)))
+        m_z_s = cute.make_tensor(p_z_s, cute.make_layout((self.n_sblocks, num_tokens), stride=(q_stride, 1)))
+        m_c2 = cute.make_tensor(p_c2, cute.make_layout((num_tokens, n), stride=(n, 1)))
+        m_part = cute.make_tensor(p_part, cute.make_layout((num_tokens, self.n_tiles), stride=(self.n_tiles, 1)))
 
         k_major = LayoutEnum.ROW_MAJOR
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -194,11 +262,12 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             sa: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sa_layout)], 1024]
             sb: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(sb_layout)], 1024]
             ssa: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(ssa_layout)], 128]
-            epi: cute.struct.Align[cute.struct.MemRange[self.dtype, self.n_out * self.epi_elems], 128]
+            epi: cute.struct.Align[cute.struct.MemRange[self.dtype, self.epi_units], 128]
 
         self.smem_struct = Smem
         self.kernel(
             tma_a, g_a, tma_a1, g_a1, tma_b, g_b, tma_sa, g_sa, m_c, m_split, m_sb,
+            m_prob, m_q, m_q_s, m_z, m_z_s, m_c2, m_part, eps,
             tiled_mma, sa_layout, sb_layout, ssa_layout,
         ).launch(
             grid=[num_ctas, 1, 1], block=[_THREADS, 1, 1], cluster=[self.cluster_n, 1, 1],
@@ -220,6 +289,14 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         m_c: cute.Tensor,
         m_split: cute.Tensor,
         m_sb: cute.Tensor,
+        m_prob: cute.Tensor,
+        m_q: cute.Tensor,
+        m_q_s: cute.Tensor,
+        m_z: cute.Tensor,
+        m_z_s: cute.Tensor,
+        m_c2: cute.Tensor,
+        m_part: cute.Tensor,
+        eps: cutlass.Float32,
         tiled_mma: cute.TiledMma,
         sa_layout: cute.ComposedLayout,
         sb_layout: cute.ComposedLayout,
@@ -281,7 +358,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self._consume_fp8(tidx - _WG, wg - 1, rank, cluster, num_clusters, n_work, m_split, pipe,
-                              sa, sb, ssa, st, tiled_mma, m_c, m_sb, num_tokens)
+                              sa, sb, ssa, st, tiled_mma, m_c, m_sb, num_tokens,
+                              (m_prob, m_q, m_q_s, m_z, m_z_s, eps, m_c2, m_part))
 
     @cute.jit
     def _produce_fp8(self, rank, cluster, num_clusters, n_work, m_split, pipe, tma_a, g_a, tma_a1, g_a1,
@@ -334,7 +412,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 
     @cute.jit
     def _consume_fp8(self, ctid, cwg, rank, cluster, num_clusters, n_work, m_split, pipe, sa, sb, ssa, st,
-                     tiled_mma, m_c, m_sb, num_tokens):
+                     tiled_mma, m_c, m_sb, num_tokens, q_args):
         bm, bn = self.bm, self.bn
         etid = ctid  # cooperative: the tile's threads are both consumer warpgroups
         wg_mma = tiled_mma.get_slice(cute.make_layout(2, stride=_WG)(cwg))
@@ -361,7 +439,10 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         sa_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
         thr_cp = self._staging_copy().get_slice(etid)
         cp_id = thr_cp.partition_S(cute.make_identity_tensor((bm, self.epi_cols)))
-        no_probs = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)  # the plain epilogue reads none
+        prob_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)  # the plain epilogue reads none
+        m_prob = q_args[0]
+        z_r = cute.make_rmem_tensor(c_id.shape, cutlass.Float8E4M3FN)  # dsrelu_q: the tile's saved z
+        zs_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
 
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tile = cluster
@@ -379,6 +460,13 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                     sblk1 = sblk0 + 1
             sb0 = m_sb[expert, sblk0, 0]
             sb1 = sb0
+            if cutlass.const_expr(self.fp8_epilogue != "plain"):  # in flight during the mainloop
+                for i in cutlass.range_constexpr(n_rows):
+                    prob_r[i] = cutlass.Float32(0.0)
+                    if rows[i] < rows_here:
+                        prob_r[i] = m_prob[row0 + rows[i]]
+            if cutlass.const_expr(self.fp8_epilogue == "dsrelu_q"):
+                self._load_z_fp8(z_r, zs_r, rows, n_blk, row0, rows_here, cols_here, c_id, q_args[3], q_args[4])
             if cutlass.const_expr(self.straddles):
                 sb1 = m_sb[expert, sblk1, 0]
 
@@ -428,9 +516,234 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 sb0 = sb0_next
                 sb1 = sb1_next
 
-            self._epilogue(etid, cwg, n_blk, row0, rows_here, cols_here, acc, no_probs, [], thr_mma, c_id,
-                           thr_cp, cp_id, st, m_c, m_c, m_c, m_c)
+            if cutlass.const_expr(self.fp8_epilogue == "srelu_q"):
+                self._epilogue_srelu_q(etid, cwg, n_blk, row0, rows_here, cols_here, acc, tmp, prob_r, thr_mma,
+                                       c_id, st, q_args)
+            elif cutlass.const_expr(self.fp8_epilogue == "dsrelu_q"):
+                self._epilogue_dsrelu_q(etid, cwg, n_blk, row0, rows_here, cols_here, acc, tmp, prob_r, z_r, zs_r,
+                                        thr_mma, c_id, thr_cp, cp_id, st, m_c, q_args)
+            else:
+                self._epilogue(etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, [], thr_mma, c_id,
+                               thr_cp, cp_id, st, m_c, m_c, m_c, m_c)
             tile = tile + num_clusters
 
+    @cute.jit
+    def _block_scale(self, amax, eps):
+        """TE's scale of a 1x128 block from its amax (``compute_scale_from_amax``), as
+        :func:`..fp8_rows.block_scale` computes it: division and its rounding included."""
+        a = cute.arch.fmax(amax, eps)
+        scale = cutlass.Float32(_E4M3_MAX) / a
+        if scale > cutlass.Float32(_F32_MAX):
+            scale = cutlass.Float32(_OUT_MAX[self.dtype.__name__])
+        if cutlass.const_expr(self.pow2):
+            scale = (scale.bitcast(cutlass.Uint32) & cutlass.Uint32(0xFF800000)).bitcast(cutlass.Float32)
+        if a == cutlass.Float32(0.0) or a > cutlass.Float32(_F32_MAX) or a != a:
+            scale = cutlass.Float32(1.0)
+        return scale
 
-__all__ = ["GroupedGemmFp8Sm90", "SCALE_BLOCK", "TILE_NS"]
+    @cute.jit
+    def _row_amax_scale(self, amax, eps):
+        """The scale of a row's 128-column block from this thread's amax: the quad's max by two
+        butterflies (every lane takes part, valid row or not), then TE's rule."""
+        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
+        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=2))
+        return self._block_scale(amax, eps)
+
+    @cute.jit
+    def _abs(self, x):
+        return (x.bitcast(cutlass.Uint32) & cutlass.Uint32(0x7FFFFFFF)).bitcast(cutlass.Float32)
+
+    @cute.jit
+    def _epilogue_srelu_q(self, etid, cwg, n_blk, row0, rows_here, cols_here, acc, tmp, prob_r, thr_mma, c_id,
+                          st, q_args):
+        """The tile's z and act, each quantized by row in its 128-column block, -> FP8 data and scales.
+
+        Per element ``z = f32(round(acc))`` (the output dtype's rounding, as C would be stored) and
+        ``act = f32(round(relu(z)^2 * prob))``, z kept in ``acc`` and act in ``tmp`` (dead after the
+        mainloop); masked to 0 past N, as the row kernel reads zeros there."""
+        m_q, m_q_s, m_z, m_z_s, eps = q_args[1], q_args[2], q_args[3], q_args[4], q_args[5]
+        dt = self.dtype
+        shp = acc.shape
+        n_pair, n_half, n_grp, n_m = (cute.size(shp[0][0]), cute.size(shp[0][1]), cute.size(shp[0][2]),
+                                      cute.size(shp[1]))
+        n_rows = n_half * n_m
+        z_scale = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        a_scale = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        for mm in cutlass.range_constexpr(n_m):
+            for h in cutlass.range_constexpr(n_half):
+                p = prob_r[mm * n_half + h]
+                z_max = cutlass.Float32(0.0)
+                a_max = cutlass.Float32(0.0)
+                for g in cutlass.range_constexpr(n_grp):
+                    for pr in cutlass.range_constexpr(n_pair):
+                        crd = ((pr, h, g), mm, 0)
+                        z = acc[crd].to(dt).to(cutlass.Float32)
+                        if c_id[crd][1] >= cols_here:
+                            z = cutlass.Float32(0.0)
+                        r = cute.arch.fmax(z, cutlass.Float32(0.0))
+                        a = (r * r * p).to(dt).to(cutlass.Float32)
+                        acc[crd] = z
+                        tmp[crd] = a
+                        z_max = cute.arch.fmax(z_max, self._abs(z))
+                        a_max = cute.arch.fmax(a_max, self._abs(a))
+                z_scale[mm * n_half + h] = self._row_amax_scale(z_max, eps)
+                a_scale[mm * n_half + h] = self._row_amax_scale(a_max, eps)
+        # act (fc2's input), then z (saved for backward)
+        self._store_fp8(etid, cwg, n_blk, row0, rows_here, cols_here, tmp, a_scale, m_q, m_q_s, thr_mma, c_id, st)
+        self._store_fp8(etid, cwg, n_blk, row0, rows_here, cols_here, acc, z_scale, m_z, m_z_s, thr_mma, c_id, st)
+
+    @cute.jit
+    def _load_z_fp8(self, z_r, zs_r, rows, n_blk, row0, rows_here, cols_here, c_id, m_z, m_z_s):
+        """This thread's elements of the tile's z (FP8, zero outside the tile's rows and N) and its
+        rows' scale-inverses, issued before the mainloop so the loads land under it."""
+        shp = z_r.shape
+        n_pair, n_half, n_grp, n_m = (cute.size(shp[0][0]), cute.size(shp[0][1]), cute.size(shp[0][2]),
+                                      cute.size(shp[1]))
+        sblk = (n_blk * self.bn) // SCALE_BLOCK
+        # the tile from a 64-bit offset (row0 * N passes 2^31 for operands past 2^31 elements)
+        tile_z = cute.make_tensor(m_z.iterator + (cutlass.Int64(row0) * self.n + n_blk * self.bn),
+                                  cute.make_layout((self.bm, self.bn), stride=(self.n, 1)))
+        for mm in cutlass.range_constexpr(n_m):
+            for h in cutlass.range_constexpr(n_half):
+                i = mm * n_half + h
+                zs_r[i] = cutlass.Float32(0.0)
+                if rows[i] < rows_here:
+                    zs_r[i] = m_z_s[sblk, row0 + rows[i]]
+                for g in cutlass.range_constexpr(n_grp):
+                    for pr in cutlass.range_constexpr(n_pair):
+                        crd = ((pr, h, g), mm, 0)
+                        rc = c_id[crd]
+                        z_r[crd] = cutlass.Float8E4M3FN(0.0)
+                        if rc[0] < rows_here:
+                            if rc[1] < cols_here:
+                                z_r[crd] = tile_z[rc[0], rc[1]]
+
+    @cute.jit
+    def _epilogue_dsrelu_q(self, etid, cwg, n_blk, row0, rows_here, cols_here, acc, tmp, prob_r, z_r, zs_r,
+                           thr_mma, c_id, thr_cp, cp_id, st, m_c, q_args):
+        """fc2's dgrad tile -> the SReLU backward, as :func:`..fp8_rows.dsrelu_quantize` computes it.
+
+        Per element, from ``dact = f32(round(acc))`` and the saved FP8 z: ``r = relu(z * zs)``,
+        ``act = round(r^2 * prob)`` (fc2's wgrad reads it), ``dz = round(dact * r * prob * 2)``
+        (fc1's wgrad reads it; its FP8 rows, quantized by row in the 128-column block, fc1's dgrad)
+        and the row's partial ``sum(dact * r^2)`` over the tile's columns (dprob: the quad's sum,
+        stored per n-tile for a deterministic sum over the tiles). dz and act leave in the output
+        dtype through C's staged chunks, dz's FP8 rows as z's do in the forward."""
+        m_q, m_q_s, eps, m_c2, m_part = q_args[1], q_args[2], q_args[5], q_args[6], q_args[7]
+        dt = self.dtype
+        shp = acc.shape
+        n_pair, n_half, n_grp, n_m = (cute.size(shp[0][0]), cute.size(shp[0][1]), cute.size(shp[0][2]),
+                                      cute.size(shp[1]))
+        n_rows = n_half * n_m
+        dz_scale = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        for mm in cutlass.range_constexpr(n_m):
+            for h in cutlass.range_constexpr(n_half):
+                i = mm * n_half + h
+                p = prob_r[i]
+                zs = zs_r[i]
+                dz_max = cutlass.Float32(0.0)
+                s = cutlass.Float32(0.0)
+                for g in cutlass.range_constexpr(n_grp):
+                    for pr in cutlass.range_constexpr(n_pair):
+                        crd = ((pr, h, g), mm, 0)
+                        d = acc[crd].to(dt).to(cutlass.Float32)
+                        r = cute.arch.fmax(z_r[crd].to(cutlass.Float32) * zs, cutlass.Float32(0.0))
+                        r2 = r * r
+                        s = s + d * r2
+                        tmp[crd] = (r2 * p).to(dt).to(cutlass.Float32)
+                        dz = (d * r * p * cutlass.Float32(2.0)).to(dt).to(cutlass.Float32)
+                        acc[crd] = dz
+                        dz_max = cute.arch.fmax(dz_max, self._abs(dz))
+                dz_scale[i] = self._row_amax_scale(dz_max, eps)
+                s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
+                s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
+                row = c_id[(0, h, 0), mm, 0][0]
+                if etid % 4 == 0:
+                    if row < rows_here:
+                        m_part[row0 + row, n_blk] = s
+        self._store_staged(etid, cwg, n_blk, row0, rows_here, cols_here, acc, m_c, thr_mma, thr_cp, cp_id, st)
+        self._store_staged(etid, cwg, n_blk, row0, rows_here, cols_here, tmp, m_c2, thr_mma, thr_cp, cp_id, st)
+        self._store_fp8(etid, cwg, n_blk, row0, rows_here, cols_here, acc, dz_scale, m_q, m_q_s, thr_mma, c_id, st)
+
+    @cute.jit
+    def _store_staged(self, etid, cwg, n_blk, row0, rows_here, cols_here, vals, m_out, thr_mma, thr_cp, cp_id, st):
+        """Values already in the output dtype's range -> ``m_out`` in that dtype, through the staging
+        buffer ``epi_cols`` columns at a time, as C leaves."""
+        bm, bn, cols = self.bm, self.bn, self.epi_cols
+        n_chunks = bn // cols
+        shp = vals.shape
+        n_pair, n_half, n_m = cute.size(shp[0][0]), cute.size(shp[0][1]), cute.size(shp[1])
+        grp_per_chunk = cols // 8
+        base = st.epi.data_ptr()
+        # column c of the tile lands in staged column c % epi_cols
+        c_s = thr_mma.partition_C(cute.make_tensor(base, cute.make_layout((bm, (cols, n_chunks)),
+                                                                          stride=(self.epi_row, (1, 0)))))
+        cp_s = thr_cp.partition_S(cute.make_tensor(base, cute.make_layout((bm, cols), stride=(self.epi_row, 1))))
+        bar_id, n_threads = self._bar(_EPI_BARRIER, cwg)
+        for ch in cutlass.range_constexpr(n_chunks):
+            for mm in cutlass.range_constexpr(n_m):
+                for h in cutlass.range_constexpr(n_half):
+                    for g in cutlass.range_constexpr(ch * grp_per_chunk, (ch + 1) * grp_per_chunk):
+                        for pr in cutlass.range_constexpr(n_pair):
+                            crd = ((pr, h, g), mm, 0)
+                            c_s[crd] = vals[crd].to(self.dtype)
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
+            cp_g = thr_cp.partition_D(self._chunk(m_out, row0, n_blk * bn + ch * cols))
+            for i in cutlass.range_constexpr(cute.size(cp_id, mode=[1])):
+                for j in cutlass.range_constexpr(cute.size(cp_id, mode=[2])):
+                    crd = cp_id[0, i, j]
+                    if crd[0] < rows_here:
+                        if crd[1] + ch * cols < cols_here:
+                            cute.autovec_copy(cp_s[None, i, j], cp_g[None, i, j])
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
+
+    @cute.jit
+    def _store_fp8(self, etid, cwg, n_blk, row0, rows_here, cols_here, vals, scales, m_data, m_s, thr_mma, c_id, st):
+        """``vals`` times each row's scale -> e4m3 bytes staged in shared memory, then 16-byte row
+        vectors into ``m_data`` predicated on the tile's rows and N; the quad's first lane stores the
+        row's scale-inverse into ``m_s`` (its 128-column block's row)."""
+        bm, bn = self.bm, self.bn
+        f8 = cutlass.Float8E4M3FN
+        shp = vals.shape
+        n_pair, n_half, n_grp, n_m = (cute.size(shp[0][0]), cute.size(shp[0][1]), cute.size(shp[0][2]),
+                                      cute.size(shp[1]))
+        bar_id, n_threads = self._bar(_EPI_BARRIER, cwg)
+        staged = cute.make_tensor(cute.recast_ptr(st.epi.data_ptr(), dtype=f8),
+                                  cute.make_layout((bm, bn), stride=(self.q_row, 1)))
+        c_staged = thr_mma.partition_C(staged)
+        per_row = bn // 16  # 16-byte vectors per tile row
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f8, num_bits_per_copy=128)
+        tiled_cp = cute.make_tiled_copy_tv(
+            atom, cute.make_layout((self.tile_threads // per_row, per_row), stride=(per_row, 1)),
+            cute.make_layout((1, 16)),
+        )
+        thr_cp = tiled_cp.get_slice(etid)
+        cp_s = thr_cp.partition_S(staged)
+        cp_id = thr_cp.partition_S(cute.make_identity_tensor((bm, bn)))
+        for mm in cutlass.range_constexpr(n_m):
+            for h in cutlass.range_constexpr(n_half):
+                sc = scales[mm * n_half + h]
+                for g in cutlass.range_constexpr(n_grp):
+                    for pr in cutlass.range_constexpr(n_pair):
+                        crd = ((pr, h, g), mm, 0)
+                        c_staged[crd] = (vals[crd] * sc).to(f8)
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
+        # 64-bit: row0 * N passes 2^31 for operands past 2^31 elements
+        ptr = (m_data.iterator + (cutlass.Int64(row0) * self.n + n_blk * bn)).align(16)
+        cp_g = thr_cp.partition_D(cute.make_tensor(ptr, cute.make_layout((bm, bn), stride=(self.n, 1))))
+        for i in cutlass.range_constexpr(cute.size(cp_id, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(cp_id, mode=[2])):
+                crd = cp_id[0, i, j]
+                if crd[0] < rows_here:
+                    if crd[1] < cols_here:
+                        cute.autovec_copy(cp_s[None, i, j], cp_g[None, i, j])
+        if etid % 4 == 0:
+            sblk = (n_blk * bn) // SCALE_BLOCK
+            for mm in cutlass.range_constexpr(n_m):
+                for h in cutlass.range_constexpr(n_half):
+                    row = c_id[(0, h, 0), mm, 0][0]
+                    if row < rows_here:
+                        m_s[sblk, row0 + row] = cutlass.Float32(1.0) / scales[mm * n_half + h]
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
+
+__all__ = ["GroupedGemmFp8Sm90", "FP8_EPILOGUES", "SCALE_BLOCK", "TILE_NS"]

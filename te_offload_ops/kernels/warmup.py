@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import settings
 from . import api, disk_cache
 
 LAYOUTS = ("te", "megatron")
@@ -47,7 +48,8 @@ class Variant:
         kw = self.kwargs
         n, k, e = kw["n"], kw["k"], kw["e"]
         if kw.get("fp8"):
-            return f"{self.label} (N={n} K={k}, {e} experts, FP8 e4m3 with 1x128 / 128x128 scales)"
+            scales = ", power-of-two scales" if kw.get("pow2") else ""
+            return f"{self.label} (N={n} K={k}, {e} experts, FP8 e4m3 with 1x128 / 128x128 scales{scales})"
         shape = f"M={kw['wgrad_m']} N={n}" if kw.get("wgrad_m") is not None else f"N={n} K={k}"
         schedule = getattr(kern, "schedule", None) or kw.get("schedule")
         return f"{self.label} ({shape}, {e} experts, {kw['epilogue']}{', ' + schedule if schedule else ''})"
@@ -115,6 +117,14 @@ def mlp_variants(num_experts: int, hidden_size: int, ffn_hidden_size: int, param
     if fp8:  # B: each expert's FP8 weight (E, N, K), its 128x128 scales' rows padded to 4 as TE's
         out = [Variant(label, dict(base, fp8=True, n=n, k=k, sb_cols=-(-(-(-k // 128)) // 4) * 4))
                for label, n, k in (("fc1 forward, fc2 dgrad", f, h), ("fc2 forward, fc1 dgrad", h, f))]
+        if settings.fp8_rows() == "gemm":  # SReLU and its backward in those GEMMs' epilogues
+            # the scales' rounding of Float8BlockScaling's defaults (power-of-two unless TE is told otherwise)
+            pow2 = os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") != "1"
+            sb_cols = out[0].kwargs["sb_cols"]
+            out[0] = Variant("fc2 forward, fc1 dgrad", out[1].kwargs)
+            out[1:] = [Variant(label, dict(base, fp8=True, n=f, k=h, sb_cols=sb_cols, fp8_epilogue=epi, pow2=pow2))
+                       for label, epi in (("fc1 forward + SReLU, quantized", "srelu_q"),
+                                          ("fc2 dgrad + dSReLU, quantized", "dsrelu_q"))]
     else:
         out = [  # srelu_mlp's forward and backward, in launch order
             Variant("fc1 forward + SReLU", dict(base, n=f, k=h, b_n_major=False, epilogue="srelu", b_layout=w1)),
@@ -157,7 +167,8 @@ def _get(kwargs: dict):
     if kw.pop("fp8", False):
         from .api_fp8 import get_kernel_fp8
 
-        return get_kernel_fp8(kw["dtype"], kw["n"], kw["k"], kw["e"], kw["sb_cols"])
+        return get_kernel_fp8(kw["dtype"], kw["n"], kw["k"], kw["e"], kw["sb_cols"], None,
+                              kw.get("fp8_epilogue", "plain"), kw.get("pow2", False))
     return api.get_kernel(kw.pop("dtype"), kw.pop("n"), kw.pop("k"), kw.pop("e"), **kw)
 
 
