@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import statistics
@@ -671,12 +672,54 @@ def command_line(argv: list) -> str:
     return named("benchmarks/megatron_gpt.py", argv, ("--out", "--job-logs", "--trace-dir"))
 
 
-def launch(args) -> int:
+def build_result(args, rows: list, numerics: dict, cap, gpus: list, complete: bool) -> dict:
+    """The results file's content from the rows so far (``complete``: every job has run)."""
     import torch
     import transformer_engine
 
-    from megatron_gpt_numerics import checks, merge_ranks as merge_numerics
+    from megatron_gpt_numerics import checks
     from te_offload_ops.megatron import installed_version
+
+    rows = copy.deepcopy(rows)
+    add_comparisons(rows, args.shape.tokens_per_step)
+    result = {
+        "benchmark": "megatron_gpt", "gpu": gpus[0] if gpus else "unknown GPU", "complete": complete,
+        "date": utc_now(), "command": command_line(args.argv),
+        "versions": {"megatron-core": installed_version(), "transformer-engine": transformer_engine.__version__,
+                     "torch": torch.__version__},
+        "config": {**{k: getattr(args.shape, k) for k in ("layers", "hidden", "heads", "ffn", "experts", "topk",
+                                                          "seq", "micro_batch", "microbatches", "vocab")},
+                   "ep": args.ep, "variants": args.variants, "offload_modules": list(args.offload_modules),
+                   "teo_budget_gib": args.teo_budget_gib, "teo_reload_ahead": args.teo_reload_ahead,
+                   "repeats": args.repeats, "warmup": args.warmup, "iters": args.iters,
+                   "seed": args.seed, "profile": args.profile, "numerics": not args.no_numerics,
+                   "cap_gib": args.cap_gib, "cap_max_micro_batch": args.cap_max_micro_batch,
+                   "cuda_graphs": list(args.cuda_graphs)},
+        "rows": rows, "numerics": numerics, "cap": cap,
+    }
+    result["targets"] = (targets(rows) + [dict(target=c["check"], value=c["value"], met=c["met"])
+                                          for ep, merged in numerics.items() for c in checks(merged, int(ep))]
+                         + cap_targets(cap))
+    return result
+
+
+def report_stem(args, gpu: str) -> str:
+    suffixes = (() if args.ep == [1, 2] else ("ep" + "-".join(map(str, args.ep)),)) + \
+        (("graphs",) if args.cuda_graphs else ()) + \
+        (("fp8",) if any(split_precision(v)[1] for v in args.variants) else ())
+    return file_stem("megatron_gpt", gpu, *suffixes)
+
+
+def write_partial(args, rows: list, numerics: dict, gpus: list) -> None:
+    """The JSON of the jobs run so far, ``"complete": false``, so that a run stopped early (a time
+    limit, a failed machine) keeps what it measured; the full reports replace it at the end."""
+    result = build_result(args, rows, numerics, None, gpus, complete=False)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{report_stem(args, result['gpu'])}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def launch(args) -> int:
+    from megatron_gpt_numerics import checks, merge_ranks as merge_numerics
 
     s = args.shape
     per_ep = len(args.variants) * args.repeats + (0 if args.no_numerics else 1)
@@ -700,6 +743,7 @@ def launch(args) -> int:
                     log(f"{label}: step {row['step_ms']:.1f} ms, peak {row['peak_GiB']:.2f} GiB "
                         f"({row['peak_above_floor_GiB']:.2f} above the floor of {row['floor_GiB']:.2f}), offloaded "
                         f"{row['offloaded_MiB_per_step']:.0f} MiB/step ({job['seconds']:.0f} s)")
+                write_partial(args, rows + [median_run(r) for r in runs.values() if r], numerics, gpus)
         rows += [median_run(runs[name]) for name in args.variants]
         if not args.no_numerics:
             label = f"EP={ep} numerics"
@@ -713,30 +757,8 @@ def launch(args) -> int:
             log(f"{label}: {sum(bool(c['met']) for c in found)} of {len(found)} bounds met ({job['seconds']:.0f} s)")
         if args.cap_gib is not None and ep == 1:
             cap = cap_search(args)
-    add_comparisons(rows, args.shape.tokens_per_step)
-    gpu = gpus[0] if gpus else "unknown GPU"
-    result = {
-        "benchmark": "megatron_gpt", "gpu": gpu,
-        "date": utc_now(), "command": command_line(args.argv),
-        "versions": {"megatron-core": installed_version(), "transformer-engine": transformer_engine.__version__,
-                     "torch": torch.__version__},
-        "config": {**{k: getattr(args.shape, k) for k in ("layers", "hidden", "heads", "ffn", "experts", "topk",
-                                                          "seq", "micro_batch", "microbatches", "vocab")},
-                   "ep": args.ep, "variants": args.variants, "offload_modules": list(args.offload_modules),
-                   "teo_budget_gib": args.teo_budget_gib, "teo_reload_ahead": args.teo_reload_ahead,
-                   "repeats": args.repeats, "warmup": args.warmup, "iters": args.iters,
-                   "seed": args.seed, "profile": args.profile, "numerics": not args.no_numerics,
-                   "cap_gib": args.cap_gib, "cap_max_micro_batch": args.cap_max_micro_batch,
-                   "cuda_graphs": list(args.cuda_graphs)},
-        "rows": rows, "numerics": numerics, "cap": cap,
-    }
-    result["targets"] = (targets(rows) + [dict(target=c["check"], value=c["value"], met=c["met"])
-                                          for ep, merged in numerics.items() for c in checks(merged, int(ep))]
-                         + cap_targets(cap))
-    suffixes = (() if args.ep == [1, 2] else ("ep" + "-".join(map(str, args.ep)),)) + \
-        (("graphs",) if args.cuda_graphs else ()) + \
-        (("fp8",) if any(split_precision(v)[1] for v in args.variants) else ())
-    paths = write_reports(args.out, file_stem("megatron_gpt", gpu, *suffixes), result, markdown, chart)
+    result = build_result(args, rows, numerics, cap, gpus, complete=True)
+    paths = write_reports(args.out, report_stem(args, result["gpu"]), result, markdown, chart)
     log("wrote " + ", ".join(str(p) for p in paths))
     failed = [r for r in rows if "error" in r] + [m for m in numerics.values() if "error" in m] \
         + [c for c in cap or [] if "error" in c]

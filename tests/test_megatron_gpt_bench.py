@@ -596,6 +596,32 @@ def test_repeats_run_in_rounds_and_each_row_is_the_median_run(tmp_path, monkeypa
         mg.parse_args(["--repeats", "0"])
 
 
+def test_a_run_stopped_part_way_leaves_the_jobs_it_finished_in_its_json(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_job(args, ep, label, job, variant=None, micro_batch=None):
+        if variant == "ours+teo" and len(seen) == 3:  # the launcher is stopped during the fourth job
+            raise KeyboardInterrupt
+        seen.append(variant)
+        if len(seen) > 1:  # what the previous jobs measured is on disk before this one runs
+            partial = json.loads((tmp_path / "megatron_gpt_NVIDIA_H100_80GB_HBM3_ep2.json").read_text())
+            assert partial["complete"] is False and len(partial["rows"]) == min(len(seen) - 1, 2)
+        base = {"rc": 0, "seconds": 1.0, "timed_out": False, "tail": "", "failure": None}
+        return {**base, "per_rank": [{"rank": r, "gpu": "NVIDIA H100 80GB HBM3", "weights_digest": 1.0,
+                                      "row": _row(variant, 2, 100.0 + len(seen), 8.0, rank=r)} for r in range(2)]}
+
+    monkeypatch.setattr(mg, "run_job", fake_job)
+    monkeypatch.setattr(mg, "problem", lambda max_ep, variants=(): None)
+    with pytest.raises(KeyboardInterrupt):
+        mg.main(["--out", str(tmp_path), "--ep", "2", "--variants", "ours,ours+teo", "--repeats", "2",
+                 "--no-numerics"])
+    partial = json.loads((tmp_path / "megatron_gpt_NVIDIA_H100_80GB_HBM3_ep2.json").read_text())
+    assert partial["complete"] is False and not (tmp_path / "megatron_gpt_NVIDIA_H100_80GB_HBM3_ep2.md").exists()
+    ours, teo = partial["rows"]
+    assert ours["step_ms_runs"] == [101.0, 103.0] and teo["step_ms_runs"] == [102.0]
+    assert teo["step_vs_ours"] == pytest.approx(102.0 / 101.0)  # the lower middle of ours' two runs
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the worker's failure path without a GPU")
 def test_a_worker_that_cannot_start_writes_why_and_exits_non_zero(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCH / "megatron_gpt.py"), "--worker-ep", "1", "--worker-out",
