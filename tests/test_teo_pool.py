@@ -30,14 +30,22 @@ def test_pool_reuses_buffers_across_steps():
     assert again.ready == "event2"  # the next user waits for the last GPU use
 
 
-def test_pool_does_not_hand_out_much_larger_buffers_or_shared_ones():
+def test_pool_prefers_a_buffer_near_the_size_then_a_larger_free_one_to_pinning_anew():
     pool, made = fake_pool()
     big = pool.acquire(8 << 20)
+    near = pool.acquire(1 << 20)
     pool.release(big, None)
-    small = pool.acquire(1 << 20)  # three octaves smaller: a buffer of its own
-    assert small is not big and pool.allocations == 2
-    a, b = pool.acquire(8 << 20), pool.acquire(8 << 20)
-    assert a is big and b is not a and pool.allocations == 3
+    pool.release(near, None)
+    small = pool.acquire(1 << 20)  # a buffer near its size is free: taken, the large one left
+    assert small is near and pool.allocations == 2 and pool.oversized_reuses == 0
+    # nothing near its size free: the free 16 MiB buffer (at most 16x the request) rather than new memory
+    second = pool.acquire(1 << 20)
+    assert second is big and pool.allocations == 2 and pool.oversized_reuses == 1
+    pool.release(second, None)
+    tiny = pool.acquire(512 << 10)  # 32x smaller than the free buffer: pinned anew
+    assert tiny is not big and pool.allocations == 3
+    a, b = pool.acquire(8 << 20), pool.acquire(8 << 20)  # never one buffer to two holders
+    assert a is big and b is not a and pool.allocations == 4
 
 
 def test_pool_clear_drops_free_buffers_only():
@@ -87,5 +95,5 @@ def test_pool_remembers_each_allocation_with_what_it_held_then():
     assert a["seconds"] >= 0 and pool.allocation_seconds >= a["seconds"]
     big = pool.acquire(64 << 20)
     pool.release(big, None)
-    pool.acquire(1 << 20)  # the free one is far larger: not taken, and the record says so
+    pool.acquire(1 << 20)  # the free one is far larger (128x): not taken, and the record says so
     assert pool.recent_allocations[-1]["free"] == 1 and pool.recent_allocations[-1]["largest_free"] == made[-2]
