@@ -192,6 +192,9 @@ def markdown(result: dict) -> str:
     if repeats:
         lines[-2] += (f" Each variant ran {c['repeats']} times, in rounds through the variants; its row is the run "
                       "with the median step.")
+    if result.get("complete") is False:
+        lines[-2] += (" The run was stopped before its last jobs: the rows hold the runs that finished, the "
+                      "runs column how many.")
     lines += ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
     for row in result["rows"]:
         if "error" in row:

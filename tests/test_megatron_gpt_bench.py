@@ -620,6 +620,7 @@ def test_a_run_stopped_part_way_leaves_the_jobs_it_finished_in_its_json(tmp_path
     ours, teo = partial["rows"]
     assert ours["step_ms_runs"] == [101.0, 103.0] and teo["step_ms_runs"] == [102.0]
     assert teo["step_vs_ours"] == pytest.approx(102.0 / 101.0)  # the lower middle of ours' two runs
+    assert "stopped before its last jobs" in mgr.markdown(partial)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the worker's failure path without a GPU")

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench_common import add_mlp_shape_args, cuda_problem, refuse  # noqa: E402
+from bench_common import add_mlp_shape_args, command_line, cuda_problem, refuse, utc_now  # noqa: E402
 
 
 def host_time(step, steps: int) -> dict:
@@ -59,7 +59,8 @@ def main() -> int:
     add_mlp_shape_args(ap)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", type=Path, default=Path("profile_fp8_mlp.json"))
-    args = ap.parse_args()
+    argv = sys.argv[1:]
+    args = ap.parse_args(argv)
     if problem := cuda_problem():
         return refuse("profile_fp8_mlp.py", problem)
     import torch
@@ -98,7 +99,9 @@ def main() -> int:
     for r in host["top"][:30]:
         print(f"{r['cum_ms']:8.3f} ms cum {r['self_ms']:8.3f} ms self  x{r['calls']:<4.0f} {r['function']}")
     args.out.write_text(json.dumps({"wall_ms": wall_ms, "gpu_ms": gpu_ms, "kernels": rows, "host": host,
-                                    "gpu": torch.cuda.get_device_name()}, indent=1))
+                                    "gpu": torch.cuda.get_device_name(), "date": utc_now(),
+                                    "command": command_line("benchmarks/experiments/profile_fp8_mlp.py", argv)},
+                                   indent=1))
     return 0
 
 
