@@ -20,7 +20,7 @@ sys.path.insert(0, str(BENCH / "experiments"))
 @pytest.mark.parametrize("script", ["moe_step.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
                                     "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py",
                                     "megatron_gpt.py", "first_step.py", "bench_fp8_gemm.py", "fp8_training_loss.py",
-                                    "experiments/ablate_epilogue.py", "experiments/profile_fp8_mlp.py",
+                                    "megatron_loss.py", "experiments/ablate_epilogue.py", "experiments/profile_fp8_mlp.py",
                                     "experiments/bench_copy_interference.py", "experiments/bench_cluster2x2.py",
                                     "experiments/profile_gemm.py", "experiments/diagnose_fp8_gemm.py",
                                     "experiments/tune_fp8_rows.py"])
@@ -38,7 +38,7 @@ def test_every_benchmark_script_is_kept_run_or_an_experiment_with_a_line():
             "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py", "megatron_gpt.py",
             "megatron_gpt_model.py", "megatron_gpt_report.py", "megatron_gpt_jobs.py", "megatron_gpt_numerics.py",
             "comm_copy_overlap.py", "teo_budget_check.py", "first_step.py", "bench_fp8_gemm.py",
-            "fp8_training_loss.py"}
+            "fp8_training_loss.py", "megatron_loss.py"}
     assert {p.name for p in BENCH.glob("*.py")} == kept
     readme = (BENCH / "experiments" / "README.md").read_text()
     for script in (BENCH / "experiments").glob("*.py"):
