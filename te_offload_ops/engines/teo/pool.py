@@ -4,14 +4,13 @@ Requests fall into a geometric series of size classes (8 per octave); a request 
 buffer from its class up to twice the size it would allocate (so a buffer may serve a request of
 a fifth of its size); where none is free it takes the smallest free buffer up to
 ``_LARGEST_REUSE`` times its size rather than pin new memory: pinning 32 MiB holds the host for
-10-25 ms, and a step that pins mid-way runs that much later. New buffers are whole powers of two at least three classes (30%) above the
-request, 1.3x to 2.6x its size: torch's pinned-memory allocator rounds every allocation up to a
-power of two, so that size costs no more host memory than the request's 30% rounded would, and a
-tensor that grows by up to 30% from step to step (what a rank receives under expert parallelism
-changes with routing) still fits the buffer it had. Pinning new host memory is slow
-and stalls the GPU's queue; a buffer handed back is given out again after the GPU work that last
-used it (its ``ready`` event), so a steady sequence of steps allocates pinned memory in its first
-steps only.
+10-25 ms, and a step that pins mid-way runs that much later. New buffers are whole powers of two
+at least three classes (30%) above the request, 1.3x to 2.6x its size: torch's pinned-memory
+allocator rounds every allocation up to a power of two, so that size costs no more host memory
+than the request's 30% rounded would, and a tensor that grows by up to 30% from step to step
+(what a rank receives under expert parallelism changes with routing) still fits the buffer it
+had. A buffer handed back is given out again after the GPU work that last used it (its ``ready``
+event), so a steady sequence of steps allocates pinned memory in its first steps only.
 """
 
 from __future__ import annotations
