@@ -6,6 +6,7 @@ Importing this module needs neither torch nor a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import re
 
@@ -53,6 +54,25 @@ def command_line(script: str, argv: list, paths: tuple = ("--out",)) -> str:
         elif not a.startswith(tuple(p + "=" for p in paths)):
             shown.append(a)
     return " ".join([f"python {script}", *shown])
+
+
+@contextlib.contextmanager
+def split_check_off():
+    """The fused op's deferred split-size check off for a host-ahead measurement: it reads the
+    sizes on the host at the end of a backward, which would wait for a GPU held back on purpose."""
+    import os
+
+    from te_offload_ops.fused.split_check import CHECK_ENV
+
+    before = os.environ.get(CHECK_ENV)
+    os.environ[CHECK_ENV] = "off"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CHECK_ENV)
+        else:
+            os.environ[CHECK_ENV] = before
 
 
 def utc_now() -> str:

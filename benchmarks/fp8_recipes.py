@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from bench_common import (  # noqa: E402
-    add_mlp_shape_args, cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports,
+    add_mlp_shape_args, cuda_problem, file_stem, pyplot, refuse, save_png, split_check_off, utc_now, write_reports,
 )
 from timing import event_ms, interleaved, median  # noqa: E402
 
@@ -197,21 +197,10 @@ def gpu_time_host_ahead(mlp, inputs, recipe_name: str):
     ops read the split sizes there).
     The deferred split-size check, which waits at the backward's end for its copy when the GPU
     lags far behind, is off for this figure only."""
-    import os
-
     from timing import host_and_gpu_ahead_ms
 
-    from te_offload_ops.fused.split_check import CHECK_ENV
-
-    before = os.environ.get(CHECK_ENV)
-    os.environ[CHECK_ENV] = "off"
-    try:
+    with split_check_off():
         return host_and_gpu_ahead_ms(lambda: step(mlp, inputs, recipe_name))
-    finally:
-        if before is None:
-            os.environ.pop(CHECK_ENV)
-        else:
-            os.environ[CHECK_ENV] = before
 
 
 def tflops(args, ms: float) -> float:

@@ -71,7 +71,6 @@ import argparse
 import contextlib
 import copy
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -552,41 +551,19 @@ def numerics_job(args, rank: int, weights: dict) -> dict:
 
 
 def worker(args) -> int:
-    """One rank of one job: writes ``rank<r>.json`` into ``--worker-out`` (its result, or the error);
-    exits non-zero on an error, so torchrun stops the other ranks rather than leave them waiting."""
-    import traceback
+    """One rank of one job: writes ``rank<r>.json`` into ``--worker-out`` (its result, or the error)."""
+    from megatron_gpt_model import reference_weights, run_rank
 
-    import torch
-
-    from megatron_gpt_model import init_parallel, install_wgrad_accum_standin, reference_weights
-
-    install_wgrad_accum_standin()
-    ep = args.worker_ep
-    rank = int(os.environ.get("RANK", "0"))
-    result = {"rank": rank, "job": args.worker_job}
-    ok, started = True, False
-    try:
-        rank, result["world"] = init_parallel(ep, args.seed, timeout_minutes=3,
-                                              graphable_rng=bool(args.cuda_graphs) and args.worker_job == "time")
-        started = True
-        result["gpu"] = torch.cuda.get_device_name()
-        weights, result["weights_digest"] = reference_weights(args.shape, ep)
+    def body(rank: int) -> dict:
+        weights, digest = reference_weights(args.shape, args.worker_ep)
         if args.worker_job == "time":
-            result["row"] = time_variant(args, rank, weights)
-        elif args.worker_job == "cap":
-            result["cap"] = cap_trial(args, weights)
-        else:
-            result["numerics"] = numerics_job(args, rank, weights)
-    except Exception as exc:  # noqa: BLE001 (reported in the result; the launcher goes on with the next job)
-        ok = False
-        result.update(error=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc())
-        print(f"rank {rank}: {result['error']}\n{result['traceback']}", flush=True)
-    (args.worker_out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
-    if started:
-        if ok:
-            torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    return 0 if ok else 1
+            return {"weights_digest": digest, "row": time_variant(args, rank, weights)}
+        if args.worker_job == "cap":
+            return {"weights_digest": digest, "cap": cap_trial(args, weights)}
+        return {"weights_digest": digest, "numerics": numerics_job(args, rank, weights)}
+
+    return run_rank(args.worker_out, args.worker_ep, args.seed, body, result={"job": args.worker_job},
+                    graphable_rng=bool(args.cuda_graphs) and args.worker_job == "time")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -177,6 +177,37 @@ def init_parallel(ep: int, seed: int, timeout_minutes: int = 5, *, graphable_rng
     return rank, world
 
 
+def run_rank(out_dir, ep: int, seed: int, body, *, result: dict, graphable_rng: bool = False) -> int:
+    """One rank of a benchmark job: Megatron's parallel state (:func:`init_parallel`), then
+    ``body(rank)`` (a dict merged into the result), written to ``out_dir/rank<r>.json`` with the
+    GPU's name, or the error and its traceback. Exits non-zero on an error, so torchrun stops the
+    other ranks rather than leave them waiting in a collective."""
+    import json
+    import traceback
+
+    import torch
+
+    install_wgrad_accum_standin()
+    rank = int(os.environ.get("RANK", "0"))
+    result = {"rank": rank, **result}
+    ok, started = True, False
+    try:
+        rank, result["world"] = init_parallel(ep, seed, timeout_minutes=3, graphable_rng=graphable_rng)
+        started = True
+        result["gpu"] = torch.cuda.get_device_name()
+        result.update(body(rank))
+    except Exception as exc:  # noqa: BLE001 (reported in the result; the launcher goes on with the next job)
+        ok = False
+        result.update(error=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc())
+        print(f"rank {rank}: {result['error']}\n{result['traceback']}", flush=True)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
+    if started:
+        if ok:
+            torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return 0 if ok else 1
+
+
 # ------------------------------------------------------------------------------------------------
 # Model, DDP, optimizer
 

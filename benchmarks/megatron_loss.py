@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -194,30 +193,10 @@ def train_run(args, rank: int) -> dict:
 
 
 def worker(args) -> int:
-    import traceback
+    from megatron_gpt_model import run_rank
 
-    import torch
-
-    from megatron_gpt_model import init_parallel, install_wgrad_accum_standin
-
-    install_wgrad_accum_standin()
-    rank = int(os.environ.get("RANK", "0"))
-    result, ok, started = {"rank": rank}, True, False
-    try:
-        rank, _ = init_parallel(args.ep, args.worker_seed, timeout_minutes=3)
-        started = True
-        result["gpu"] = torch.cuda.get_device_name()
-        result["run"] = train_run(args, rank)
-    except Exception as exc:  # noqa: BLE001 (reported in the result; the launcher goes on)
-        ok = False
-        result.update(error=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc())
-        print(f"rank {rank}: {result['error']}\n{result['traceback']}", flush=True)
-    (args.worker_out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
-    if started:
-        if ok:
-            torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    return 0 if ok else 1
+    return run_rank(args.worker_out, args.ep, args.worker_seed, lambda rank: {"run": train_run(args, rank)},
+                    result={})
 
 
 # ------------------------------------------------------------------------------------------------

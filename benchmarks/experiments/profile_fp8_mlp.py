@@ -18,27 +18,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench_common import add_mlp_shape_args, command_line, cuda_problem, refuse, utc_now  # noqa: E402
+from bench_common import add_mlp_shape_args, command_line, cuda_problem, refuse, split_check_off, utc_now  # noqa: E402
 
 
 def host_time(step, steps: int) -> dict:
     """The host's time to queue one step while the GPU is kept busy behind it (a long kernel ahead
-    of the steps), then the functions it runs, under cProfile, by cumulative time. The split sizes'
-    check is off meanwhile: it reads them on the host at the end of a backward, which would wait
-    for the GPU to get there."""
-    import os
-
-    from te_offload_ops.fused.split_check import CHECK_ENV
-
-    before = os.environ.get(CHECK_ENV)
-    os.environ[CHECK_ENV] = "off"
-    try:
+    of the steps), then the functions it runs, under cProfile, by cumulative time; the split-size
+    check off (:func:`bench_common.split_check_off`)."""
+    with split_check_off():
         return _host_time(step, steps)
-    finally:
-        if before is None:
-            os.environ.pop(CHECK_ENV)
-        else:
-            os.environ[CHECK_ENV] = before
 
 
 def _host_time(step, steps: int) -> dict:

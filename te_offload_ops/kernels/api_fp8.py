@@ -279,6 +279,18 @@ def grouped_gemm_fp8_blockwise(a_data, a_scale_inv, b_data, b_scale_inv, split_s
     return c
 
 
+def _check_quantizing_epilogue(probs, t: int, n: int, tile) -> None:
+    """What both quantizing epilogues need: one float prob per token, 16-byte FP8 output rows, and
+    a row's 128-column scale block inside one tile."""
+    if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() or probs.numel() != t:
+        raise ValueError(f"probs must be a float tensor of one value per token ({t}), got "
+                         f"{_shape(probs) if isinstance(probs, torch.Tensor) else type(probs).__name__}")
+    if n % 16:
+        raise ValueError(f"N must be a multiple of 16 (16-byte FP8 output rows), got {n}")
+    if (tile or pick_tile_fp8(n))[1] != SCALE_BLOCK and n > 64:
+        raise ValueError(f"the quantizing epilogue needs 128-column tiles where N > 64, got {tile}")
+
+
 def grouped_gemm_fp8_srelu_quantize(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, probs, *,
                                     eps: float = 0.0, pow2: bool = False, out_dtype=torch.bfloat16, tile=None):
     """fc1 of the MLP under ``Float8BlockScaling`` with its activation, quantized for what reads it:
@@ -293,13 +305,7 @@ def grouped_gemm_fp8_srelu_quantize(a_data, a_scale_inv, b_data, b_scale_inv, sp
         tile = _check_tile(tile)
 
     def epilogue_checks(t, n):
-        if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() or probs.numel() != t:
-            raise ValueError(f"probs must be a float tensor of one value per token ({t}), got "
-                             f"{_shape(probs) if isinstance(probs, torch.Tensor) else type(probs).__name__}")
-        if n % 16:
-            raise ValueError(f"N must be a multiple of 16 (16-byte FP8 output rows), got {n}")
-        if (tile or pick_tile_fp8(n))[1] != SCALE_BLOCK and n > 64:
-            raise ValueError(f"the quantizing epilogue needs 128-column tiles where N > 64, got {tile}")
+        _check_quantizing_epilogue(probs, t, n, tile)
         if probs.device != a_data.device:
             raise ValueError(f"probs must be on a_data's device ({a_data.device}), got {probs.device}")
 
@@ -336,13 +342,7 @@ def grouped_gemm_fp8_dsrelu_quantize(a_data, a_scale_inv, b_data, b_scale_inv, s
         tile = _check_tile(tile)
 
     def epilogue_checks(t, n):
-        if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() or probs.numel() != t:
-            raise ValueError(f"probs must be a float tensor of one value per token ({t}), got "
-                             f"{_shape(probs) if isinstance(probs, torch.Tensor) else type(probs).__name__}")
-        if n % 16:
-            raise ValueError(f"N must be a multiple of 16 (16-byte FP8 output rows), got {n}")
-        if (tile or pick_tile_fp8(n))[1] != SCALE_BLOCK and n > 64:
-            raise ValueError(f"the quantizing epilogue needs 128-column tiles where N > 64, got {tile}")
+        _check_quantizing_epilogue(probs, t, n, tile)
         if not isinstance(z_data, torch.Tensor) or z_data.dtype not in _FP8_DTYPES or tuple(z_data.shape) != (t, n):
             raise ValueError(f"z_data must be FP8 e4m3 (T, N) = ({t}, {n}), got "
                              f"{_shape(z_data) if isinstance(z_data, torch.Tensor) else type(z_data).__name__}")
