@@ -93,13 +93,14 @@ BASE_VARIANTS = ("stock", "ours", "ours+megatron", "ours+teo", "ours+teo-ahead",
 KERNEL_DTOH_SUFFIX = "+kdtoh"
 DEFAULT_VARIANTS = "stock,ours,ours+megatron,ours+teo"
 JOBS = ("time", "numerics", "cap")  # what one job of a worker does
-GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess")  # graphable around eager experts
+GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess", "moe")  # moe: the whole MoE layer, drop-and-pad only
 
 
 def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=None, cuda_graphs: tuple = (),
-                teo_reload_ahead: int = 1) -> Variant:
+                teo_reload_ahead: int = 1, capacity_factor: float | None = None) -> Variant:
     """The Variant a variant name stands for (ValueError for unknown names); ``cuda_graphs``: the
-    per-layer CUDA graph modules every variant of the run takes."""
+    per-layer CUDA graph modules every variant of the run takes; ``capacity_factor``: Megatron's
+    drop-and-pad MoE for every variant (None: every routed token kept)."""
     plain, precision = split_precision(name)
     base, kdtoh = (plain[:-len(KERNEL_DTOH_SUFFIX)], True) if plain.endswith(KERNEL_DTOH_SUFFIX) else (plain, False)
     teo = dict(teo_layers=layers - 1, teo_budget_gib=teo_budget_gib)
@@ -121,7 +122,8 @@ def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=N
     if kdtoh and not (found.offload_modules or found.teo_scope or found.copy_traffic):
         raise ValueError(f"{name}: {KERNEL_DTOH_SUFFIX} is for variants that offload")
     fp8, fp8_recipe = PRECISIONS.get(precision, (None, None))
-    return replace(found, kernel_dtoh=kdtoh, cuda_graph_modules=tuple(cuda_graphs), fp8=fp8, fp8_recipe=fp8_recipe)
+    return replace(found, kernel_dtoh=kdtoh, cuda_graph_modules=tuple(cuda_graphs), fp8=fp8, fp8_recipe=fp8_recipe,
+                   capacity_factor=capacity_factor)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -151,8 +153,12 @@ def parser() -> argparse.ArgumentParser:
                    help="ours+teo-ahead's reload_ahead: layers before the peak-neutral point its reloads start (default 1)")
     p.add_argument("--cuda-graphs", default="",
                    help="Megatron's per-layer CUDA graphs of these modules in every timed variant, as its trainer "
-                        f"captures them (cuda_graph_impl=transformer_engine), e.g. attn,moe_router,moe_preprocess; "
-                        f"of {', '.join(GRAPH_MODULES)} (default: none)")
+                        f"captures them (cuda_graph_impl=transformer_engine), e.g. attn,moe_router,moe_preprocess, "
+                        f"or attn,moe with --capacity-factor; of {', '.join(GRAPH_MODULES)} (default: none)")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="Megatron's drop-and-pad MoE in every variant: each expert takes at most this many times "
+                        "its even share of the routed tokens, padded to that (static shapes, which the moe CUDA "
+                        "graph needs; default: no capacity, every token kept)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (the first builds and compiles)")
     p.add_argument("--iters", type=int, default=8, help="timed steps")
     p.add_argument("--seed", type=int, default=1234)
@@ -224,18 +230,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--offload-modules: {bad or 'none given'}; choose from {', '.join(EXPERT_OFFLOAD_CHOICES)}")
     args.cuda_graphs = tuple(m.strip() for m in args.cuda_graphs.split(",") if m.strip())
     if any(m not in GRAPH_MODULES for m in args.cuda_graphs):
-        p.error(f"--cuda-graphs: {list(args.cuda_graphs)}: choose from {', '.join(GRAPH_MODULES)} (the experts, "
-                "whose token counts change every step under the alltoall dispatcher, stay eager)")
+        p.error(f"--cuda-graphs: {list(args.cuda_graphs)}: choose from {', '.join(GRAPH_MODULES)}")
     if "moe_preprocess" in args.cuda_graphs and "moe_router" not in args.cuda_graphs:
         p.error("--cuda-graphs: moe_preprocess needs moe_router (Megatron captures them together)")
+    if args.capacity_factor is not None and not args.capacity_factor > 0:
+        p.error(f"--capacity-factor must be positive, got {args.capacity_factor}")
+    if "moe" in args.cuda_graphs:
+        if args.capacity_factor is None:
+            p.error("--cuda-graphs moe captures whole MoE layers, whose token counts change every step unless "
+                    "each expert's input is padded to a capacity: pass --capacity-factor (drop-and-pad)")
+        if "moe_router" in args.cuda_graphs:
+            p.error("--cuda-graphs: moe already holds the router; take moe or moe_router, not both")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not args.variants or len(set(args.variants)) != len(args.variants):
         p.error("--variants needs distinct names")
     for v in args.variants:
         try:
-            variant_for(v, args.layers, args.offload_modules)
+            found = variant_for(v, args.layers, args.offload_modules)
         except ValueError as exc:
             p.error(f"--variants: {exc}")
+        if found.offload_modules and args.capacity_factor is not None:
+            p.error(f"--variants: {v}: Megatron's activation offloading does not take drop-and-pad MoE "
+                    "(--capacity-factor); its own check refuses token-drop MoE")
+        if found.teo_scope and "moe" in args.cuda_graphs:
+            p.error(f"--variants: {v}: the moe CUDA graph captures the experts teo wraps (a replayed graph runs no "
+                    "saved-tensor hooks); graph attn only, or leave teo out")
     args.cap_variants = [v.strip() for v in args.cap_variants.split(",") if v.strip()]
     if args.cap_gib is not None:
         if args.cap_gib <= 0:
@@ -332,7 +351,7 @@ def time_variant(args, rank: int, weights: dict) -> dict:
 
     shape, ep, name = args.shape, args.worker_ep, args.worker_variant
     v = variant_for(name, shape.layers, args.offload_modules, args.teo_budget_gib, args.cuda_graphs,
-                    args.teo_reload_ahead)
+                    args.teo_reload_ahead, args.capacity_factor)
     config = make_config(shape, v, ep)
     model = build_gpt(shape, config, v.ours, weights)
     teo = apply_teo(model, v)
@@ -515,7 +534,8 @@ def cap_trial(args, weights: dict) -> dict:
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
     shape = replace(args.shape, micro_batch=mb)
-    v = variant_for(name, shape.layers, args.offload_modules, args.teo_budget_gib, teo_reload_ahead=args.teo_reload_ahead)
+    v = variant_for(name, shape.layers, args.offload_modules, args.teo_budget_gib, teo_reload_ahead=args.teo_reload_ahead,
+                    capacity_factor=args.capacity_factor)
     found = {"variant": name, "micro_batch": mb, "fits": False}
     try:
         config = make_config(shape, v, 1)
@@ -671,7 +691,7 @@ def build_result(args, rows: list, numerics: dict, cap, gpus: list, complete: bo
                    "repeats": args.repeats, "warmup": args.warmup, "iters": args.iters,
                    "seed": args.seed, "profile": args.profile, "numerics": not args.no_numerics,
                    "cap_gib": args.cap_gib, "cap_max_micro_batch": args.cap_max_micro_batch,
-                   "cuda_graphs": list(args.cuda_graphs)},
+                   "cuda_graphs": list(args.cuda_graphs), "capacity_factor": args.capacity_factor},
         "rows": rows, "numerics": numerics, "cap": cap,
     }
     result["targets"] = (targets(rows) + [dict(target=c["check"], value=c["value"], met=c["met"])

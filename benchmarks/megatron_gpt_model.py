@@ -120,6 +120,7 @@ class Variant:
     kernel_dtoh: bool = False  # use_kernel_dtoh: the dispatcher's split sizes to the host by kernel
     copy_traffic: bool = False  # the offload copies' bytes moved with no engine (CopyTraffic)
     cuda_graph_modules: tuple = ()  # Megatron's per-layer CUDA graphs (TE's make_graphed_callables) of these
+    capacity_factor: Optional[float] = None  # Megatron's drop-and-pad MoE: each expert gets this x its even share
     ep_overlap: bool = False  # overlap_moe_expert_parallel_comm + delay_wgrad_compute
     fp8: Optional[str] = None  # "hybrid" | "e4m3"
     fp8_recipe: Optional[str] = None  # "delayed" | "tensorwise" | "blockwise"
@@ -232,6 +233,8 @@ def make_config(shape: GPTShape, variant: Variant, ep: int):
         kwargs.update(fine_grained_activation_offloading=True, offload_modules=list(variant.offload_modules))
     if variant.ep_overlap:
         kwargs.update(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+    if variant.capacity_factor is not None:  # static shapes: every expert's tokens padded to its capacity
+        kwargs.update(moe_expert_capacity_factor=variant.capacity_factor, moe_pad_expert_input_to_capacity=True)
     if variant.fp8 is not None:
         kwargs.update(fp8=variant.fp8, fp8_recipe=variant.fp8_recipe or "delayed")
         if "moe_preprocess" not in variant.cuda_graph_modules:  # Megatron refuses the two together
@@ -445,7 +448,8 @@ def apply_teo(model, variant: Variant):
 class LayerGraphs:
     """Megatron's per-layer CUDA graphs as its trainer makes them (``cuda_graph_impl=
     "transformer_engine"``): :meth:`capture` after the warm-up steps, replays from then on.
-    The experts (dynamic token counts under the alltoall dispatcher) stay eager. Graphing
+    The experts stay eager (their token counts change every step) unless ``moe`` is graphed, which
+    Megatron takes only with drop-and-pad MoE (static shapes). Graphing
     ``moe_preprocess`` also moves the dispatcher's device-to-host sync to before its all-to-all,
     so a graphed step differs from an eager one in that as well as in its launches."""
 

@@ -50,8 +50,18 @@ def graphs_sentence(rows: list[dict]) -> str:
         return ""
     modules = ", ".join(graphed[0]["cuda_graphs"])
     capture = max(r.get("graph_capture_s") or 0.0 for r in graphed)
+    experts = "the experts in the MoE layers' graphs" if "moe" in graphed[0]["cuda_graphs"] else "the experts eager"
     return (f" Timed steps with Megatron's per-layer CUDA graphs of {modules} (TE's make_graphed_callables, "
-            f"captured after the warm-up in up to {capture:.1f} s; the experts eager).")
+            f"captured after the warm-up in up to {capture:.1f} s; {experts}).")
+
+
+def capacity_sentence(config: dict) -> str:
+    """Megatron's drop-and-pad MoE where the run set a capacity factor ("" where it kept every token)."""
+    factor = config.get("capacity_factor")
+    if factor is None:
+        return ""
+    return (f" Drop-and-pad MoE: each expert takes at most {factor:g}x its even share of the routed tokens, its "
+            "input padded to that capacity (tokens past it dropped).")
 
 
 def add_comparisons(rows: list[dict], tokens_per_rank: int) -> None:
@@ -183,7 +193,8 @@ def markdown(result: dict) -> str:
         "own. Peak: memory allocated; floor: allocated between steps; freed vs ours: ours' peak above its floor "
         "less this one's. Offloaded: per rank per step. Tokens under ours' peak: predicted from the peak above the "
         "floor (activations scale with tokens). Loss: the first step against stock's and ours' (same weights and "
-        "tokens)." + graphs_sentence(result["rows"]) + (f" Command: `{result['command']}`" if result.get("command") else ""),
+        "tokens)." + graphs_sentence(result["rows"]) + capacity_sentence(c)
+        + (f" Command: `{result['command']}`" if result.get("command") else ""),
         "",
     ]
     repeats = c.get("repeats", 1) > 1

@@ -68,7 +68,7 @@ def test_variant_names_map_to_what_each_runs():
     (["--worker-ep", "1", "--worker-out", "/tmp", "--worker-job", "cap", "--worker-variant", "ours",
       "--worker-micro-batch", "4"], "a cap trial needs --cap-gib"),
     (["--worker-ep", "1", "--worker-out", "/tmp", "--worker-job", "bench"], "invalid choice: 'bench'"),
-    (["--cuda-graphs", "attn,moe"], "--cuda-graphs: ['attn', 'moe']: choose from attn, moe_router, moe_preprocess"),
+    (["--cuda-graphs", "attn,mlp"], "--cuda-graphs: ['attn', 'mlp']: choose from attn, moe_router, moe_preprocess, moe"),
     (["--cuda-graphs", "moe_preprocess"], "moe_preprocess needs moe_router"),
     (["--cap-gib", "60", "--ep", "1", "--cap-variants", "ours,ours+copies"], "ours+copies frees nothing"),
 ])
@@ -207,6 +207,36 @@ def test_cuda_graphs_reach_every_variants_config_as_megatrons_trainer_sets_them(
         if v.teo_scope:  # the experts stay eager: teo may wrap them
             assert teo_offload_problems(config, v.teo_scope) == []
     assert mgm.make_config(shape, mg.variant_for("ours", 4, ("moe_act",)), 1).cuda_graph_impl == "none"
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--cuda-graphs", "attn,moe"], "pass --capacity-factor"),
+    (["--cuda-graphs", "moe,moe_router", "--capacity-factor", "1"], "moe or moe_router, not both"),
+    (["--capacity-factor", "0"], "--capacity-factor must be positive"),
+    (["--capacity-factor", "1.25", "--variants", "ours,ours+megatron"], "does not take drop-and-pad"),
+    (["--cuda-graphs", "attn,moe", "--capacity-factor", "1.25", "--variants", "ours,ours+teo"],
+     "captures the experts teo wraps"),
+])
+def test_whole_moe_graphs_need_drop_and_pad_and_no_offloading_inside(argv, said, capsys):
+    with pytest.raises(SystemExit):
+        mg.parse_args(["--ep", "1", *argv])
+    assert said in capsys.readouterr().err
+
+
+def test_drop_and_pad_with_whole_moe_graphs_reaches_every_variants_config():
+    args = mg.parse_args(["--ep", "1", "--cuda-graphs", "attn,moe", "--capacity-factor", "1.25",
+                          "--variants", "stock,ours,ours+fp8block,stock+fp8current"])
+    pytest.importorskip("megatron.core", reason="Megatron-Core validates the configs (not installed here)")
+    shape = mgm.GPTShape()
+    for name in args.variants:
+        v = mg.variant_for(name, shape.layers, args.offload_modules, None, args.cuda_graphs, 1, args.capacity_factor)
+        config = mgm.make_config(shape, v, 1)  # Megatron's own validation runs here
+        assert [m.name for m in config.cuda_graph_modules] == ["attn", "moe"]
+        assert config.moe_expert_capacity_factor == 1.25 and config.moe_pad_expert_input_to_capacity
+    result = {"config": {"capacity_factor": 1.25}}
+    assert "at most 1.25x its even share" in mgr.capacity_sentence(result["config"])
+    assert mgr.capacity_sentence({"capacity_factor": None}) == ""
+    assert "the experts in the MoE layers' graphs" in mgr.graphs_sentence([{"cuda_graphs": ["attn", "moe"]}])
 
 
 def test_the_copy_traffic_moves_what_teo_moved_at_the_default_shape():
