@@ -1,10 +1,10 @@
 """GPU (sm_90, megatron-core 0.19.2): this package's experts inside Megatron's whole-MoE-layer CUDA
 graphs (drop-and-pad MoE, ``cuda_graph_modules=["attn", "moe"]``), in bf16 and FP8 block scaling.
 
-Runs ``benchmarks/megatron_gpt.py`` on a small GPTModel at EP=1 as a user runs it: stock and ours
-train under the graphs (captured after the warm-up, then replayed), each variant in processes of
-its own; every row must run, ours on the fused op, the graphs captured, and the first step's loss
-(eager, same weights and tokens) of ours within bf16 noise of stock's. About two minutes.
+Runs ``benchmarks/megatron_gpt.py`` on a small GPTModel at EP=1 as a user runs it: ours in bf16
+and in FP8 train under the graphs (captured after the warm-up, then replayed), each variant in
+processes of its own; both must run on the fused op with the graphs captured, and FP8's first loss
+(eager, same weights and tokens) lie within FP8's error of bf16's. About two minutes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ SMALL = ["--layers", "2", "--hidden", "512", "--heads", "4", "--ffn", "256", "--
 def test_our_experts_run_in_megatrons_moe_layer_graphs_in_bf16_and_fp8(tmp_path):
     import megatron_gpt as mg
 
-    rc = mg.main([*SMALL, "--ep", "1", "--variants", "stock,ours,ours+fp8block", "--cuda-graphs", "attn,moe",
+    rc = mg.main([*SMALL, "--ep", "1", "--variants", "ours,ours+fp8block", "--cuda-graphs", "attn,moe",
                   "--capacity-factor", "1.0", "--warmup", "2", "--iters", "3", "--no-numerics",
                   "--job-timeout", "240", "--out", str(tmp_path), "--job-logs", str(tmp_path / "logs")])
     found = list(tmp_path.glob("megatron_gpt_*.json"))
@@ -41,5 +41,5 @@ def test_our_experts_run_in_megatrons_moe_layer_graphs_in_bf16_and_fp8(tmp_path)
         assert rows[name]["experts_path"].startswith("FusedScaledSReLUMLP"), rows[name]["experts_path"]
     for r in rows.values():
         assert r["cuda_graphs"] == ["attn", "moe"] and r["graph_capture_s"] > 0
-    stock, ours = rows["stock"]["first_loss"], rows["ours"]["first_loss"]
-    assert abs(ours - stock) <= 1e-3 * abs(stock)
+    bf16, fp8 = rows["ours"]["first_loss"], rows["ours+fp8block"]["first_loss"]
+    assert abs(fp8 - bf16) <= 2e-2 * abs(bf16)
