@@ -28,7 +28,9 @@ so no variant's memory, hooks or global state reach another; each starts from th
   copies alone cost the step (not in the default);
 * ``--cuda-graphs attn,moe_router,moe_preprocess``: every timed variant with Megatron's per-layer
   CUDA graphs of those modules, captured after the warm-up as Megatron's trainer captures them
-  (the experts stay eager); the numerics and cap jobs run eager;
+  (the experts stay eager); ``--cuda-graphs attn,moe --capacity-factor F`` graphs whole MoE layers,
+  experts included, under Megatron's drop-and-pad MoE (each expert's input padded to its capacity:
+  static shapes); the numerics and cap jobs run eager, the numerics job with every token kept;
 * a ``+kdtoh`` suffix on an offloading variant adds ``use_kernel_dtoh`` (the dispatcher's split
   sizes to the host by kernel, past the copy engine's queue of offload copies);
 * a last suffix ``+fp8block``, ``+fp8current`` or ``+fp8delayed`` runs the variant under that FP8
@@ -209,7 +211,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--repeats must be >= 1")
     if args.teo_reload_ahead < 0:
         p.error("--teo-reload-ahead must be >= 0")
-    if args.job_timeout <= 0:
+    if not args.job_timeout > 0:
         p.error("--job-timeout must be positive")
     if args.worker_ep is not None:  # a worker's arguments come from job_argv
         needs = {"time": ("worker_variant",), "cap": ("worker_variant", "worker_micro_batch"), "numerics": ()}
@@ -233,8 +235,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--cuda-graphs: {list(args.cuda_graphs)}: choose from {', '.join(GRAPH_MODULES)}")
     if "moe_preprocess" in args.cuda_graphs and "moe_router" not in args.cuda_graphs:
         p.error("--cuda-graphs: moe_preprocess needs moe_router (Megatron captures them together)")
-    if args.capacity_factor is not None and not args.capacity_factor > 0:
-        p.error(f"--capacity-factor must be positive, got {args.capacity_factor}")
+    if args.capacity_factor is not None and not 0 < args.capacity_factor <= args.experts / args.topk:
+        p.error(f"--capacity-factor must be in (0, experts / topk = {args.experts / args.topk:g}] (at that an "
+                f"expert's capacity holds every token), got {args.capacity_factor}")
     if "moe" in args.cuda_graphs:
         if args.capacity_factor is None:
             p.error("--cuda-graphs moe captures whole MoE layers, whose token counts change every step unless "
@@ -252,9 +255,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         if found.offload_modules and args.capacity_factor is not None:
             p.error(f"--variants: {v}: Megatron's activation offloading does not take drop-and-pad MoE "
                     "(--capacity-factor); its own check refuses token-drop MoE")
-        if found.teo_scope and "moe" in args.cuda_graphs:
-            p.error(f"--variants: {v}: the moe CUDA graph captures the experts teo wraps (a replayed graph runs no "
-                    "saved-tensor hooks); graph attn only, or leave teo out")
+        if (found.teo_scope or found.copy_traffic) and "moe" in args.cuda_graphs:
+            p.error(f"--variants: {v}: the moe CUDA graph captures the experts whose saved tensors it moves (a "
+                    "replayed graph runs no saved-tensor hooks); graph attn only, or leave it out")
     args.cap_variants = [v.strip() for v in args.cap_variants.split(",") if v.strip()]
     if args.cap_gib is not None:
         if args.cap_gib <= 0:
@@ -264,8 +267,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "in an all-to-all): include 1 in --ep")
         for v in args.cap_variants:
             try:
-                if variant_for(v, args.layers, args.offload_modules).copy_traffic:
+                found = variant_for(v, args.layers, args.offload_modules)
+                if found.copy_traffic:
                     raise ValueError(f"{v} frees nothing (it copies scratch buffers): no cap trial for it")
+                if found.offload_modules and args.capacity_factor is not None:
+                    raise ValueError(f"{v}: Megatron's activation offloading does not take drop-and-pad MoE "
+                                     "(--capacity-factor)")
             except ValueError as exc:
                 p.error(f"--cap-variants: {exc}")
     args.cap_max_micro_batch = args.cap_max_micro_batch or 2 * args.micro_batch
@@ -336,6 +343,7 @@ def time_variant(args, rank: int, weights: dict) -> dict:
     import torch
 
     from megatron_gpt_model import (
+        FusedForwardCounter,
         MegatronOffloadCounter,
         apply_copy_traffic,
         apply_layer_graphs,
@@ -378,13 +386,14 @@ def time_variant(args, rank: int, weights: dict) -> dict:
             moved0 = (teo.counter.total if teo is not None else 0, getattr(megatron, "bytes", 0),
                       getattr(traffic, "bytes", 0))
             pinned0 = pinned_allocations()
-            times = []
-            for i in range(args.iters):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                train_step(ddp, optimizer, shape, data[i % 2])
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - t0) * 1e3)
+            times, losses = [], []
+            with FusedForwardCounter() as eager_experts:
+                for i in range(args.iters):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    losses.append(train_step(ddp, optimizer, shape, data[i % 2]))
+                    torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e3)
             peak = torch.cuda.max_memory_allocated()
             pinned = [now - before for now, before in zip(pinned_allocations(), pinned0)]
             moved = ((teo.counter.total if teo is not None else 0) - moved0[0]
@@ -405,7 +414,9 @@ def time_variant(args, rank: int, weights: dict) -> dict:
             "teo_pinned_MiB_timed": pinned[1] / 2**20 if teo is not None else None,
             "teo_pinned_ms_timed": pinned[2] * 1e3 if teo is not None else None,
             "teo_pinned_timed": latest_pinned_allocations(pinned[0]) if teo is not None else None,
-            "first_loss": first_loss, "profile": profile, "host_profile": host,
+            "first_loss": first_loss, "timed_losses": losses,
+            "experts_eager_forwards_timed": eager_experts.calls if v.ours else None,
+            "profile": profile, "host_profile": host,
             "cuda_graphs": list(v.cuda_graph_modules), "graph_capture_s": capture_s}
 
 
@@ -750,6 +761,7 @@ def launch(args) -> int:
             merged = {"error": job["failure"]} if job["failure"] else merge_numerics([r["numerics"] for r in
                                                                                      job["per_rank"]])
             numerics[str(ep)] = merged
+            write_partial(args, rows, numerics, gpus)
             found = checks(merged, ep)
             log(f"{label}: {sum(bool(c['met']) for c in found)} of {len(found)} bounds met ({job['seconds']:.0f} s)")
         if args.cap_gib is not None and ep == 1:

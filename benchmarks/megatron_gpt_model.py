@@ -237,7 +237,10 @@ def make_config(shape: GPTShape, variant: Variant, ep: int):
         kwargs.update(moe_expert_capacity_factor=variant.capacity_factor, moe_pad_expert_input_to_capacity=True)
     if variant.fp8 is not None:
         kwargs.update(fp8=variant.fp8, fp8_recipe=variant.fp8_recipe or "delayed")
-        if "moe_preprocess" not in variant.cuda_graph_modules:  # Megatron refuses the two together
+        # not with drop-and-pad, whose capacities are already fixed (padding them again would shift
+        # every expert's rows past the dispatcher's count), nor with moe_preprocess graphed (Megatron
+        # refuses the two together)
+        if "moe_preprocess" not in variant.cuda_graph_modules and variant.capacity_factor is None:
             # the router pads each expert's tokens for the quantized GEMMs, as Megatron's FP8
             # recipes advise: else the experts pad them after reading the counts on the host
             kwargs.update(moe_router_padding_for_quantization=True)
@@ -423,6 +426,27 @@ class MegatronOffloadCounter:
     def __exit__(self, *exc):
         self._fgo.ChunkOffloadHandler.offload = self._real
         return False
+
+
+class FusedForwardCounter:
+    """While entered: how many forwards of this package's fused MLP ran in Python. Experts that a
+    CUDA graph replays run none (their kernels replay without the op being called)."""
+
+    def __enter__(self):
+        from te_offload_ops.fused.srelu_mlp import FusedScaledSReLUMLP
+
+        self.calls, self._cls = 0, FusedScaledSReLUMLP
+        self._original = original = FusedScaledSReLUMLP.fuser_forward
+
+        def counted(op, *args, **kwargs):
+            self.calls += 1
+            return original(op, *args, **kwargs)
+
+        FusedScaledSReLUMLP.fuser_forward = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._cls.fuser_forward = self._original
 
 
 def experts_path(model) -> str:

@@ -35,7 +35,7 @@ def merge_variant(per_rank: list[dict], ep: int, name: str, failure: str | None 
     row["first_loss"] = sum(row["first_losses"]) / len(rows)
     row["weights_digest"] = [r.get("weights_digest") for r in per_rank]
     for key in ("teo_pinned_allocations_timed", "teo_pinned_MiB_timed", "teo_pinned_ms_timed", "teo_pinned_timed",
-                "step_ms_each", "host_profile"):
+                "step_ms_each", "host_profile", "timed_losses", "experts_eager_forwards_timed"):
         row[key + "_per_rank"] = [r.get(key) for r in rows]
         row.pop(key, None)
     row["profile_per_rank"] = [r.get("profile") for r in rows] if any(r.get("profile") for r in rows) else None
@@ -60,8 +60,9 @@ def capacity_sentence(config: dict) -> str:
     factor = config.get("capacity_factor")
     if factor is None:
         return ""
-    return (f" Drop-and-pad MoE: each expert takes at most {factor:g}x its even share of the routed tokens, its "
-            "input padded to that capacity (tokens past it dropped).")
+    return (f" Drop-and-pad MoE in the timed steps: each expert takes at most {factor:g}x its even share of the "
+            "routed tokens, its input padded to that capacity (tokens past it dropped); the numerics job keeps "
+            "every token.")
 
 
 def add_comparisons(rows: list[dict], tokens_per_rank: int) -> None:

@@ -6,14 +6,16 @@ The model learns a synthetic corpus it can learn: token sequences drawn from a f
 chain over the first ``--corpus-vocab`` tokens, each token followed by one of ``--successors``
 tokens with falling probabilities (the chain's entropy is the loss floor, printed). Each seed sets
 the initial weights (a stock GPTModel's, loaded into every variant alike) and the token stream;
-every variant trains ``--steps`` steps from the same weights on the same tokens as the first
-variant with that seed, each run in processes of its own, in rounds through the seeds.
+every variant (stock or ours, bf16 or an FP8 recipe) trains ``--steps`` steps from the same
+weights on the same tokens as the first variant with that seed, each run in processes of its own,
+in rounds through the seeds.
 
 Reported per run: the first loss, the final loss (mean of the last ``--tail`` steps), the median
-step time and the peak memory; per seed, each variant's final loss against the first variant's;
-and whether every run of a variant ends within the first variant's spread over the seeds (its
-lowest to highest final loss). Writes ``megatron_loss_<GPU>[_ep<N>].{json,md,png}`` into ``--out``;
-the JSON after every run, so a run stopped early keeps what finished.
+step time and the peak memory; per seed, each variant's final loss against the first variant's
+(the same weights and tokens); and whether their mean difference lies within the first variant's
+run-to-run spread (the standard deviation of its final losses over the seeds). Writes
+``megatron_loss_<GPU>[_ep<N>].{json,md,png}`` into ``--out``; the JSON after every run, so a run
+stopped early keeps what finished.
 
     python3 benchmarks/megatron_loss.py [--steps 300 --seeds 3 --variants ours,ours+fp8block --ep 1]
 """
@@ -38,6 +40,7 @@ import megatron_gpt_jobs as jobs  # noqa: E402
 from megatron_gpt_model import GPTShape, worker_env  # noqa: E402
 
 CHAIN_SEED = 20261126  # the corpus' Markov chain: one for every run
+MAX_SUCCESSORS = 64
 
 
 def parser() -> argparse.ArgumentParser:
@@ -79,8 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--tail ({args.tail}) must not exceed --steps ({args.steps})")
     if not args.lr > 0:
         p.error("--lr must be positive")
-    if args.job_timeout <= 0:
+    if not args.job_timeout > 0:
         p.error("--job-timeout must be positive")
+    if args.successors > MAX_SUCCESSORS:
+        p.error(f"--successors must be at most {MAX_SUCCESSORS}, got {args.successors}")
     if args.worker_out is not None and (args.worker_variant is None or args.worker_seed is None):
         p.error("a worker needs --worker-variant and --worker-seed")
     if args.corpus_vocab > args.vocab:
@@ -92,10 +97,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--variants needs at least two distinct names: a reference and what it is compared with")
     for v in args.variants:
         try:
-            if variant_for(v, args.layers, ("expert_fc1",)).cuda_graph_modules:
-                raise ValueError("no CUDA graphs here")
+            found = variant_for(v, args.layers, ("expert_fc1",))
         except ValueError as exc:
             p.error(f"--variants: {exc}")
+        if found.offload_modules or found.teo_scope or found.copy_traffic or found.kernel_dtoh:
+            p.error(f"--variants: {v}: this benchmark trains stock or ours, each in bf16 or with +fp8block, "
+                    "+fp8current or +fp8delayed; offloading variants move bytes, not the numbers trained")
     args.shape = GPTShape(**{k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "experts", "topk",
                                                            "seq", "micro_batch", "microbatches", "vocab")})
     try:
@@ -117,7 +124,7 @@ def successor_probs(successors: int) -> list:
 
 def chain_entropy(successors: int) -> float:
     """The corpus' loss floor in nats: the entropy of the next token given the current one."""
-    return -sum(q * math.log(q) for q in successor_probs(successors))
+    return max(0.0, -sum(q * math.log(q) for q in successor_probs(successors)))
 
 
 def markov_chain(corpus_vocab: int, successors: int):
@@ -156,6 +163,15 @@ def step_batches(shape: GPTShape, tokens, device="cuda") -> list:
     return batches
 
 
+def rank_tokens(args, seed: int, rank: int):
+    """A rank's token sequences for the whole run, (steps * microbatches * micro_batch, seq + 1):
+    each rank a stream of its own (data parallelism gives ranks different tokens), the same for
+    every variant with that seed."""
+    shape = args.shape
+    return corpus(markov_chain(args.corpus_vocab, args.successors), args.successors,
+                  args.steps * shape.microbatches * shape.micro_batch, shape.seq + 1, seed * 1000 + rank)
+
+
 # ------------------------------------------------------------------------------------------------
 # One run (a worker: every rank of one job)
 
@@ -175,9 +191,7 @@ def train_run(args, rank: int) -> dict:
     model = build_gpt(shape, config, v.ours, weights)
     ddp, optimizer = wrap_for_training(model, config, lr=args.lr)
     per_step = shape.microbatches * shape.micro_batch
-    # every rank its own share of the seed's stream, as data parallelism splits it
-    tokens = corpus(markov_chain(args.corpus_vocab, args.successors), args.successors,
-                    args.steps * per_step, shape.seq + 1, seed * 1000 + rank)
+    tokens = rank_tokens(args, seed, rank)
     losses, times = [], []
     for step in range(args.steps):
         batches = step_batches(shape, tokens[step * per_step:(step + 1) * per_step])
@@ -188,6 +202,7 @@ def train_run(args, rank: int) -> dict:
         if rank == 0 and (step + 1) % 50 == 0:
             jobs.progress(f"step {step + 1}/{args.steps}: loss {losses[-1]:.4f}")
     return {"variant": args.worker_variant, "seed": seed, "rank": rank, "losses": losses,
+            "tokens_digest": int(tokens.sum()),
             "step_ms": statistics.median(times[1:] or times), "peak_GiB": torch.cuda.max_memory_allocated() / 2**30,
             "experts_path": experts_path(model), "weights_digest": digest}
 
@@ -228,31 +243,40 @@ def run_one(args, variant: str, seed: int) -> dict:
     ranks = [r["run"] for r in found["per_rank"]]
     losses = [statistics.fmean(step) for step in zip(*(r["losses"] for r in ranks))]
     return {"variant": variant, "seed": seed, "gpu": found["per_rank"][0]["gpu"], "losses": losses,
+            "tokens_digest": [r["tokens_digest"] for r in ranks],
             "final": statistics.fmean(losses[-args.tail:]), "step_ms": max(r["step_ms"] for r in ranks),
             "peak_GiB": max(r["peak_GiB"] for r in ranks), "experts_path": ranks[0]["experts_path"],
             "weights_digest": ranks[0]["weights_digest"], "seconds": found["seconds"]}
 
 
 def compare(runs: list, variants: list) -> dict:
-    """Per variant after the first: its final loss against the first's with the same seed, and
-    whether every run of it ends within the first variant's range over the seeds."""
+    """Per variant after the first: its final loss minus the first's with the same seed (the same
+    weights and tokens), and whether their mean lies within the first variant's run-to-run spread:
+    the standard deviation of its final losses over the seeds (None with fewer than two)."""
     ok = [r for r in runs if "error" not in r]
     ref = {r["seed"]: r["final"] for r in ok if r["variant"] == variants[0]}
-    out = {"reference": variants[0], "reference_range": [min(ref.values()), max(ref.values())] if ref else None}
+    spread = statistics.stdev(ref.values()) if len(ref) > 1 else None
+    out = {"reference": variants[0], "reference_range": [min(ref.values()), max(ref.values())] if ref else None,
+           "reference_spread": spread}
     for name in variants[1:]:
         mine = {r["seed"]: r["final"] for r in ok if r["variant"] == name}
         paired = {s: mine[s] - ref[s] for s in mine if s in ref}
-        lo, hi = out["reference_range"] or (None, None)
-        out[name] = {"minus_reference": paired,
-                     "mean_minus_reference": statistics.fmean(paired.values()) if paired else None,
-                     "within_reference_range": (all(lo <= f <= hi for f in mine.values())
-                                                if mine and len(ref) > 1 else None)}
+        mean = statistics.fmean(paired.values()) if paired else None
+        out[name] = {"minus_reference": paired, "mean_minus_reference": mean,
+                     "within_reference_spread": None if mean is None or spread is None else abs(mean) <= spread}
     return out
 
 
 def build_result(args, runs: list, complete: bool) -> dict:
+    import torch
+    import transformer_engine
+
+    from te_offload_ops.megatron import installed_version
+
     gpus = [r["gpu"] for r in runs if "gpu" in r]
     return {"benchmark": "megatron_loss", "gpu": gpus[0] if gpus else "unknown GPU", "date": utc_now(),
+            "versions": {"megatron-core": installed_version(), "transformer-engine": transformer_engine.__version__,
+                         "torch": torch.__version__},
             "complete": complete, "command": command_line("benchmarks/megatron_loss.py", args.argv,
                                                           ("--out", "--job-logs")),
             "config": {**{k: getattr(args.shape, k) for k in ("layers", "hidden", "heads", "ffn", "experts", "topk",
@@ -272,7 +296,7 @@ def markdown(result: dict) -> str:
     lines = [f"# Megatron-Core GPT-MoE training loss on {result['gpu']} ({result['date']})", "",
              f"GPTModel (TE layer spec), {c['layers']} MoE layers, H={c['hidden']}, E={c['experts']} top-{c['topk']}, "
              f"F={c['ffn']}, EP={c['ep']}, {c['microbatches']} x {c['micro_batch']} x {c['seq']} tokens per rank a "
-             f"step, Megatron DDP + distributed Adam at lr {c['lr']}, {c['steps']} steps. Corpus: a fixed Markov chain "
+             f"step, Megatron DDP + distributed Adam at lr {c['lr']} (gradients clipped at norm 1.0), {c['steps']} steps. Corpus: a fixed Markov chain "
              f"over {c['corpus_vocab']} tokens with {c['successors']} successors each (loss floor "
              f"{c['loss_floor']:.3f} nats). Each seed sets the initial weights and the tokens, alike for every "
              f"variant. Final: mean loss of the last {c['tail']} steps. Command: `{result['command']}`"
@@ -281,7 +305,8 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['seed']} | failed: {r['error'][:120]} | | | | | |")
+            why = " ".join(r["error"][:120].replace("|", "/").split())
+            lines.append(f"| {r['variant']} | {r['seed']} | failed: {why} | | | | | |")
             continue
         diff = (cmp_.get(r["variant"]) or {}).get("minus_reference", {})
         d = diff.get(r["seed"], diff.get(str(r["seed"])))
@@ -291,14 +316,16 @@ def markdown(result: dict) -> str:
     lines.append("")
     if cmp_["reference_range"]:
         lo, hi = cmp_["reference_range"]
-        lines.append(f"{cmp_['reference']}'s final losses span {lo:.4f}-{hi:.4f} over the seeds ({hi - lo:.4f}).")
+        spread = cmp_.get("reference_spread")
+        lines.append(f"{cmp_['reference']}: final losses {lo:.4f}-{hi:.4f} over the seeds, run-to-run spread "
+                     + ("-" if spread is None else f"{spread:.4f}") + " (their standard deviation).")
         for name in result["config"]["variants"][1:]:
             got = cmp_.get(name) or {}
-            within = got.get("within_reference_range")
-            mean = got.get("mean_minus_reference")
-            lines.append(f"{name}: {'-' if mean is None else f'{mean:+.4f}'} against {cmp_['reference']} on average, "
-                         + {True: "every run within", False: "not every run within",
-                            None: "too few runs to say whether within"}[within] + " that span.")
+            within, mean = got.get("within_reference_spread"), got.get("mean_minus_reference")
+            lines.append(f"{name}: {'-' if mean is None else f'{mean:+.4f}'} against {cmp_['reference']} on average "
+                         "over the same seeds: " + {True: "within", False: "outside",
+                                                     None: "too few runs to say whether within"}[within]
+                         + " that spread.")
     return "\n".join(lines) + "\n"
 
 

@@ -212,10 +212,14 @@ def test_cuda_graphs_reach_every_variants_config_as_megatrons_trainer_sets_them(
 @pytest.mark.parametrize("argv, said", [
     (["--cuda-graphs", "attn,moe"], "pass --capacity-factor"),
     (["--cuda-graphs", "moe,moe_router", "--capacity-factor", "1"], "moe or moe_router, not both"),
-    (["--capacity-factor", "0"], "--capacity-factor must be positive"),
+    (["--capacity-factor", "0"], "--capacity-factor must be in (0, experts / topk = 4]"),
+    (["--capacity-factor", "inf"], "--capacity-factor must be in"),
+    (["--capacity-factor", "1", "--cap-gib", "60"], "does not take drop-and-pad"),
+    (["--cuda-graphs", "attn,moe", "--capacity-factor", "1", "--variants", "ours,ours+copies"],
+     "captures the experts whose saved tensors it moves"),
     (["--capacity-factor", "1.25", "--variants", "ours,ours+megatron"], "does not take drop-and-pad"),
     (["--cuda-graphs", "attn,moe", "--capacity-factor", "1.25", "--variants", "ours,ours+teo"],
-     "captures the experts teo wraps"),
+     "captures the experts whose saved tensors it moves"),
 ])
 def test_whole_moe_graphs_need_drop_and_pad_and_no_offloading_inside(argv, said, capsys):
     with pytest.raises(SystemExit):
@@ -233,10 +237,24 @@ def test_drop_and_pad_with_whole_moe_graphs_reaches_every_variants_config():
         config = mgm.make_config(shape, v, 1)  # Megatron's own validation runs here
         assert [m.name for m in config.cuda_graph_modules] == ["attn", "moe"]
         assert config.moe_expert_capacity_factor == 1.25 and config.moe_pad_expert_input_to_capacity
+        assert not config.moe_router_padding_for_quantization  # capacities fixed: no second padding
     result = {"config": {"capacity_factor": 1.25}}
     assert "at most 1.25x its even share" in mgr.capacity_sentence(result["config"])
     assert mgr.capacity_sentence({"capacity_factor": None}) == ""
     assert "the experts in the MoE layers' graphs" in mgr.graphs_sentence([{"cuda_graphs": ["attn", "moe"]}])
+
+
+def test_the_fused_forward_counter_counts_python_forwards_and_puts_the_op_back(monkeypatch):
+    from te_offload_ops.fused.srelu_mlp import FusedScaledSReLUMLP
+
+    monkeypatch.setattr(FusedScaledSReLUMLP, "fuser_forward", lambda op, *args, **kwargs: ("ran", args, kwargs))
+    stub = FusedScaledSReLUMLP.fuser_forward
+    with mgm.FusedForwardCounter() as counter:
+        assert FusedScaledSReLUMLP.fuser_forward(object(), 1, x=2) == ("ran", (1,), {"x": 2})
+        FusedScaledSReLUMLP.fuser_forward(object())
+    assert counter.calls == 2 and FusedScaledSReLUMLP.fuser_forward is stub
+    FusedScaledSReLUMLP.fuser_forward(object())  # not counted once out
+    assert counter.calls == 2
 
 
 def test_the_copy_traffic_moves_what_teo_moved_at_the_default_shape():

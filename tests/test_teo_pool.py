@@ -97,3 +97,13 @@ def test_pool_remembers_each_allocation_with_what_it_held_then():
     pool.release(big, None)
     pool.acquire(1 << 20)  # the free one is far larger (128x): not taken, and the record says so
     assert pool.recent_allocations[-1]["free"] == 1 and pool.recent_allocations[-1]["largest_free"] == made[-2]
+
+
+def test_the_oversized_buffer_taken_is_the_smallest_that_holds_the_request():
+    pool, made = fake_pool()
+    bufs = [pool.acquire(n) for n in (12 << 20, 24 << 20, 700 << 10)]  # 16 MiB, 32 MiB and 1 MiB pinned
+    assert sorted(b.tensor.numel() for b in bufs) == [1 << 20, 16 << 20, 32 << 20]
+    for b in bufs:
+        pool.release(b, None)
+    got = pool.acquire(2 << 20)  # nothing near 2 MiB free; 1 MiB is too small, 16 MiB the smallest that holds it
+    assert got.tensor.numel() == 16 << 20 and pool.allocations == 3 and pool.oversized_reuses == 1
