@@ -413,6 +413,7 @@ def time_variant(args, rank: int, weights: dict) -> dict:
             "teo_pinned_allocations_timed": pinned[0] if teo is not None else None,
             "teo_pinned_MiB_timed": pinned[1] / 2**20 if teo is not None else None,
             "teo_pinned_ms_timed": pinned[2] * 1e3 if teo is not None else None,
+            "teo_oversized_reuses_timed": pinned[3] if teo is not None else None,
             "teo_pinned_timed": latest_pinned_allocations(pinned[0]) if teo is not None else None,
             "first_loss": first_loss, "timed_losses": losses,
             "experts_eager_forwards_timed": eager_experts.calls if v.ours else None,
@@ -460,12 +461,13 @@ def host_profile(args, ddp, optimizer, data, steps: int = 3, top: int = 25, keep
             "functions": [r for r in rows if r["self_ms"] >= keep_ms]}
 
 
-def pinned_allocations() -> tuple[int, int, float]:
-    """(pinned buffers, bytes, host seconds spent allocating them) teo's shared pool has allocated so far."""
+def pinned_allocations() -> tuple[int, int, float, int]:
+    """(pinned buffers, bytes, host seconds spent allocating them, requests served by a free buffer
+    far larger than they needed) of teo's shared pool so far."""
     from te_offload_ops.engines.teo import default_pool
 
     pool = default_pool()
-    return pool.allocations, pool.allocated_bytes, pool.allocation_seconds
+    return pool.allocations, pool.allocated_bytes, pool.allocation_seconds, pool.oversized_reuses
 
 
 def latest_pinned_allocations(count: int) -> list:

@@ -35,7 +35,7 @@ def merge_variant(per_rank: list[dict], ep: int, name: str, failure: str | None 
     row["first_loss"] = sum(row["first_losses"]) / len(rows)
     row["weights_digest"] = [r.get("weights_digest") for r in per_rank]
     for key in ("teo_pinned_allocations_timed", "teo_pinned_MiB_timed", "teo_pinned_ms_timed", "teo_pinned_timed",
-                "step_ms_each", "host_profile", "timed_losses", "experts_eager_forwards_timed"):
+                "teo_oversized_reuses_timed", "step_ms_each", "host_profile", "timed_losses", "experts_eager_forwards_timed"):
         row[key + "_per_rank"] = [r.get(key) for r in rows]
         row.pop(key, None)
     row["profile_per_rank"] = [r.get("profile") for r in rows] if any(r.get("profile") for r in rows) else None
@@ -263,14 +263,18 @@ def markdown(result: dict) -> str:
               if any(n is not None for n in r.get("teo_pinned_allocations_timed_per_rank") or [])]
     if pinned:
         lines += ["", "Pinned host buffers teo allocated during the timed steps (per rank; host ms: the time "
-                      "the host spent pinning them):", "",
-                  "| EP | variant | buffers | MiB | host ms |", "|---|---|---|---|---|"]
+                      "the host spent pinning them; larger reused: requests served by a free buffer far larger "
+                      "than they needed instead):", "",
+                  "| EP | variant | buffers | MiB | host ms | larger reused |", "|---|---|---|---|---|---|"]
         for r in pinned:
+            ranks = len(r["teo_pinned_MiB_timed_per_rank"])
             buffers = " / ".join(str(n) for n in r["teo_pinned_allocations_timed_per_rank"])
             mib = " / ".join(f"{m:.0f}" for m in r["teo_pinned_MiB_timed_per_rank"])
             ms = " / ".join("-" if m is None else f"{m:.1f}" for m in
-                            r.get("teo_pinned_ms_timed_per_rank") or [None] * len(r["teo_pinned_MiB_timed_per_rank"]))
-            lines.append(f"| {r['ep']} | {r['variant']} | {buffers} | {mib} | {ms} |")
+                            r.get("teo_pinned_ms_timed_per_rank") or [None] * ranks)
+            larger = " / ".join("-" if m is None else str(m) for m in
+                                r.get("teo_oversized_reuses_timed_per_rank") or [None] * ranks)
+            lines.append(f"| {r['ep']} | {r['variant']} | {buffers} | {mib} | {ms} | {larger} |")
         allocations = [(r, rank, a) for r in pinned for rank, found in enumerate(r.get("teo_pinned_timed_per_rank") or [])
                        for a in found or []]
         if allocations:

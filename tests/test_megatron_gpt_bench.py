@@ -145,7 +145,8 @@ def test_the_report_shows_idle_causes_and_pinned_allocations_per_rank():
                                "kernel_dtoh": {"count": 0, "wait_ms": 0.0}, "idle": idle(host, nccl)}
     teo = mgr.merge_variant(_job(
         _row("ours+teo", 2, 150.0, 6.0, profile=prof(20.0, 3.0), teo_pinned_allocations_timed=4,
-             teo_pinned_MiB_timed=512.0, teo_pinned_ms_timed=42.5, step_ms_each=[150.0, 140.0],
+             teo_pinned_MiB_timed=512.0, teo_pinned_ms_timed=42.5, teo_oversized_reuses_timed=3,
+             step_ms_each=[150.0, 140.0],
              teo_pinned_timed=[{"requested": 100 << 20, "allocated": 128 << 20, "seconds": 0.0125, "in_use": 5,
                                 "free": 2, "largest_free": 64 << 20}],
              host_profile={"wall_ms": 180.0, "self_ms_total": 170.0,
@@ -164,7 +165,7 @@ def test_the_report_shows_idle_causes_and_pinned_allocations_per_rank():
     # per rank: host busy, blocked, another stream's kernel, copies, the rest
     assert "| 2 | ours+teo | 0 | 120.0 | 90.0 | 20.0 | 1.5 | 3.0 | 2.0 | 0.5 |" in lines
     assert "| 2 | ours+teo | 1 | 120.0 | 90.0 | 2.0 | 1.5 | 25.0 | 2.0 | 0.5 |" in lines
-    assert "| 2 | ours+teo | 4 / 0 | 512 / 0 | 42.5 / - |" in lines
+    assert "| 2 | ours+teo | 4 / 0 | 512 / 0 | 42.5 / - | 3 / - |" in lines
     assert "| 2 | ours+teo | 0 | 100.0 | 128.0 | 12.5 | 5 | 2 | 64.0 |" in lines
     assert mg.command_line(["--ep", "2", "--out", "/tmp/r", "--job-logs=/tmp/l", "--profile"]) == \
         "python benchmarks/megatron_gpt.py --ep 2 --profile"
