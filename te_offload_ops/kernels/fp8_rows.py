@@ -12,6 +12,10 @@ so the bytes equal those of TE's ``Float8BlockQuantizer`` applied to the same bf
   and ``act`` recomputed for fc2's wgrad; one pass;
 * :func:`quantize`: rows in 1x128 blocks (x for fc1, dy for fc2's dgrad);
 * :func:`dequantize`: FP8 rows back to bf16/fp16 (fc1's wgrad reads x);
+* :func:`quantize_columns`: tokens in 128x1 blocks per expert, for an FP8 weight gradient (whose
+  reduction runs over tokens): each expert's ``(K, T_e)`` columnwise copy as TE's quantizer writes
+  it for that expert alone, the experts' copies side by side with each one's tokens padded to a
+  multiple of 128 (zeros), offsets on the GPU (no split sizes read on the host);
 * :func:`quantize_weights`: each expert's weight in 128x128 blocks, both orientations at once (the
   fprop reads W, the dgrad W^T), as TE's 2D quantizer writes each expert's rowwise and columnwise
   data and scales; one pass over the weights, read in place (Megatron's reversed buffer too).
@@ -129,6 +133,32 @@ if triton is not None:
 
 
     @triton.jit
+    def quantize_columns_kernel(x_ptr, off_ptr, poff_ptr, q_ptr, s_ptr, E, K, TP, KP, eps, E_P2: tl.constexpr,
+                                POW2: tl.constexpr, INF_VALUE: tl.constexpr):
+        pb = tl.program_id(0)  # a 128-token block of the padded copy
+        kb = tl.program_id(1)
+        pos = pb * 128
+        # the expert whose padded range holds pos: how many experts' padded ranges end at or before it
+        e_idx = tl.arange(0, E_P2)
+        ends = tl.load(poff_ptr + 1 + e_idx, mask=e_idx < E, other=2147483647)
+        e = tl.sum((ends <= pos).to(tl.int32), axis=0)
+        p0 = tl.load(poff_ptr + e)  # past the last expert: the padded end (nothing is read there)
+        t0 = tl.load(off_ptr + e)
+        t_end = tl.load(off_ptr + tl.minimum(e + 1, E))
+        tok = t0 + (pos - p0) + tl.arange(0, 128)
+        k = kb * 128 + tl.arange(0, 128)
+        tok_ok = tok < t_end
+        mask = tok_ok[:, None] & (k < K)[None, :]
+        x = tl.load(x_ptr + tok.to(tl.int64)[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = block_scale(tl.max(tl.abs(x), axis=0), eps, POW2, INF_VALUE)  # per feature, over the tokens
+        q = (x * scale[None, :]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        cols = pos + tl.arange(0, 128)
+        # (K, TP): rows of tokens; padding and blocks past the last expert written as zeros
+        tl.store(q_ptr + k.to(tl.int64)[:, None] * TP + cols[None, :], tl.trans(q), mask=(k < K)[:, None])
+        scale_inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        tl.store(s_ptr + pb.to(tl.int64) * KP + k, scale_inv, mask=k < K)
+
+    @triton.jit
     def quantize_weights_kernel(w_ptr, expert_stride, rows_ptr, row_s_ptr, cols_ptr, col_s_ptr, E, N, K, NBP, KBP,
                                 eps, REVERSED: tl.constexpr, POW2: tl.constexpr, INF_VALUE: tl.constexpr):
         e = tl.program_id(0)
@@ -170,6 +200,50 @@ def quantize_weights(w: torch.Tensor, reversed_experts: bool, eps: float, pow2: 
                                          REVERSED=reversed_experts, POW2=pow2, INF_VALUE=_inf_value(w.dtype),
                                          num_warps=WEIGHT_WARPS)
     return rows, row_s, cols, col_s
+
+
+def padded_tokens(num_tokens: int, num_experts: int) -> int:
+    """Columns of :func:`quantize_columns`' copy: room for every expert's tokens rounded up to 128,
+    whatever the split (known on the host from the shapes alone): the rounded sizes sum to at most
+    ``T + 127 E`` and to a multiple of 128."""
+    return (num_tokens + (BLOCK - 1) * num_experts) // BLOCK * BLOCK
+
+
+def expert_offsets(split_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(off, poff)``, int32 (E + 1,) on the split sizes' device: each expert's first token, and
+    its first column in the padded copy (the exclusive sums of the sizes and of the sizes rounded
+    up to 128)."""
+    sizes = split_sizes.reshape(-1).to(torch.int64)
+    zero = sizes.new_zeros(1)
+    off = torch.cat([zero, sizes.cumsum(0)])
+    poff = torch.cat([zero, ((sizes + BLOCK - 1) // BLOCK * BLOCK).cumsum(0)])
+    return off.to(torch.int32), poff.to(torch.int32)
+
+
+def quantize_columns(x: torch.Tensor, split_sizes: torch.Tensor, eps: float, pow2: bool):
+    """``(data, scales, poff)`` of contiguous bf16/fp16 tokens ``x`` (T, K), experts' rows in
+    ``split_sizes`` (E,) order, in 128-token x 1 blocks per expert: ``data`` (K, Tp) uint8 with
+    expert ``e``'s tokens at columns ``poff[e]:poff[e] + T_e`` (zeros up to ``poff[e + 1]`` and
+    past ``poff[E]``), ``scales`` (Tp / 128, roundup(K, 4)) fp32 (1 for padding blocks), ``poff``
+    int32 (E + 1,); Tp = :func:`padded_tokens`. Expert ``e``'s slices are the bytes of TE's
+    ``Float8BlockQuantizer`` (1D) columnwise data and scales of ``x[off[e]:off[e + 1]]`` alone."""
+    t, k = x.shape
+    e = split_sizes.numel()
+    if e == 0:
+        raise ValueError("split_sizes must hold at least one expert")
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous, got stride {tuple(x.stride())}")
+    tp, kp = padded_tokens(t, e), -(-k // 4) * 4
+    data = torch.empty((k, tp), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((tp // BLOCK, kp), dtype=torch.float32, device=x.device)
+    off, poff = expert_offsets(split_sizes)
+    if tp == 0:
+        return data, scales, poff
+    e_p2 = max(2, 1 << (e - 1).bit_length())  # a power of two holding the E experts' ends
+    quantize_columns_kernel[(tp // BLOCK, -(-k // BLOCK))](x, off, poff, data, scales, e, k, tp, kp, float(eps),
+                                                          E_P2=e_p2, POW2=pow2, INF_VALUE=_inf_value(x.dtype),
+                                                          num_warps=WEIGHT_WARPS)
+    return data, scales, poff
 
 
 def _scales(t: int, k: int, device) -> torch.Tensor:
