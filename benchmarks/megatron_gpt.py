@@ -255,6 +255,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if found.offload_modules and args.capacity_factor is not None:
             p.error(f"--variants: {v}: Megatron's activation offloading does not take drop-and-pad MoE "
                     "(--capacity-factor); its own check refuses token-drop MoE")
+        if found.fp8 is not None and "moe" in args.cuda_graphs:
+            p.error(f"--variants: {v}: under FP8 with drop-and-pad, Megatron 0.19.2's experts pad each expert's "
+                    "tokens for quantization by copying host counts to the GPU (torch.tensor), which a CUDA graph "
+                    "capture refuses; graph attn only, or run FP8 eager")
         if (found.teo_scope or found.copy_traffic) and "moe" in args.cuda_graphs:
             p.error(f"--variants: {v}: the moe CUDA graph captures the experts whose saved tensors it moves (a "
                     "replayed graph runs no saved-tensor hooks); graph attn only, or leave it out")
