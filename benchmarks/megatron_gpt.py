@@ -36,7 +36,7 @@ so no variant's memory, hooks or global state reach another; each starts from th
 * a last suffix ``+fp8block``, ``+fp8current`` or ``+fp8delayed`` runs the variant under that FP8
   recipe (Megatron's ``fp8="e4m3", fp8_recipe="blockwise"``; ``"hybrid"`` with ``"tensorwise"`` or
   ``"delayed"``; the router pads each expert's tokens for them, unless ``moe_preprocess`` is
-  graphed), e.g. ``ours+fp8block,ours+teo+fp8block,stock+fp8current``; such a row compares with
+  graphed or ``--capacity-factor`` fixes the capacities; not with ``--cuda-graphs moe``), e.g. ``ours+fp8block,ours+teo+fp8block,stock+fp8current``; such a row compares with
   ours (and its loss with stock) at the same precision, and a table sets each against its bf16
   variant. ``stock+fp8block`` needs TE's block-scaled grouped GEMM (cuBLASLt >= 13.6 on Hopper; refused
   up front without it).
@@ -255,6 +255,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if found.offload_modules and args.capacity_factor is not None:
             p.error(f"--variants: {v}: Megatron's activation offloading does not take drop-and-pad MoE "
                     "(--capacity-factor); its own check refuses token-drop MoE")
+        if found.fp8 is not None and "moe" in args.cuda_graphs:
+            p.error(f"--variants: {v}: under FP8 with drop-and-pad, Megatron 0.19.2's experts pad each expert's "
+                    "tokens for quantization by copying host counts to the GPU (torch.tensor), which a CUDA graph "
+                    "capture refuses; graph attn only, or run FP8 eager")
         if (found.teo_scope or found.copy_traffic) and "moe" in args.cuda_graphs:
             p.error(f"--variants: {v}: the moe CUDA graph captures the experts whose saved tensors it moves (a "
                     "replayed graph runs no saved-tensor hooks); graph attn only, or leave it out")

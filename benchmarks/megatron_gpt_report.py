@@ -323,7 +323,7 @@ def precision_lines(rows: list[dict]) -> list[str]:
     if not found:
         return []
     out = ["", "FP8 against bf16 (each FP8 variant against the same variant in bf16, same EP; in FP8 the router "
-               "pads each expert's tokens for the quantized GEMMs unless moe_preprocess is graphed; tokens: predicted "
+               "pads each expert's tokens for the quantized GEMMs unless moe_preprocess is graphed or the experts drop and pad to a capacity; tokens: predicted "
                "under the bf16 variant's peak):", "",
            "| EP | variant | step ms | bf16 step ms | speed-up | above floor GiB | bf16 above floor GiB | tokens x |",
            "|---|---|---|---|---|---|---|---|"]

@@ -7,7 +7,6 @@ change, raised before any kernel of the call is queued, so the capture ends clea
 
 * TE's unfused ``GroupedLinear`` on its split path (it calls ``split_sizes.tolist()``, a sync);
 * a kernel's first call (compiling and loading the module): run one eager step first;
-* split sizes on the CPU (the copy to the GPU would replay from freed host memory);
 * TE's V1 offload engine, and V2 without ``retain_pinned_cpu_buffers=True`` or before a warm-up
   step filled its pinned buffers (pinned memory allocated in a capture is freed after it while
   the graph keeps copying into it).
@@ -22,7 +21,7 @@ import torch
 from . import te_internals
 
 __all__ = ["GraphCaptureError", "capturing", "check_offload_engine", "check_offload_layer_ready",
-           "refuse_split_path"]
+           "refuse_split_path", "sizes_filled_on_device"]
 
 _HOW_TO_WARM_UP = ("run one eager forward and backward with the same shapes and settings before capturing "
                    "(TE's make_graphed_callables does this in its warm-up iterations)")
@@ -39,6 +38,22 @@ def capturing() -> bool:
 
 def warm_up_hint() -> str:
     return _HOW_TO_WARM_UP
+
+
+def sizes_filled_on_device(sizes: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host split sizes as an int32 tensor on ``device``, written by fill kernels (one per run of
+    equal sizes) rather than copied: a capture may not copy pageable host memory, and a copy of
+    pinned memory would read that buffer again at every replay. The graph keeps the sizes it was
+    captured with, as TE's GroupedLinear keeps host ``m_splits``: right for static routing
+    (Megatron's drop-and-pad experts); routing that changes between replays passes a CUDA tensor."""
+    values = sizes.reshape(-1).tolist()
+    out = torch.empty(len(values), dtype=torch.int32, device=device)
+    start = 0
+    for end in range(1, len(values) + 1):
+        if end == len(values) or values[end] != values[start]:
+            out[start:end].fill_(values[start])
+            start = end
+    return out
 
 
 def _te_takes_split_path(op: Any) -> bool:

@@ -13,6 +13,8 @@ What each test checks (run with ``-s`` to see the bytes moved):
 * ``test_fp8_graph_replays_match_eager_steps``: the same under ``Float8BlockScaling`` (the fused
   FP8 path: Triton quantization kernels and the grouped FP8 GEMMs captured with the rest), one
   ``torch.cuda.graph`` over the whole stack, bitwise against eager FP8 steps.
+* ``test_graph_keeps_host_split_sizes_of_its_capture``: split sizes on the CPU (Megatron's
+  drop-and-pad experts) are filled into the graph; replays match eager steps with those sizes.
 * ``test_unfused_path_capture_is_refused``: TE's unfused GroupedLinear on its split path raises
   :class:`GraphCaptureError` in the capture, not a hang or a sync error, and the process goes on.
 * ``test_capture_before_any_eager_step_is_refused``: a capture that would compile a kernel raises.
@@ -226,6 +228,23 @@ def test_fp8_graph_replays_match_eager_steps(monkeypatch):
     assert all(forward_plan(mlp) == ["FusedScaledSReLUMLP"] for mlp in stack)
     for step, routing in enumerate(ROUTINGS):
         _replay_and_compare(graphed, stack, step, routing, x, probs, dy, splits, recipe="block")
+
+
+@pytest.mark.parametrize("routing", [ROUTINGS[1], ROUTINGS[0]], ids=["uniform", "uneven"])
+def test_graph_keeps_host_split_sizes_of_its_capture(routing, monkeypatch):
+    """Split sizes on the CPU (as Megatron's drop-and-pad experts pass them) are written into the
+    graph: replays with new x, probs and dy match eager steps with those sizes, bitwise."""
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    stack = make_stack(_cfg())
+    ctx, sync, _ = offload_context("none", num_layers=1, model_layers=LAYERS)
+    model = _Stack(stack, ctx, sync)
+    x0, probs0, dy0 = _values(0)
+    x, probs = x0.clone().requires_grad_(), [p.clone().requires_grad_() for p in probs0]
+    dy, splits = dy0.clone(), torch.tensor(routing, dtype=torch.int64)
+    graphed = _TorchGraph(model, x, splits, probs, dy)
+    assert all(forward_plan(mlp) == ["FusedScaledSReLUMLP"] for mlp in stack)
+    for step in range(3):
+        _replay_and_compare(graphed, stack, step, routing, x, probs, dy, splits)
 
 
 def test_unfused_path_capture_is_refused(monkeypatch):

@@ -74,12 +74,24 @@ def _fused_op():
     return srelu_mlp.FusedScaledSReLUMLP(fc1=fc1, activation=teo.ScaledSReLU(), fc2=fc2)
 
 
-def test_cpu_split_sizes_are_refused_in_a_capture(capture_on, monkeypatch):
-    monkeypatch.setattr(srelu_mlp, "check_now", lambda *a: pytest.fail("checked instead of refused"))
-    op = _fused_op()
-    ctxs = [OperationContext() for _ in range(3)]
-    with pytest.raises(GraphCaptureError, match="split_sizes are on the CPU.*Pass split sizes as a CUDA tensor"):
-        op._forward_fused(ctxs, torch.zeros(8, 16), torch.tensor([3, 0, 5]), torch.ones(8))
+def test_cpu_split_sizes_are_checked_then_filled_not_copied_in_a_capture(capture_on, monkeypatch):
+    checked = []
+    monkeypatch.setattr(srelu_mlp, "check_now", lambda sizes, tokens, where: checked.append((sizes.tolist(), tokens)))
+    monkeypatch.setattr(torch.Tensor, "to", lambda *a, **k: pytest.fail("copied host sizes in a capture"))
+    sizes, check = _fused_op()._device_split_sizes(torch.zeros(8, 16), torch.tensor([3, 0, 5]))
+    assert checked == [([3, 0, 5], 8)] and check is None
+    assert sizes.dtype == torch.int32 and sizes.tolist() == [3, 0, 5]
+
+
+@pytest.mark.parametrize("values", [[4, 4, 4, 4], [3, 0, 5], [0], [7, 7, 0, 0, 7], []])
+def test_sizes_filled_on_device_keep_every_value(values):
+    out = capture.sizes_filled_on_device(torch.tensor(values, dtype=torch.int64), "cpu")
+    assert out.dtype == torch.int32 and out.tolist() == values
+
+
+def test_bad_cpu_split_sizes_still_raise_in_a_capture(capture_on):
+    with pytest.raises(ValueError):
+        _fused_op()._device_split_sizes(torch.zeros(8, 16), torch.tensor([3, 0, 9]))
 
 
 class _UnqueryableCheck:

@@ -49,6 +49,22 @@ def _cuobjdump() -> str | None:
     return None
 
 
+def _resource_usage(compiled) -> str | None:
+    """The cubin's "REG:.. STACK:.. SHARED:.. LOCAL:.." line, asserting no stack and no local memory
+    (register spills); None where no cuobjdump is at hand."""
+    tool = _cuobjdump()
+    if not tool:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.artifacts.CUBIN)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
+    assert m, out
+    assert m.group(2) == "0" and m.group(3) == "0", f"register spills: {m.group(0)}"
+    return m.group(0)
+
+
 # (N, K, E, tile or None, cluster_n or None, output dtype): the MLP's GEMMs at H=2688, F=1792
 # (aligned) and F=1856 (a partial 128-block in N for fc1 and in K for fc2), the benchmark's
 # shapes, and the tile extremes
@@ -95,17 +111,8 @@ def test_fp8_variant_compiles_for_sm90a(n, k, e, tile, cluster_n, out_dtype):
     assert any(re.search(rf"and\.b32\s+{re.escape(r)}, %r\d+, -4;", ptx) for r in firsts), firsts
     if kern.straddles:  # BN=192: a scale chosen per column group
         assert "selp.f32" in ptx
-    usage = ""
-    tool = _cuobjdump()
-    if tool:
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.artifacts.CUBIN)
-            f.flush()
-            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
-        assert m, out
-        assert m.group(2) == "0" and m.group(3) == "0", f"register spills: {m.group(0)}"
-        usage = f", {m.group(0)}"
+    found = _resource_usage(compiled)
+    usage = f", {found}" if found else ""
     print(f"compile fp8 N={n} K={k} E={e} BN={bn} cluster={kern.cluster_n} stages={kern.stages}: "
           f"{secs:.2f} s{usage}")
 
@@ -155,14 +162,7 @@ def test_srelu_quantize_epilogue_compiles_to_te_quantizers_arithmetic(n, k, e, o
     # 16-byte FP8 row vectors: 128 rows x BN bytes per output over 256 threads
     assert len(re.findall(r"st\.global\.v4", ptx)) == 2 * (128 * bn // 16) // 256
     assert kern.stages == plain.stages
-    tool = _cuobjdump()
-    if tool:
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.artifacts.CUBIN)
-            f.flush()
-            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
-        assert m and m.group(2) == "0" and m.group(3) == "0", out
+    _resource_usage(compiled)
 
 
 @needs_dsl
@@ -187,14 +187,7 @@ def test_dsrelu_quantize_epilogue_compiles_to_the_row_pass_arithmetic(n, k, e, o
     assert len(re.findall(r"and\.b32\s+%r\d+, %r\d+, -8388608;", ptx)) == (2 if pow2 else 0)
     # dz and act: 128 x BN x 2 bytes each, dz's FP8 rows 128 x BN, in 16-byte vectors over 256 threads
     assert len(re.findall(r"st\.global\.v4", ptx)) == (2 * 128 * bn * 2 + 128 * bn) // 16 // 256
-    tool = _cuobjdump()
-    if tool:
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.artifacts.CUBIN)
-            f.flush()
-            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
-        assert m and m.group(2) == "0" and m.group(3) == "0", out
+    _resource_usage(compiled)
 
 
 @needs_dsl

@@ -25,7 +25,7 @@ import torch
 from transformer_engine.pytorch.ops.op import FusedOperation
 
 from .. import hints, policy
-from ..capture import GraphCaptureError, capturing
+from ..capture import capturing, sizes_filled_on_device
 from ..ops.input_checks import check_input, check_scales, check_split_sizes
 from .expert_weights import check_weight_versions, expert_weights, weight_dtype, weight_params, weight_versions
 from .row_chunks import block_split_sizes, chunk_rows, expert_row_ranges
@@ -128,12 +128,9 @@ class FusedScaledSReLUMLP(FusedOperation):
         they read, so a truncated size never reaches past the tokens."""
         where = f"{type(self).__name__} ({self.fc1.num_groups} experts)"
         if split_sizes.device.type == "cpu":  # readable now: check at once, then hand them over
-            if capturing():
-                raise GraphCaptureError(
-                    f"{where}: split_sizes are on the CPU inside a CUDA graph capture; the captured copy to "
-                    "the GPU would read this call's host memory again on every replay. Pass split sizes as a "
-                    "CUDA tensor (e.g. a static buffer you copy each step's sizes into before replaying)")
             check_now(split_sizes, x2d.shape[0], where)
+            if capturing():  # no host copy in a capture: the graph keeps these sizes
+                return sizes_filled_on_device(split_sizes, x2d.device), None
             return split_sizes.reshape(-1).to(x2d.device, torch.int32, non_blocking=True), None
         check = start_check(split_sizes, x2d.shape[0], where)
         return split_sizes.to(torch.int32).reshape(-1), check

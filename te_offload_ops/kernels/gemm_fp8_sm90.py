@@ -424,10 +424,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         tmp = cute.make_rmem_tensor(c_id.shape, cutlass.Float32)  # one k-block's WGMMA sums
         num_kb = cute.size(frag_a, mode=[2])
         shp = acc.shape
-        n_pair = cute.size(shp[0][0])
-        n_half = cute.size(shp[0][1])
-        n_grp = cute.size(shp[0][2])
-        n_m = cute.size(shp[1])
+        n_pair, n_half, n_grp, n_m = _fragment_dims(acc)
         if cutlass.const_expr(cute.size(shp[2]) != 1):
             raise ValueError("the promotion expects one WGMMA atom across BN")
         # this thread's rows of the tile (two per 64-row WGMMA slab) and their A scales
@@ -563,9 +560,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         mainloop); masked to 0 past N, as the row kernel reads zeros there."""
         m_q, m_q_s, m_z, m_z_s, eps = q_args[1], q_args[2], q_args[3], q_args[4], q_args[5]
         dt = self.dtype
-        shp = acc.shape
-        n_pair, n_half, n_grp, n_m = (cute.size(shp[0][0]), cute.size(shp[0][1]), cute.size(shp[0][2]),
-                                      cute.size(shp[1]))
+        n_pair, n_half, n_grp, n_m = _fragment_dims(acc)
         n_rows = n_half * n_m
         z_scale = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
         a_scale = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
@@ -596,9 +591,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     def _load_z_fp8(self, z_r, zs_r, rows, n_blk, row0, rows_here, cols_here, c_id, m_z, m_z_s):
         """This thread's elements of the tile's z (FP8, zero outside the tile's rows and N) and its
         rows' scale-inverses, issued before the mainloop so the loads land under it."""
-        shp = z_r.shape
-        n_pair, n_half, n_grp, n_m = (cute.size(shp[0][0]), cute.size(shp[0][1]), cute.size(shp[0][2]),
-                                      cute.size(shp[1]))
+        n_pair, n_half, n_grp, n_m = _fragment_dims(z_r)
         sblk = (n_blk * self.bn) // SCALE_BLOCK
         # the tile from a 64-bit offset (row0 * N passes 2^31 for operands past 2^31 elements)
         tile_z = cute.make_tensor(m_z.iterator + (cutlass.Int64(row0) * self.n + n_blk * self.bn),
@@ -631,9 +624,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         dtype through C's staged chunks, dz's FP8 rows as z's do in the forward."""
         m_q, m_q_s, eps, m_c2, m_part = q_args[1], q_args[2], q_args[5], q_args[6], q_args[7]
         dt = self.dtype
-        shp = acc.shape
-        n_pair, n_half, n_grp, n_m = (cute.size(shp[0][0]), cute.size(shp[0][1]), cute.size(shp[0][2]),
-                                      cute.size(shp[1]))
+        n_pair, n_half, n_grp, n_m = _fragment_dims(acc)
         n_rows = n_half * n_m
         dz_scale = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
         for mm in cutlass.range_constexpr(n_m):
@@ -655,12 +646,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                         acc[crd] = dz
                         dz_max = cute.arch.fmax(dz_max, self._abs(dz))
                 dz_scale[i] = self._row_amax_scale(dz_max, eps)
-                s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
-                s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
-                row = c_id[(0, h, 0), mm, 0][0]
-                if etid % 4 == 0:
-                    if row < rows_here:
-                        m_part[row0 + row, n_blk] = s
+                self._store_row_partial(s, c_id[(0, h, 0), mm, 0][0], etid, row0, rows_here, n_blk, m_part)
         self._store_staged(etid, cwg, n_blk, row0, rows_here, cols_here, acc, m_c, thr_mma, thr_cp, cp_id, st)
         self._store_staged(etid, cwg, n_blk, row0, rows_here, cols_here, tmp, m_c2, thr_mma, thr_cp, cp_id, st)
         self._store_fp8(etid, cwg, n_blk, row0, rows_here, cols_here, acc, dz_scale, m_q, m_q_s, thr_mma, c_id, st)
@@ -704,9 +690,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         row's scale-inverse into ``m_s`` (its 128-column block's row)."""
         bm, bn = self.bm, self.bn
         f8 = cutlass.Float8E4M3FN
-        shp = vals.shape
-        n_pair, n_half, n_grp, n_m = (cute.size(shp[0][0]), cute.size(shp[0][1]), cute.size(shp[0][2]),
-                                      cute.size(shp[1]))
+        n_pair, n_half, n_grp, n_m = _fragment_dims(vals)
         bar_id, n_threads = self._bar(_EPI_BARRIER, cwg)
         staged = cute.make_tensor(cute.recast_ptr(st.epi.data_ptr(), dtype=f8),
                                   cute.make_layout((bm, bn), stride=(self.q_row, 1)))
@@ -745,5 +729,12 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                     if row < rows_here:
                         m_s[sblk, row0 + row] = cutlass.Float32(1.0) / scales[mm * n_half + h]
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
+
+def _fragment_dims(frag):
+    """(value pairs, row halves, 8-column groups, m-repeats): the modes of a thread's accumulator
+    fragment, indexed ((pair, half, group), m, 0)."""
+    shp = frag.shape
+    return cute.size(shp[0][0]), cute.size(shp[0][1]), cute.size(shp[0][2]), cute.size(shp[1])
+
 
 __all__ = ["GroupedGemmFp8Sm90", "FP8_EPILOGUES", "SCALE_BLOCK", "TILE_NS"]

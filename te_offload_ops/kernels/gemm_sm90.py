@@ -825,14 +825,18 @@ class GroupedGemmSm90(GemmPlan):
         if cutlass.const_expr(self.epilogue == "dsrelu"):
             for mm in cutlass.range_constexpr(cute.size(shp[1])):
                 for h in cutlass.range_constexpr(n_half):
-                    s = row_sum[mm * n_half + h]
-                    # every lane takes part in the shuffles, valid row or not
-                    s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
-                    s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
-                    row = c_id[(0, h, 0), mm, 0][0]
-                    if etid % 4 == 0:
-                        if row < rows_here:
-                            m_part[row0 + row, n_blk] = s
+                    self._store_row_partial(row_sum[mm * n_half + h], c_id[(0, h, 0), mm, 0][0], etid, row0,
+                                            rows_here, n_blk, m_part)
+
+    @cute.jit
+    def _store_row_partial(self, s, row, etid, row0, rows_here, n_blk, m_part):
+        """A row's partial dprob: the quad's four lanes summed (every lane takes part in the
+        shuffles, valid row or not), stored by the quad's first lane for its n-tile."""
+        s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
+        s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
+        if etid % 4 == 0:
+            if row < rows_here:
+                m_part[row0 + row, n_blk] = s
 
     @cute.jit
     def _epilogue_main_grad(self, expert, m_row0, n_blk, rows_here, cols_here, acc, c_id, thr_mma,
