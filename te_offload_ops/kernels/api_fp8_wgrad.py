@@ -1,0 +1,155 @@
+"""Torch entry point for the Hopper grouped FP8 weight gradient (:mod:`.gemm_fp8_wgrad_sm90`).
+
+:func:`grouped_wgrad_fp8_blockwise` takes the columnwise copies :func:`.fp8_rows.quantize_columns`
+makes of the two token matrices (each expert's tokens padded to 128, TE's 128x1 scale blocks per
+expert), reads the split sizes on the GPU only and launches on the current CUDA stream. Compiled
+kernels live in :mod:`.api`'s in-memory cache under ``("fp8_wgrad", output dtype, tile, M, N, E,
+epilogue, call convention)``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..capture import GraphCaptureError, capturing
+from . import api
+from .api_fp8 import OUT_DTYPES, SCALE_BLOCK
+
+WGRAD_TILE_NS = (64, 128)  # gemm_fp8_wgrad_sm90.WGRAD_TILE_NS, without the DSL import
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+
+
+def pick_tile_fp8_wgrad(n: int) -> tuple[int, int]:
+    return (128, 64) if n <= 64 else (128, 128)
+
+
+def _compile(out_dtype, m, n, e, tile, epilogue, call, options=None):
+    cutlass, cute, make_ptr, make_fake_stream = api._cutlass()
+    from .gemm_fp8_wgrad_sm90 import GroupedWgradFp8Sm90
+
+    od = api._cutlass_dtype(out_dtype)
+    kern = GroupedWgradFp8Sm90(od, m, n, e, tile_mn=tile, epilogue=epilogue)
+    gmem = cute.AddressSpace.gmem
+    fake = 1 << 20  # any aligned address: only the types matter at compile time
+    f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
+    c_type = od if epilogue == "plain" else f32
+    args = [
+        make_ptr(f8, fake, gmem, assumed_align=16),  # A columnwise data (M, Tp)
+        make_ptr(f8, fake, gmem, assumed_align=16),  # B columnwise data (N, Tp)
+        make_ptr(c_type, fake, gmem, assumed_align=16),  # the (E * M, N) output, or main_grad's base
+        make_ptr(cutlass.Int32, fake, gmem, assumed_align=4),  # split sizes
+        make_ptr(f32, fake, gmem, assumed_align=16),  # A scales (read by TMA)
+        make_ptr(f32, fake, gmem, assumed_align=16),  # B scales (read by TMA)
+        make_ptr(cutlass.Int64, fake, gmem, assumed_align=8),  # main_grad offsets per expert
+    ]
+    if call == "tvm-ffi":
+        options = f"{options} --enable-tvm-ffi" if options else "--enable-tvm-ffi"
+    kern.call = call
+    extra = {"options": options} if options else {}
+    t0 = time.perf_counter()
+    compiled = cute.compile(kern, *args, cutlass.Int32(128), cutlass.Int32(128), cutlass.Int32(4), cutlass.Int32(4),
+                            cutlass.Int32(1), make_fake_stream(), **extra)
+    return kern, compiled, time.perf_counter() - t0
+
+
+def compile_variant_fp8_wgrad(m: int, n: int, e: int, *, out_dtype=torch.bfloat16, tile=None, epilogue="plain",
+                              options=None, call=None):
+    """Compile one variant without caching; returns (kernel object, compiled, seconds). Works
+    without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile tests)."""
+    tile = tuple(tile) if tile is not None else pick_tile_fp8_wgrad(n)
+    return _compile(out_dtype, m, n, e, tile, epilogue, call or api.kernel_call_convention(), options)
+
+
+def _get_kernel(out_dtype, m, n, e, tile, epilogue):
+    call = api.kernel_call_convention()
+    key = ("fp8_wgrad", out_dtype, tile, m, n, e, epilogue, call)
+    hit = api._CACHE.get(key)
+    if hit is None and capturing():
+        raise GraphCaptureError(api._first_call_in_capture(key))
+    if hit is None:
+        with api._LOCK:
+            hit = api._CACHE.get(key)
+            if hit is None:
+                kern, compiled, secs = _compile(out_dtype, m, n, e, tile, epilogue, call)
+                api._COMPILE_SECONDS[key] = secs
+                api._log.info("compiled grouped FP8 weight gradient %s in %.2f s", key, secs)
+                kern.cache_key = key
+                hit = api._CACHE[key] = (kern, compiled)
+    return hit
+
+
+def _check(a, sa, b, sb, split_sizes, num_tokens):
+    def bad(msg):
+        raise ValueError(f"grouped_wgrad_fp8_blockwise: {msg}")
+
+    for name, t in (("a_data", a), ("b_data", b)):
+        if t.dtype not in _FP8_DTYPES or t.dim() != 2 or not t.is_contiguous() or not t.is_cuda:
+            bad(f"{name} must be a contiguous 2-D e4m3/uint8 CUDA tensor (features, padded tokens), got "
+                f"{t.dtype} {tuple(t.shape)}")
+    tp = a.shape[1]
+    if b.shape[1] != tp or tp % SCALE_BLOCK:
+        bad(f"a_data and b_data must share their padded token count, a multiple of {SCALE_BLOCK}: "
+            f"{tuple(a.shape)}, {tuple(b.shape)}")
+    for name, s, rows in (("a_scale_inv", sa, a.shape[0]), ("b_scale_inv", sb, b.shape[0])):
+        if (s.dtype != torch.float32 or s.dim() != 2 or s.shape[0] != tp // SCALE_BLOCK or s.shape[1] < rows
+                or s.shape[1] % 4 or not s.is_contiguous() or s.device != a.device):
+            bad(f"{name} must be contiguous fp32 ({tp // SCALE_BLOCK}, roundup({rows}, 4)) on {a.device}, got "
+                f"{s.dtype} {tuple(s.shape)}")
+    if (split_sizes.dim() != 1 or split_sizes.dtype not in (torch.int32, torch.int64)
+            or split_sizes.device != a.device):
+        bad(f"split_sizes must be a 1-D int32/int64 tensor on {a.device}, got {split_sizes.dtype} "
+            f"{tuple(split_sizes.shape)} on {split_sizes.device}")
+    e = split_sizes.numel()
+    padded = (num_tokens + (SCALE_BLOCK - 1) * e) // SCALE_BLOCK * SCALE_BLOCK  # fp8_rows.padded_tokens
+    if num_tokens < 0 or tp != padded:
+        bad(f"the padded token count must be fp8_rows.padded_tokens({num_tokens}, {e}) = {padded}, got {tp}")
+    for name, rows in (("M", a.shape[0]), ("N", b.shape[0])):
+        if rows % 8 or rows == 0:
+            bad(f"{name} = {rows} must be a positive multiple of 8")
+
+
+def grouped_wgrad_fp8_blockwise(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, num_tokens: int, *,
+                                out_dtype=torch.bfloat16, tile=None):
+    """``dW[e] = A_e^T B_e`` as an (E, M, N) tensor of ``out_dtype``: ``a_data`` (M, Tp) and
+    ``b_data`` (N, Tp) the columnwise FP8 copies of the (T, M) and (T, N) token matrices, with
+    their (Tp / 128, roundup(rows, 4)) fp32 scale-inverses; ``num_tokens`` T. An expert with no
+    tokens gets zeros."""
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    _check(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, num_tokens)
+    m, n, e = a_data.shape[0], b_data.shape[0], split_sizes.numel()
+    tile = tuple(tile) if tile is not None else pick_tile_fp8_wgrad(n)
+    kern, compiled = _get_kernel(out_dtype, m, n, e, tile, "plain")
+    out = torch.empty((e, m, n), dtype=out_dtype, device=a_data.device)
+    split = split_sizes.to(torch.int32)
+    offsets = torch.zeros(e, dtype=torch.int64, device=a_data.device)  # not read by the plain epilogue
+    _launch(kern, compiled, a_data, b_data, out, split, a_scale_inv, b_scale_inv, offsets, num_tokens)
+    return out
+
+
+def _launch(kern, compiled, a, b, c, split, sa, sb, offsets, num_tokens):
+    if not getattr(kern, "launched", False) and capturing():  # the first call loads the module
+        raise GraphCaptureError(api._first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
+    n_work = kern.num_experts * kern.wgrad_groups
+    num_ctas = min(api._cluster_slots(a.device.index, 1), n_work)
+    stream = torch.cuda.current_stream().cuda_stream
+    kern.launched = True
+    ints = (num_tokens, a.shape[1], sa.stride(0), sb.stride(0), num_ctas)
+    tensors = (a, b, c, split, sa, sb, offsets)
+    if getattr(kern, "call", "python") == "tvm-ffi":
+        compiled(*(x.data_ptr() for x in tensors), *ints, stream)
+        return
+    cutlass, cute, make_ptr, _ = api._cutlass()
+    import cuda.bindings.driver as cuda
+
+    gmem = cute.AddressSpace.gmem
+    f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
+    c_type = kern.dtype if kern.epilogue == "plain" else f32
+    kinds = ((f8, 16), (f8, 16), (c_type, 16), (cutlass.Int32, 4), (f32, 16), (f32, 16), (cutlass.Int64, 8))
+    ptrs = [make_ptr(dt, x.data_ptr(), gmem, assumed_align=al) for x, (dt, al) in zip(tensors, kinds)]
+    compiled(*ptrs, *(cutlass.Int32(v) for v in ints), cuda.CUstream(stream))
+
+
+__all__ = ["grouped_wgrad_fp8_blockwise", "compile_variant_fp8_wgrad", "pick_tile_fp8_wgrad", "WGRAD_TILE_NS"]
