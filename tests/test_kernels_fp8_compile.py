@@ -354,6 +354,7 @@ WGRAD_VARIANTS = [
     (2688, 1856, 8, "plain", None, torch.bfloat16),
     (1856, 2688, 8, "acc_f32", None, torch.bfloat16),
     (2688, 1856, 8, "store_f32", None, torch.bfloat16),
+    (2688, 1856, 8, "red_f32", None, torch.bfloat16),
     (64, 64, 3, "plain", (128, 64), torch.float16),
 ]
 

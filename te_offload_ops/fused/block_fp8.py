@@ -9,7 +9,8 @@ and gradients, 128x128 for weights), quantized with the recipe's settings as TE'
 * backward: ``dact = q(dy) @ q(W2)``; ``dz = dact * 2 relu(z) * prob`` and
   ``dprob = sum(dact * relu(z)^2)``; ``dx = q(dz) @ q(W1)``; the wgrads run in bf16 on the saved
   FP8 operands dequantized (x, and act recomputed from z), with Megatron's settings
-  (:mod:`.weight_grads`).
+  (:mod:`.weight_grads`), or with ``TEO_FP8_WGRAD=fp8`` in FP8 on per-expert columnwise copies
+  (:mod:`.fp8_wgrad`; x is then saved as its columnwise copy).
 
 The row passes (x's and dy's quantization, x's dequantization) and the weights' quantization are
 Triton kernels (:mod:`..kernels.fp8_rows`) that write the bytes TE's quantizer writes; fc1's GEMM
@@ -55,7 +56,8 @@ def _row_kernels():
     return fp8_rows
 
 
-def _qparams(recipe, role: str) -> tuple[float, bool]:
+def qparams(recipe, role: str) -> tuple[float, bool]:
+    """(amax epsilon, power-of-two scales) the recipe quantizes ``role`` ("input" or "grad") with."""
     params = recipe.fp8_quant_fwd_inp if role == "input" else recipe.fp8_quant_bwd_grad
     return float(params.amax_epsilon), bool(params.power_2_scale)
 
@@ -63,7 +65,7 @@ def _qparams(recipe, role: str) -> tuple[float, bool]:
 def quantize_for(recipe, role: str, t: torch.Tensor) -> "Rows":
     """Rows ``t`` in FP8 as the recipe quantizes ``role`` ("input" or "grad")."""
     if t.is_cuda and (fast := _row_kernels()) is not None:
-        return Rows(*fast.quantize(t.contiguous(), *_qparams(recipe, role)))
+        return Rows(*fast.quantize(t.contiguous(), *qparams(recipe, role)))
     return quantize_rows(t, quantizer(recipe, role))
 
 
@@ -248,7 +250,7 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
     if x.is_cuda and settings.fp8_rows() == "gemm":  # act and z quantized in fc1's epilogue
         from .. import kernels
 
-        eps, pow2 = _qparams(recipe, "input")
+        eps, pow2 = qparams(recipe, "input")
         act_data, act_scales, z_data, z_scales = kernels.grouped_gemm_fp8_srelu_quantize(
             xq.data, xq.scale_inv, w1.rows, w1.row_scales, split_sizes, probs, eps=eps, pow2=pow2, out_dtype=x.dtype)
         w2 = step_weights(fc2, qw, recipe)
@@ -256,7 +258,7 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
         return y, xq, Rows(z_data, z_scales), w1, w2
     z = gemm(xq, w1.rows, w1.row_scales, split_sizes, x.dtype)
     if (fast := _row_kernels()) is not None:  # act and z quantized in one pass over z
-        act_data, act_scales, z_data, z_scales = fast.srelu_quantize(z, probs.contiguous(), *_qparams(recipe, "input"))
+        act_data, act_scales, z_data, z_scales = fast.srelu_quantize(z, probs.contiguous(), *qparams(recipe, "input"))
         act, zq = Rows(act_data, act_scales), Rows(z_data, z_scales)
     else:
         act = quantize_rows(scaled_srelu(z, probs), qx)
@@ -274,7 +276,7 @@ def dgrads(recipe, dy: torch.Tensor, z: Rows, probs: torch.Tensor, split_sizes: 
     if dy.is_cuda and settings.fp8_rows() == "gemm":  # the SReLU backward in fc2's dgrad epilogue
         from .. import kernels
 
-        eps, pow2 = _qparams(recipe, "grad")
+        eps, pow2 = qparams(recipe, "grad")
         dz, dz_data, dz_scales, dprobs, act = kernels.grouped_gemm_fp8_dsrelu_quantize(
             dyq.data, dyq.scale_inv, *w2_cols, split_sizes, z.data, z.scale_inv, probs, eps=eps, pow2=pow2,
             out_dtype=dy.dtype)
@@ -282,7 +284,7 @@ def dgrads(recipe, dy: torch.Tensor, z: Rows, probs: torch.Tensor, split_sizes: 
     dact = gemm(dyq, *w2_cols, split_sizes, dy.dtype)
     if dact.is_cuda and (fast := _row_kernels()) is not None:
         dz, dz_data, dz_scales, dprobs, act = fast.dsrelu_quantize(dact, z.data, z.scale_inv, probs.contiguous(),
-                                                                   *_qparams(recipe, "grad"))
+                                                                   *qparams(recipe, "grad"))
         return dz, Rows(dz_data, dz_scales), dprobs, act
     dz, dprobs, act = dscaled_srelu(dact, z, probs)
     return dz, None, dprobs, act

@@ -29,7 +29,7 @@ from ..capture import capturing, sizes_filled_on_device
 from ..ops.input_checks import check_input, check_scales, check_split_sizes
 from .expert_weights import check_weight_versions, expert_weights, weight_dtype, weight_params, weight_versions
 from .row_chunks import block_split_sizes, chunk_rows, expert_row_ranges
-from . import block_fp8
+from . import block_fp8, fp8_wgrad
 from .selection import active_recipe, runtime_blockers
 from .split_check import check_now, resolve_in_backward, start_check
 from .weight_grads import check_main_grad, weight_grad_bytes, weight_grads
@@ -204,7 +204,16 @@ class FusedScaledSReLUMLP(FusedOperation):
         ctx_act.probs_require_grad = probs.requires_grad
         ctx_act.probs_shape = probs.shape
         w1_cols, w2_cols = (w1.cols, w1.col_scales), (w2.cols, w2.col_scales)
-        policy.save_for_backward(ctx1, xq.data, xq.scale_inv, split_sizes, *w1_cols, offload=fc1.offload,
+        # x for fc1's wgrad: its FP8 rows (dequantized for a bf16 wgrad), or its per-expert
+        # columnwise copy for the FP8 wgrad (TE's recipe saves that copy alone)
+        ctx1.teo_x_cols = fp8_wgrad.wanted(x2d)
+        if ctx1.teo_x_cols:
+            xc = fp8_wgrad.columns(*block_fp8.qparams(recipe, "input"), x2d, split_sizes)
+            x_saved = (xc.data, xc.scale_inv)
+        else:
+            x_saved = (xq.data, xq.scale_inv)
+        del xq
+        policy.save_for_backward(ctx1, *x_saved, split_sizes, *w1_cols, offload=fc1.offload,
                                  weights=w1_cols, owner=fc1)
         policy.save_for_backward(ctx_act, zq.data, zq.scale_inv, probs_flat, offload=act_op.offload, owner=act_op)
         policy.save_for_backward(ctx2, *w2_cols, offload=fc2.offload, weights=w2_cols, owner=fc2)
@@ -307,16 +316,30 @@ class FusedScaledSReLUMLP(FusedOperation):
         dz, dz_fp8, dprobs, act = block_fp8.dgrads(recipe, dy, block_fp8.Rows(z_data, z_scales), probs, split_sizes,
                                                    w2_cols)
         del z_data, z_scales
+        in_q, grad_q = block_fp8.qparams(recipe, "input"), block_fp8.qparams(recipe, "grad")
+        x_cols = ctx1.teo_x_cols
         _make_room(weight_grad_bytes(fc2), device)
-        dw2 = weight_grads(fc2, dy, act, split_sizes, temporaries=[act])
-        del act
+        if x_cols:  # FP8 wgrads: dy and act columnwise per expert
+            dyc, actc = fp8_wgrad.columns(*grad_q, dy, split_sizes), fp8_wgrad.columns(*in_q, act, split_sizes)
+            del act
+            dw2 = weight_grads(fc2, dyc, actc, split_sizes, temporaries=[])
+            del dyc, actc
+        else:
+            dw2 = weight_grads(fc2, dy, act, split_sizes, temporaries=[act])
+            del act
         dx = None
         if ctx1.input_requires_grad:
             _make_room([tokens * fc1.in_features * itemsize], device)
             dx = block_fp8.input_grad(recipe, dz, dz_fp8, split_sizes, tuple(w1_cols))
         del dz_fp8
-        _make_room([tokens * fc1.in_features * itemsize, *weight_grad_bytes(fc1)], device)
-        x = block_fp8.dequantize_rows(block_fp8.Rows(x_data, x_scales), dy.dtype)
-        dw1 = weight_grads(fc1, dz, x, split_sizes, temporaries=[dz, x])
+        if x_cols:
+            _make_room(weight_grad_bytes(fc1), device)
+            dzc = fp8_wgrad.columns(*grad_q, dz, split_sizes)
+            del dz
+            dw1 = weight_grads(fc1, dzc, fp8_wgrad.Cols(x_data, x_scales, tokens), split_sizes, temporaries=[])
+        else:
+            _make_room([tokens * fc1.in_features * itemsize, *weight_grad_bytes(fc1)], device)
+            x = block_fp8.dequantize_rows(block_fp8.Rows(x_data, x_scales), dy.dtype)
+            dw1 = weight_grads(fc1, dz, x, split_sizes, temporaries=[dz, x])
         dprobs = dprobs.to(probs.dtype).view(ctx_act.probs_shape) if ctx_act.probs_require_grad else None
         return dx, [dw1, (), dw2], [(None,), (dprobs,), (None,)]

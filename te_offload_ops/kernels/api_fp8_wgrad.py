@@ -129,6 +129,27 @@ def grouped_wgrad_fp8_blockwise(a_data, a_scale_inv, b_data, b_scale_inv, split_
     return out
 
 
+def grouped_wgrad_fp8_main_grad(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, num_tokens: int, main_grads,
+                                *, accumulate: bool = True, tile=None) -> None:
+    """Megatron's wgrad fusion in FP8: ``main_grads[e] += A_e^T B_e`` in fp32 (``=`` with
+    ``accumulate=False``, Megatron's ``overwrite_main_grad``), operands as
+    :func:`grouped_wgrad_fp8_blockwise` takes them; ``main_grads`` one (E, M, N) fp32 tensor or E
+    fp32 (M, N) tensors, each found through :mod:`.api`'s table of offsets (built once per set of
+    addresses). The kernel adds by 8-byte reductions in L2 (each element one addition, so the bits
+    do not depend on the order of tiles); experts with no tokens add nothing, or store zeros."""
+    _check(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, num_tokens)
+    m, n, e = a_data.shape[0], b_data.shape[0], split_sizes.numel()
+    bufs = api._check_main_grads(main_grads, e, m, n, a_data.device)
+    if not api._vector_aligned(bufs):
+        raise ValueError("grouped_wgrad_fp8_main_grad: main_grad buffers must be 8-byte aligned (the kernel adds "
+                         "fp32 pairs)")
+    tile = tuple(tile) if tile is not None else pick_tile_fp8_wgrad(n)
+    kern, compiled = _get_kernel(torch.bfloat16, m, n, e, tile, "red_f32" if accumulate else "store_f32")
+    base, offsets = api._main_grad_offsets(bufs, a_data.device)
+    _launch(kern, compiled, a_data, b_data, base, split_sizes.to(torch.int32), a_scale_inv, b_scale_inv, offsets,
+            num_tokens)
+
+
 def _launch(kern, compiled, a, b, c, split, sa, sb, offsets, num_tokens):
     if not getattr(kern, "launched", False) and capturing():  # the first call loads the module
         raise GraphCaptureError(api._first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
@@ -152,4 +173,4 @@ def _launch(kern, compiled, a, b, c, split, sa, sb, offsets, num_tokens):
     compiled(*ptrs, *(cutlass.Int32(v) for v in ints), cuda.CUstream(stream))
 
 
-__all__ = ["grouped_wgrad_fp8_blockwise", "compile_variant_fp8_wgrad", "pick_tile_fp8_wgrad", "WGRAD_TILE_NS"]
+__all__ = ["grouped_wgrad_fp8_blockwise", "grouped_wgrad_fp8_main_grad", "compile_variant_fp8_wgrad", "pick_tile_fp8_wgrad", "WGRAD_TILE_NS"]
