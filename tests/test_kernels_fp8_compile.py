@@ -419,3 +419,22 @@ def test_fp8_wgrad_entry_point_refuses_bad_operands_clearly():
         _check(a, sa, b, sb, split, t + 200)
     with pytest.raises(ValueError, match="a_scale_inv"):
         _check(a, sa[:, :128], b, sb, split, t)
+
+
+def test_fp8_wgrad_launch_plan_matches_the_kernel_and_keys_apart_from_the_bf16_form():
+    """A kernel loaded from the disk cache launches from its plan: the plan's walk (experts, tile
+    groups) is the kernel object's, and its cache key differs from the bf16 weight gradient's."""
+    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels.api_fp8_wgrad import launch_plan_fp8_wgrad
+
+    plan = launch_plan_fp8_wgrad(torch.bfloat16, 1856, 2688, 8, (128, 128), "red_f32")
+    assert (plan.num_experts, plan.wgrad_groups, plan.n_tiles, plan.m_tiles) == (8, 15 * 21, 21, 15)
+    from te_offload_ops.kernels.gemm_plan import GemmPlan
+
+    bf16 = GemmPlan(2, 2688, 0, 8, b_n_major=True, epilogue="red_f32", tile_mn=(128, 128), wgrad_m=1856)
+    assert api._kernel_params(plan) != api._kernel_params(bf16)
+    if _HAVE_DSL:
+        from te_offload_ops.kernels.gemm_fp8_wgrad_sm90 import GroupedWgradFp8Sm90
+
+        kern = GroupedWgradFp8Sm90(cutlass.BFloat16, 1856, 2688, 8, tile_mn=(128, 128), epilogue="red_f32")
+        assert (kern.num_experts, kern.wgrad_groups) == (plan.num_experts, plan.wgrad_groups)

@@ -3,19 +3,22 @@
 :func:`grouped_wgrad_fp8_blockwise` takes the columnwise copies :func:`.fp8_rows.quantize_columns`
 makes of the two token matrices (each expert's tokens padded to 128, TE's 128x1 scale blocks per
 expert), reads the split sizes on the GPU only and launches on the current CUDA stream. Compiled
-kernels live in :mod:`.api`'s in-memory cache under ``("fp8_wgrad", output dtype, tile, M, N, E,
-epilogue, call convention)``.
+kernels share :mod:`.api`'s caches: in memory, keyed ``("fp8_wgrad", output dtype, tile, M, N, E,
+epilogue, call convention)``, and on disk (:mod:`.disk_cache`), where a later process loads them,
+through TVM-FFI without importing the DSL.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
 from ..capture import GraphCaptureError, capturing
-from . import api
+from . import api, disk_cache
 from .api_fp8 import OUT_DTYPES, SCALE_BLOCK
+from .gemm_plan import GemmPlan
 
 WGRAD_TILE_NS = (64, 128)  # gemm_fp8_wgrad_sm90.WGRAD_TILE_NS, without the DSL import
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
@@ -62,6 +65,51 @@ def compile_variant_fp8_wgrad(m: int, n: int, e: int, *, out_dtype=torch.bfloat1
     return _compile(out_dtype, m, n, e, tile, epilogue, call or api.kernel_call_convention(), options)
 
 
+def launch_plan_fp8_wgrad(out_dtype, m, n, e, tile, epilogue) -> GemmPlan:
+    """What launching a compiled variant reads (its static walk: experts, tile groups), as its
+    kernel object derives it, without the DSL; its parameters key the disk cache, with the kernel
+    sources' digest covering what the FP8 kernel derives beyond them (stages, scale boxes)."""
+    plan = GemmPlan(out_dtype.itemsize, n, 0, e, b_n_major=True, epilogue=epilogue, tile_mn=tile, wgrad_m=m,
+                    schedule="cooperative")
+    plan.fp8_wgrad = True  # apart from the bf16 weight-gradient form of the same plan
+    return plan
+
+
+def _load_or_compile(key, out_dtype, m, n, e, tile, epilogue, call):
+    """(kernel or launch plan, compiled): from the disk cache where it holds the variant, else
+    compiled (and stored there), one process at a time per variant, as :mod:`.api` does."""
+    if not disk_cache.enabled():
+        return _compile_now(key, out_dtype, m, n, e, tile, epilogue, call)
+    plan = launch_plan_fp8_wgrad(out_dtype, m, n, e, tile, epilogue)
+    entry = disk_cache.Entry(key, api._kernel_params(plan), call)
+    with entry.claim():
+        compiled = entry.load()
+        if compiled is None:
+            kern, compiled = _compile_now(key, out_dtype, m, n, e, tile, epilogue, call)
+            disk_cache.Entry(key, api._kernel_params(plan), call).store(compiled)
+            return kern, compiled
+    if call == "tvm-ffi":  # addresses and ints: the plan's walk is all the launch needs
+        kern = plan
+    else:  # the Python executor's launch takes the DSL's types from the kernel object
+        api._cutlass()
+        from .gemm_fp8_wgrad_sm90 import GroupedWgradFp8Sm90
+
+        kern = GroupedWgradFp8Sm90(api._cutlass_dtype(out_dtype), m, n, e, tile_mn=tile, epilogue=epilogue)
+    kern.call = call
+    api._LOAD_SECONDS[key] = disk_cache.LOADED[entry.name]
+    api._LOADED_BY[key] = disk_cache.LOADED_BY[entry.name]
+    api._log.info("loaded grouped FP8 weight gradient %s from %s (%s) in %.3f s", key, entry.path,
+                  api._LOADED_BY[key], api._LOAD_SECONDS[key])
+    return kern, compiled
+
+
+def _compile_now(key, out_dtype, m, n, e, tile, epilogue, call):
+    kern, compiled, secs = _compile(out_dtype, m, n, e, tile, epilogue, call)
+    api._COMPILE_SECONDS[key] = secs
+    api._log.info("compiled grouped FP8 weight gradient %s in %.2f s", key, secs)
+    return kern, compiled
+
+
 def _get_kernel(out_dtype, m, n, e, tile, epilogue):
     call = api.kernel_call_convention()
     key = ("fp8_wgrad", out_dtype, tile, m, n, e, epilogue, call)
@@ -72,9 +120,16 @@ def _get_kernel(out_dtype, m, n, e, tile, epilogue):
         with api._LOCK:
             hit = api._CACHE.get(key)
             if hit is None:
-                kern, compiled, secs = _compile(out_dtype, m, n, e, tile, epilogue, call)
-                api._COMPILE_SECONDS[key] = secs
-                api._log.info("compiled grouped FP8 weight gradient %s in %.2f s", key, secs)
+                try:
+                    kern, compiled = _load_or_compile(key, out_dtype, m, n, e, tile, epilogue, call)
+                except Exception as exc:
+                    if call != "tvm-ffi" or os.environ.get(api.CALL_ENV):
+                        raise
+                    # as api.get_kernel does: an apache-tvm-ffi the DSL cannot use falls back to the
+                    # Python executor for good (a broken kernel raises here again)
+                    key = key[:-1] + ("python",)
+                    kern, compiled = _load_or_compile(key, out_dtype, m, n, e, tile, epilogue, "python")
+                    api._TVM_FFI_FAILED.append(repr(exc)[:300])
                 kern.cache_key = key
                 hit = api._CACHE[key] = (kern, compiled)
     return hit
@@ -167,7 +222,7 @@ def _launch(kern, compiled, a, b, c, split, sa, sb, offsets, num_tokens):
 
     gmem = cute.AddressSpace.gmem
     f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
-    c_type = kern.dtype if kern.epilogue == "plain" else f32
+    c_type = kern.dtype if kern.epilogue == "plain" else f32  # the Python executor's kernel object
     kinds = ((f8, 16), (f8, 16), (c_type, 16), (cutlass.Int32, 4), (f32, 16), (f32, 16), (cutlass.Int64, 8))
     ptrs = [make_ptr(dt, x.data_ptr(), gmem, assumed_align=al) for x, (dt, al) in zip(tensors, kinds)]
     compiled(*ptrs, *(cutlass.Int32(v) for v in ints), cuda.CUstream(stream))
