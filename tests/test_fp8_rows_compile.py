@@ -24,7 +24,7 @@ KERNELS = {  # name -> (signature without constexprs, constexprs)
                                 "T": "i32", "F": "i32", "scale_stride": "i32", "eps": "fp32"},
                                {"K_BLOCKS": 15, **ROWS}),
     "quantize_columns_kernel": ({"x_ptr": "*bf16", "off_ptr": "*i32", "poff_ptr": "*i32", "q_ptr": "*u8",
-                                 "s_ptr": "*fp32", "E": "i32", "K": "i32", "TP": "i32", "KP": "i32", "eps": "fp32"},
+                                 "s_ptr": "*fp32", "E": "i32", "T": "i32", "K": "i32", "TP": "i32", "KP": "i32", "eps": "fp32"},
                                 {"E_P2": 8}),
     "quantize_weights_kernel": ({"w_ptr": "*bf16", "expert_stride": "i64", "rows_ptr": "*u8", "row_s_ptr": "*fp32",
                                  "cols_ptr": "*u8", "col_s_ptr": "*fp32", "E": "i32", "N": "i32", "K": "i32",

@@ -155,3 +155,18 @@ def test_fp8_wgrads_reach_main_grad_as_the_plain_fp8_wgrads(megatron, monkeypatc
             assert torch.count_nonzero(g) == 0, name
         else:
             assert _rel(g, want) < 1e-2, (name, _rel(g, want))
+
+
+def test_fp8_wgrad_of_a_rank_without_tokens_is_zero_and_overwrites_or_adds_nothing():
+    """One expert, no tokens (a rank under expert parallelism can get none): the padded copies are
+    empty, the plain form returns zeros, main_grad keeps its values or is zeroed when overwritten."""
+    from te_offload_ops.kernels.api_fp8_wgrad import grouped_wgrad_fp8_blockwise, grouped_wgrad_fp8_main_grad
+
+    split, t, (qa, sa), (qb, sb), _ = _operands(64, 64, [0], seed=3)
+    assert qa.shape[1] == 0
+    assert torch.count_nonzero(grouped_wgrad_fp8_blockwise(qa, sa, qb, sb, split, t)) == 0
+    mg = torch.ones(1, 64, 64, device="cuda")
+    grouped_wgrad_fp8_main_grad(qa, sa, qb, sb, split, t, mg, accumulate=True)
+    assert bool((mg == 1).all())
+    grouped_wgrad_fp8_main_grad(qa, sa, qb, sb, split, t, mg, accumulate=False)
+    assert torch.count_nonzero(mg) == 0

@@ -36,6 +36,12 @@ def wanted(t: torch.Tensor) -> bool:
     return fp8_rows.unavailable() is None
 
 
+def column_bytes(tokens: int, features: int, experts: int) -> int:
+    """Bytes of a (tokens, features) matrix's columnwise copy: data and scales (for make_room)."""
+    padded = (tokens + 127 * experts) // 128 * 128  # fp8_rows.padded_tokens
+    return features * padded + padded // 128 * (-(-features // 4) * 4) * 4
+
+
 def columns(eps: float, pow2: bool, t: torch.Tensor, split_sizes: torch.Tensor) -> Cols:
     from ..kernels import fp8_rows
 

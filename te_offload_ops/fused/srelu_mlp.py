@@ -188,10 +188,14 @@ class FusedScaledSReLUMLP(FusedOperation):
         fc1, act_op, fc2 = self.basic_ops
         probs_flat = probs.reshape(-1)
         tokens, itemsize = x2d.shape[0], x2d.element_size()
-        # z, act and y in bf16, x and z in FP8 (tokens x (hidden + ffn) bytes)
+        # x for fc1's wgrad: its FP8 rows (dequantized for a bf16 wgrad), or its per-expert
+        # columnwise copy for the FP8 wgrad (TE's recipe saves that copy alone)
+        x_cols = fp8_wgrad.wanted(x2d) and weight_params(fc1)[0].requires_grad
+        # z, act and y in bf16, x and z in FP8 (tokens x (hidden + ffn) bytes), x's columnwise copy
+        x_cols_bytes = [fp8_wgrad.column_bytes(tokens, fc1.in_features, fc1.num_groups)] if x_cols else []
         hints.make_room([tokens * fc1.out_features * itemsize, tokens * fc1.out_features * itemsize,
-                         tokens * fc2.out_features * itemsize, tokens * (fc1.in_features + fc1.out_features)],
-                        x2d.device)
+                         tokens * fc2.out_features * itemsize, tokens * (fc1.in_features + fc1.out_features),
+                         *x_cols_bytes], x2d.device)
         y, xq, zq, w1, w2 = block_fp8.forward(fc1, fc2, recipe, x2d, split_sizes, probs_flat)
         if check is not None:
             self._pending_checks.append(check)
@@ -204,10 +208,8 @@ class FusedScaledSReLUMLP(FusedOperation):
         ctx_act.probs_require_grad = probs.requires_grad
         ctx_act.probs_shape = probs.shape
         w1_cols, w2_cols = (w1.cols, w1.col_scales), (w2.cols, w2.col_scales)
-        # x for fc1's wgrad: its FP8 rows (dequantized for a bf16 wgrad), or its per-expert
-        # columnwise copy for the FP8 wgrad (TE's recipe saves that copy alone)
-        ctx1.teo_x_cols = fp8_wgrad.wanted(x2d)
-        if ctx1.teo_x_cols:
+        ctx1.teo_x_cols = x_cols
+        if x_cols:
             xc = fp8_wgrad.columns(*block_fp8.qparams(recipe, "input"), x2d, split_sizes)
             x_saved = (xc.data, xc.scale_inv)
         else:
@@ -317,14 +319,17 @@ class FusedScaledSReLUMLP(FusedOperation):
                                                    w2_cols)
         del z_data, z_scales
         in_q, grad_q = block_fp8.qparams(recipe, "input"), block_fp8.qparams(recipe, "grad")
-        x_cols = ctx1.teo_x_cols
-        _make_room(weight_grad_bytes(fc2), device)
-        if x_cols:  # FP8 wgrads: dy and act columnwise per expert
-            dyc, actc = fp8_wgrad.columns(*grad_q, dy, split_sizes), fp8_wgrad.columns(*in_q, act, split_sizes)
+        experts = fc1.num_groups
+        if fp8_wgrad.wanted(dy) and weight_params(fc2)[0].requires_grad:  # FP8: act and dy columnwise per expert
+            _make_room([fp8_wgrad.column_bytes(tokens, ffn, experts)], device)
+            actc = fp8_wgrad.columns(*in_q, act, split_sizes)
             del act
+            _make_room([fp8_wgrad.column_bytes(tokens, fc2.out_features, experts), *weight_grad_bytes(fc2)], device)
+            dyc = fp8_wgrad.columns(*grad_q, dy, split_sizes)
             dw2 = weight_grads(fc2, dyc, actc, split_sizes, temporaries=[])
             del dyc, actc
         else:
+            _make_room(weight_grad_bytes(fc2), device)
             dw2 = weight_grads(fc2, dy, act, split_sizes, temporaries=[act])
             del act
         dx = None
@@ -332,10 +337,11 @@ class FusedScaledSReLUMLP(FusedOperation):
             _make_room([tokens * fc1.in_features * itemsize], device)
             dx = block_fp8.input_grad(recipe, dz, dz_fp8, split_sizes, tuple(w1_cols))
         del dz_fp8
-        if x_cols:
-            _make_room(weight_grad_bytes(fc1), device)
+        if ctx1.teo_x_cols:
+            _make_room([fp8_wgrad.column_bytes(tokens, ffn, experts)], device)
             dzc = fp8_wgrad.columns(*grad_q, dz, split_sizes)
             del dz
+            _make_room(weight_grad_bytes(fc1), device)
             dw1 = weight_grads(fc1, dzc, fp8_wgrad.Cols(x_data, x_scales, tokens), split_sizes, temporaries=[])
         else:
             _make_room([tokens * fc1.in_features * itemsize, *weight_grad_bytes(fc1)], device)

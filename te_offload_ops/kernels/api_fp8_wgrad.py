@@ -37,11 +37,11 @@ def _compile(out_dtype, m, n, e, tile, epilogue, call, options=None):
     gmem = cute.AddressSpace.gmem
     fake = 1 << 20  # any aligned address: only the types matter at compile time
     f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
-    c_type = od if epilogue == "plain" else f32
+    c_type, c_align = (od, 16) if epilogue == "plain" else (f32, 4)  # main_grad: any fp32 buffer (8-byte pairs checked)
     args = [
         make_ptr(f8, fake, gmem, assumed_align=16),  # A columnwise data (M, Tp)
         make_ptr(f8, fake, gmem, assumed_align=16),  # B columnwise data (N, Tp)
-        make_ptr(c_type, fake, gmem, assumed_align=16),  # the (E * M, N) output, or main_grad's base
+        make_ptr(c_type, fake, gmem, assumed_align=c_align),  # the (E * M, N) output, or main_grad's base
         make_ptr(cutlass.Int32, fake, gmem, assumed_align=4),  # split sizes
         make_ptr(f32, fake, gmem, assumed_align=16),  # A scales (read by TMA)
         make_ptr(f32, fake, gmem, assumed_align=16),  # B scales (read by TMA)
@@ -163,6 +163,9 @@ def _check(a, sa, b, sb, split_sizes, num_tokens):
     for name, rows in (("M", a.shape[0]), ("N", b.shape[0])):
         if rows % 8 or rows == 0:
             bad(f"{name} = {rows} must be a positive multiple of 8")
+    for name, t in (("a_data", a), ("b_data", b), ("a_scale_inv", sa), ("b_scale_inv", sb)):
+        if t.data_ptr() % 16:
+            bad(f"{name} must start on a 16-byte boundary (TMA reads it)")
 
 
 def grouped_wgrad_fp8_blockwise(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, num_tokens: int, *,
@@ -176,6 +179,8 @@ def grouped_wgrad_fp8_blockwise(a_data, a_scale_inv, b_data, b_scale_inv, split_
     _check(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, num_tokens)
     m, n, e = a_data.shape[0], b_data.shape[0], split_sizes.numel()
     tile = tuple(tile) if tile is not None else pick_tile_fp8_wgrad(n)
+    if a_data.shape[1] == 0:  # no tokens (TMA takes no empty tensor)
+        return torch.zeros((e, m, n), dtype=out_dtype, device=a_data.device)
     kern, compiled = _get_kernel(out_dtype, m, n, e, tile, "plain")
     out = torch.empty((e, m, n), dtype=out_dtype, device=a_data.device)
     split = split_sizes.to(torch.int32)
@@ -198,6 +203,11 @@ def grouped_wgrad_fp8_main_grad(a_data, a_scale_inv, b_data, b_scale_inv, split_
     if not api._vector_aligned(bufs):
         raise ValueError("grouped_wgrad_fp8_main_grad: main_grad buffers must be 8-byte aligned (the kernel adds "
                          "fp32 pairs)")
+    if a_data.shape[1] == 0:  # no tokens: nothing to add (TMA takes no empty tensor)
+        if not accumulate:
+            for g in bufs:
+                g.zero_()
+        return
     tile = tuple(tile) if tile is not None else pick_tile_fp8_wgrad(n)
     kern, compiled = _get_kernel(torch.bfloat16, m, n, e, tile, "red_f32" if accumulate else "store_f32")
     base, offsets = api._main_grad_offsets(bufs, a_data.device)
@@ -212,7 +222,9 @@ def _launch(kern, compiled, a, b, c, split, sa, sb, offsets, num_tokens):
     num_ctas = min(api._cluster_slots(a.device.index, 1), n_work)
     stream = torch.cuda.current_stream().cuda_stream
     kern.launched = True
-    ints = (num_tokens, a.shape[1], sa.stride(0), sb.stride(0), num_ctas)
+    # one k-block: the row stride addresses nothing, but TMA wants a 16-byte multiple
+    ints = (num_tokens, a.shape[1], sa.shape[1] if sa.shape[0] == 1 else sa.stride(0),
+            sb.shape[1] if sb.shape[0] == 1 else sb.stride(0), num_ctas)
     tensors = (a, b, c, split, sa, sb, offsets)
     if getattr(kern, "call", "python") == "tvm-ffi":
         compiled(*(x.data_ptr() for x in tensors), *ints, stream)
@@ -222,8 +234,8 @@ def _launch(kern, compiled, a, b, c, split, sa, sb, offsets, num_tokens):
 
     gmem = cute.AddressSpace.gmem
     f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
-    c_type = kern.dtype if kern.epilogue == "plain" else f32  # the Python executor's kernel object
-    kinds = ((f8, 16), (f8, 16), (c_type, 16), (cutlass.Int32, 4), (f32, 16), (f32, 16), (cutlass.Int64, 8))
+    c_kind = (kern.dtype, 16) if kern.epilogue == "plain" else (f32, 4)  # as _compile declares them
+    kinds = ((f8, 16), (f8, 16), c_kind, (cutlass.Int32, 4), (f32, 16), (f32, 16), (cutlass.Int64, 8))
     ptrs = [make_ptr(dt, x.data_ptr(), gmem, assumed_align=al) for x, (dt, al) in zip(tensors, kinds)]
     compiled(*ptrs, *(cutlass.Int32(v) for v in ints), cuda.CUstream(stream))
 

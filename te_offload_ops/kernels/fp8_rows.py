@@ -133,7 +133,7 @@ if triton is not None:
 
 
     @triton.jit
-    def quantize_columns_kernel(x_ptr, off_ptr, poff_ptr, q_ptr, s_ptr, E, K, TP, KP, eps, E_P2: tl.constexpr,
+    def quantize_columns_kernel(x_ptr, off_ptr, poff_ptr, q_ptr, s_ptr, E, T, K, TP, KP, eps, E_P2: tl.constexpr,
                                 POW2: tl.constexpr, INF_VALUE: tl.constexpr):
         pb = tl.program_id(0)  # a 128-token block of the padded copy
         kb = tl.program_id(1)
@@ -147,7 +147,9 @@ if triton is not None:
         t_end = tl.load(off_ptr + tl.minimum(e + 1, E))
         tok = t0 + (pos - p0) + tl.arange(0, 128)
         k = kb * 128 + tl.arange(0, 128)
-        tok_ok = tok < t_end
+        # split sizes are checked only later, on the host: bad ones (summing past T, negative) must
+        # not reach outside x meanwhile
+        tok_ok = (tok < t_end) & (tok < T) & (tok >= 0)
         mask = tok_ok[:, None] & (k < K)[None, :]
         x = tl.load(x_ptr + tok.to(tl.int64)[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
         scale = block_scale(tl.max(tl.abs(x), axis=0), eps, POW2, INF_VALUE)  # per feature, over the tokens
@@ -240,7 +242,7 @@ def quantize_columns(x: torch.Tensor, split_sizes: torch.Tensor, eps: float, pow
     if tp == 0:
         return data, scales, poff
     e_p2 = max(2, 1 << (e - 1).bit_length())  # a power of two holding the E experts' ends
-    quantize_columns_kernel[(tp // BLOCK, -(-k // BLOCK))](x, off, poff, data, scales, e, k, tp, kp, float(eps),
+    quantize_columns_kernel[(tp // BLOCK, -(-k // BLOCK))](x, off, poff, data, scales, e, t, k, tp, kp, float(eps),
                                                           E_P2=e_p2, POW2=pow2, INF_VALUE=_inf_value(x.dtype),
                                                           num_warps=WEIGHT_WARPS)
     return data, scales, poff
