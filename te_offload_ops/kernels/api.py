@@ -266,14 +266,20 @@ def _compile(
         # dprobs partials, or each expert's main_grad offset from the base (elements)
         make_ptr(cutlass.Int64, fake, gmem, assumed_align=8) if main_grad else make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),
     ]
+    return compile_timed(kern, [*args, cutlass.Int32(1), cutlass.Int32(1), make_fake_stream()], call, options)
+
+
+def compile_timed(kern, args: list, call: str, options: str | None):
+    """(kernel object, compiled, seconds) of ``cute.compile(kern, *args)`` under the call
+    convention ``call`` ("tvm-ffi" adds its compile option), ``options`` passed on; the kernel
+    object records the convention, which tells its launch how to pass the arguments."""
+    _, cute, _, _ = _cutlass()
     if call == "tvm-ffi":
         options = f"{options} --enable-tvm-ffi" if options else "--enable-tvm-ffi"
-    kern.call = call  # how _launch passes the arguments
-    t0 = time.perf_counter()
+    kern.call = call
     extra = {"options": options} if options else {}
-    compiled = cute.compile(
-        kern, *args, cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(), **extra
-    )
+    t0 = time.perf_counter()
+    compiled = cute.compile(kern, *args, **extra)
     return kern, compiled, time.perf_counter() - t0
 
 

@@ -13,7 +13,6 @@ importing the DSL.
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
@@ -67,14 +66,9 @@ def _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call="python", op
         make_ptr(od, fake, gmem, assumed_align=16),  # act in the output dtype (dsrelu_q)
         make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # dprob partials (dsrelu_q)
     ]
-    if call == "tvm-ffi":
-        options = f"{options} --enable-tvm-ffi" if options else "--enable-tvm-ffi"
-    kern.call = call
-    extra = {"options": options} if options else {}
-    t0 = time.perf_counter()
-    compiled = cute.compile(kern, *args, cutlass.Int32(1), cutlass.Int32(4), cutlass.Int32(1), cutlass.Int32(4),
-                            cutlass.Float32(0.0), make_fake_stream(), **extra)
-    return kern, compiled, time.perf_counter() - t0
+    args += [cutlass.Int32(1), cutlass.Int32(4), cutlass.Int32(1), cutlass.Int32(4), cutlass.Float32(0.0),
+             make_fake_stream()]
+    return api.compile_timed(kern, args, call, options)
 
 
 def compile_variant_fp8(n: int, k: int, e: int, *, out_dtype=torch.bfloat16, tile=None, cluster_n=None,

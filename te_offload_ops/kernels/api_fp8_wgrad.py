@@ -11,7 +11,6 @@ through TVM-FFI without importing the DSL.
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
@@ -47,14 +46,9 @@ def _compile(out_dtype, m, n, e, tile, epilogue, call, options=None):
         make_ptr(f32, fake, gmem, assumed_align=16),  # B scales (read by TMA)
         make_ptr(cutlass.Int64, fake, gmem, assumed_align=8),  # main_grad offsets per expert
     ]
-    if call == "tvm-ffi":
-        options = f"{options} --enable-tvm-ffi" if options else "--enable-tvm-ffi"
-    kern.call = call
-    extra = {"options": options} if options else {}
-    t0 = time.perf_counter()
-    compiled = cute.compile(kern, *args, cutlass.Int32(128), cutlass.Int32(128), cutlass.Int32(4), cutlass.Int32(4),
-                            cutlass.Int32(1), make_fake_stream(), **extra)
-    return kern, compiled, time.perf_counter() - t0
+    args += [cutlass.Int32(128), cutlass.Int32(128), cutlass.Int32(4), cutlass.Int32(4), cutlass.Int32(1),
+             make_fake_stream()]
+    return api.compile_timed(kern, args, call, options)
 
 
 def compile_variant_fp8_wgrad(m: int, n: int, e: int, *, out_dtype=torch.bfloat16, tile=None, epilogue="plain",
