@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_common import file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
+from bench_common import command_line, file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
 from bench_fp8_gemm import _problem, _rel  # noqa: E402
 
 TOKENS = (2048, 4096, 8192)
@@ -100,20 +100,7 @@ def measure(args) -> dict:
         torch.cuda.empty_cache()
     return {"gpu": torch.cuda.get_device_name(), "date": utc_now(), "experts": args.experts, "reps": args.reps,
             "inner": args.inner, "torch": torch.__version__,
-            "command": " ".join(["python3 benchmarks/bench_fp8_wgrad.py", *_said(args.argv)]), "rows": rows}
-
-
-def _said(argv: list[str]) -> list[str]:
-    """The arguments as a page states them: without ``--out`` (a path of the machine that ran it)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--out":
-            skip = True
-        elif not a.startswith("--out="):
-            out.append(a)
-    return out
+            "command": command_line("benchmarks/bench_fp8_wgrad.py", args.argv), "rows": rows}
 
 
 def markdown(result: dict) -> str:

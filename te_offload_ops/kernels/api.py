@@ -323,6 +323,19 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
     b_layout = tuple(b_layout)
     if b_layout != (None, False):  # weights laid out other than one packed (E, N, K) tensor
         key = key[:-1] + (("b", *b_layout), call)
+    variant = ((dtype, n, k, e, bool(b_n_major), epilogue, tile),
+               dict(cluster_n=cluster_n, wgrad_m=wgrad_m, schedule=schedule, slot_stride=slot_stride,
+                    b_layout=b_layout, cluster_m=cluster_m))
+    return cached_kernel(key, lambda key, call: _load_or_compile(key, call, *variant))
+
+
+def cached_kernel(key: tuple, load):
+    """(kernel, compiled) of the variant ``key`` (its last element the call convention): from the
+    in-memory cache, else ``load(key, call)`` (the disk cache or a compile), once per process.
+
+    Where the TVM-FFI call path fails to compile (an apache-tvm-ffi the DSL cannot use) and no
+    call convention was asked for, the Python executor compiles the same kernel instead, from then
+    on (a broken kernel raises there again). A first call inside a CUDA graph capture raises."""
     hit = _CACHE.get(key)
     if hit is None and capturing():
         raise GraphCaptureError(_first_call_in_capture(key))
@@ -330,18 +343,14 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
         with _LOCK:
             hit = _CACHE.get(key)
             if hit is None:
-                variant = ((dtype, n, k, e, bool(b_n_major), epilogue, tile),
-                           dict(cluster_n=cluster_n, wgrad_m=wgrad_m, schedule=schedule, slot_stride=slot_stride,
-                                b_layout=b_layout, cluster_m=cluster_m))
+                call = key[-1]
                 try:
-                    kern, compiled = _load_or_compile(key, call, *variant)
+                    kern, compiled = load(key, call)
                 except Exception as exc:
                     if call != "tvm-ffi" or os.environ.get(CALL_ENV):
                         raise
-                    # an apache-tvm-ffi the DSL cannot use?  If the Python executor compiles
-                    # the same kernel, use it from now on (a broken kernel raises here again)
                     key = key[:-1] + ("python",)
-                    kern, compiled = _load_or_compile(key, "python", *variant)
+                    kern, compiled = load(key, "python")
                     _TVM_FFI_FAILED.append(repr(exc)[:300])
                     _log.warning("the TVM-FFI kernel call path failed to compile (%s); using the "
                                  "CuTe DSL's Python executor", _TVM_FFI_FAILED[-1])

@@ -10,7 +10,6 @@ through TVM-FFI without importing the DSL.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -107,26 +106,7 @@ def _compile_now(key, out_dtype, m, n, e, tile, epilogue, call):
 def _get_kernel(out_dtype, m, n, e, tile, epilogue):
     call = api.kernel_call_convention()
     key = ("fp8_wgrad", out_dtype, tile, m, n, e, epilogue, call)
-    hit = api._CACHE.get(key)
-    if hit is None and capturing():
-        raise GraphCaptureError(api._first_call_in_capture(key))
-    if hit is None:
-        with api._LOCK:
-            hit = api._CACHE.get(key)
-            if hit is None:
-                try:
-                    kern, compiled = _load_or_compile(key, out_dtype, m, n, e, tile, epilogue, call)
-                except Exception as exc:
-                    if call != "tvm-ffi" or os.environ.get(api.CALL_ENV):
-                        raise
-                    # as api.get_kernel does: an apache-tvm-ffi the DSL cannot use falls back to the
-                    # Python executor for good (a broken kernel raises here again)
-                    key = key[:-1] + ("python",)
-                    kern, compiled = _load_or_compile(key, out_dtype, m, n, e, tile, epilogue, "python")
-                    api._TVM_FFI_FAILED.append(repr(exc)[:300])
-                kern.cache_key = key
-                hit = api._CACHE[key] = (kern, compiled)
-    return hit
+    return api.cached_kernel(key, lambda key, call: _load_or_compile(key, out_dtype, m, n, e, tile, epilogue, call))
 
 
 def _check(a, sa, b, sb, split_sizes, num_tokens):
