@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_common import command_line, file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
+from bench_common import (add_gemm_timing_args, bar_chart, check_gemm_timing_args, command_line, file_stem,  # noqa: E402
+                          refuse, utc_now, write_reports)
 from bench_fp8_gemm import _problem, _rel  # noqa: E402
 
 TOKENS = (2048, 4096, 8192)
@@ -124,42 +125,19 @@ def markdown(result: dict) -> str:
 
 
 def chart(result: dict, path) -> bool:
-    plt = pyplot()
-    if plt is None:
-        return False
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / len(GEMMS)
-    for j, name in enumerate(GEMMS):
-        ys = [r["contenders"][name]["TFLOPs"] for r in rows]
-        ax.bar([i + (j - (len(GEMMS) - 1) / 2) * width for i in range(len(rows))], ys, width, label=name)
-    ax.set_xticks(range(len(rows)), [f"{r['tokens_per_expert']}\nM{r['m']} N{r['n']}" for r in rows], fontsize=7)
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(f"Grouped weight gradient, E={result['experts']} x tokens/expert ({result['gpu']})")
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    save_png(fig, path, dpi=120)
-    plt.close(fig)
-    return True
+    return bar_chart(path, f"Grouped weight gradient, E={result['experts']} x tokens/expert ({result['gpu']})",
+                     [f"{r['tokens_per_expert']}\nM{r['m']} N{r['n']}" for r in rows],
+                     {name: [r["contenders"][name]["TFLOPs"] for r in rows] for name in GEMMS})
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="tokens per expert")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--inner", type=int, default=10)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    ap.add_argument("--watchdog", type=float, default=120.0,
-                    help="seconds one case may take before the stacks are dumped and the run exits")
+    add_gemm_timing_args(ap, TOKENS)
     args = ap.parse_args(argv)
     args.argv = argv
-    for name in ("experts", "reps", "inner"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if any(t < 1 for t in args.tokens):
-        ap.error(f"--tokens must be >= 1, got {args.tokens}")
+    check_gemm_timing_args(ap, args)
     if (problem := _problem()):
         return refuse("bench_fp8_wgrad.py", problem)
     result = measure(args)
