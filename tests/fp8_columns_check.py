@@ -51,6 +51,26 @@ def main(splits: list, k: int, pow2: bool) -> list:
     return problems
 
 
+def both(splits: list, k: int, pow2: bool) -> list:
+    """quantize_both against quantize and quantize_columns run apart: every byte and scale."""
+    torch.manual_seed(1)
+    sizes = torch.tensor(splits)
+    t = int(sizes.sum())
+    x = (torch.randn(t, k) * 2).bfloat16()
+    rows, row_scales, data, scales, poff = fp8_rows.quantize_both(x, sizes, 0.0, pow2)
+    want_rows, want_row_scales = fp8_rows.quantize(x, 0.0, pow2)
+    want_data, want_scales, want_poff = fp8_rows.quantize_columns(x, sizes, 0.0, pow2)
+    problems = []
+    if not torch.equal(rows, want_rows):
+        problems.append("rows")
+    if not torch.equal(row_scales[:, :t], want_row_scales[:, :t]):
+        problems.append("row scales")
+    if not torch.equal(data, want_data) or not torch.equal(scales, want_scales) or not torch.equal(poff, want_poff):
+        problems.append("columns")
+    return problems
+
+
 if __name__ == "__main__":
-    found = main(eval(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "pow2")
+    check = both if len(sys.argv) > 4 and sys.argv[4] == "both" else main
+    found = check(eval(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "pow2")
     print("ok" if not found else "; ".join(found))

@@ -29,6 +29,15 @@ def test_columns_per_expert_padded_as_the_row_kernel_writes_each_experts_transpo
     assert proc.stdout.strip().splitlines()[-1] == "ok", proc.stdout[-2000:]
 
 
+@pytest.mark.parametrize("splits, k, pow2", [([0, 1, 127, 128, 129, 300, 5, 0], 200, False), ([3, 0, 130], 256, True)])
+def test_rows_and_columns_from_one_read_are_the_bytes_of_the_two_passes(splits, k, pow2):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    proc = subprocess.run([sys.executable, str(HERE / "fp8_columns_check.py"), repr(splits), str(k),
+                           "pow2" if pow2 else "fp32", "both"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "ok", proc.stdout[-2000:]
+
+
 def test_the_padded_width_and_offsets_need_no_host_read_of_the_split():
     import torch
 

@@ -39,6 +39,7 @@ import torch
 
 from .. import settings
 from ..capture import capturing
+from . import fp8_wgrad
 from .expert_weights import expert_weights, stacked_weight
 
 BLOCK = 128  # TE's block length for both 1x128 and 128x128 scales
@@ -67,6 +68,18 @@ def quantize_for(recipe, role: str, t: torch.Tensor) -> "Rows":
     if t.is_cuda and (fast := _row_kernels()) is not None:
         return Rows(*fast.quantize(t.contiguous(), *qparams(recipe, role)))
     return quantize_rows(t, quantizer(recipe, role))
+
+
+def quantize_with_columns(recipe, role: str, t: torch.Tensor, split_sizes: Optional[torch.Tensor]):
+    """``(rows, columns or None)``: :func:`quantize_for`'s rows, and with ``split_sizes`` the
+    per-expert columnwise copy an FP8 weight gradient reads, both from one read of ``t`` (the
+    caller asks for columns only where :func:`.fp8_wgrad.wanted`, i.e. where Triton runs)."""
+    if split_sizes is None:
+        return quantize_for(recipe, role, t), None
+    from ..kernels import fp8_rows
+
+    rows, row_scales, data, scales, _ = fp8_rows.quantize_both(t.contiguous(), split_sizes, *qparams(recipe, role))
+    return Rows(rows, row_scales), fp8_wgrad.Cols(data, scales, t.shape[0])
 
 
 def recipe_problem(recipe: Any) -> Optional[str]:
@@ -242,10 +255,12 @@ def dscaled_srelu(dact: torch.Tensor, z: Rows, probs: torch.Tensor) -> tuple[tor
     return dact, dprobs, act
 
 
-def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs: torch.Tensor):
-    """Returns ``(y, x in FP8, z in FP8, fc1's weights, fc2's weights)``."""
+def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs: torch.Tensor,
+            x_columns: bool = False):
+    """Returns ``(y, x in FP8, z in FP8, fc1's weights, fc2's weights, x's columnwise copy or None)``
+    (the copy where ``x_columns``: for an FP8 weight gradient)."""
     qx, qw = quantizer(recipe, "input"), quantizer(recipe, "weight")
-    xq = quantize_for(recipe, "input", x)
+    xq, xc = quantize_with_columns(recipe, "input", x, split_sizes if x_columns else None)
     w1 = step_weights(fc1, qw, recipe)
     if x.is_cuda and settings.fp8_rows() == "gemm":  # act and z quantized in fc1's epilogue
         from .. import kernels
@@ -255,7 +270,7 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
             xq.data, xq.scale_inv, w1.rows, w1.row_scales, split_sizes, probs, eps=eps, pow2=pow2, out_dtype=x.dtype)
         w2 = step_weights(fc2, qw, recipe)
         y = gemm(Rows(act_data, act_scales), w2.rows, w2.row_scales, split_sizes, x.dtype)
-        return y, xq, Rows(z_data, z_scales), w1, w2
+        return y, xq, Rows(z_data, z_scales), w1, w2, xc
     z = gemm(xq, w1.rows, w1.row_scales, split_sizes, x.dtype)
     if (fast := _row_kernels()) is not None:  # act and z quantized in one pass over z
         act_data, act_scales, z_data, z_scales = fast.srelu_quantize(z, probs.contiguous(), *qparams(recipe, "input"))
@@ -266,13 +281,14 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
     del z
     w2 = step_weights(fc2, qw, recipe)
     y = gemm(act, w2.rows, w2.row_scales, split_sizes, x.dtype)
-    return y, xq, zq, w1, w2
+    return y, xq, zq, w1, w2, xc
 
 
 def dgrads(recipe, dy: torch.Tensor, z: Rows, probs: torch.Tensor, split_sizes: torch.Tensor,
-           w2_cols: tuple[torch.Tensor, torch.Tensor]):
-    """fc2's dgrad and the activation's backward: ``(dz, dz in FP8 or None, dprobs, act)``."""
-    dyq = quantize_for(recipe, "grad", dy)
+           w2_cols: tuple[torch.Tensor, torch.Tensor], dy_columns: bool = False):
+    """fc2's dgrad and the activation's backward: ``(dz, dz in FP8 or None, dprobs, act, dy's
+    columnwise copy or None)`` (the copy where ``dy_columns``: for fc2's FP8 weight gradient)."""
+    dyq, dyc = quantize_with_columns(recipe, "grad", dy, split_sizes if dy_columns else None)
     if dy.is_cuda and settings.fp8_rows() == "gemm":  # the SReLU backward in fc2's dgrad epilogue
         from .. import kernels
 
@@ -280,14 +296,14 @@ def dgrads(recipe, dy: torch.Tensor, z: Rows, probs: torch.Tensor, split_sizes: 
         dz, dz_data, dz_scales, dprobs, act = kernels.grouped_gemm_fp8_dsrelu_quantize(
             dyq.data, dyq.scale_inv, *w2_cols, split_sizes, z.data, z.scale_inv, probs, eps=eps, pow2=pow2,
             out_dtype=dy.dtype)
-        return dz, Rows(dz_data, dz_scales), dprobs, act
+        return dz, Rows(dz_data, dz_scales), dprobs, act, dyc
     dact = gemm(dyq, *w2_cols, split_sizes, dy.dtype)
     if dact.is_cuda and (fast := _row_kernels()) is not None:
         dz, dz_data, dz_scales, dprobs, act = fast.dsrelu_quantize(dact, z.data, z.scale_inv, probs.contiguous(),
                                                                    *qparams(recipe, "grad"))
-        return dz, Rows(dz_data, dz_scales), dprobs, act
+        return dz, Rows(dz_data, dz_scales), dprobs, act, dyc
     dz, dprobs, act = dscaled_srelu(dact, z, probs)
-    return dz, None, dprobs, act
+    return dz, None, dprobs, act, dyc
 
 
 def input_grad(recipe, dz: torch.Tensor, dz_fp8: Optional[Rows], split_sizes: torch.Tensor,

@@ -3,7 +3,8 @@
 TE's recipe computes ``dW_e = dy_e^T x_e`` in FP8 from columnwise copies: each operand quantized
 in 128-token x 1 blocks, per expert. Here those copies are made by
 :func:`..kernels.fp8_rows.quantize_columns` (each expert's tokens padded to 128, so a block never
-holds two experts' tokens) and multiplied by the grouped FP8 weight-gradient kernel
+holds two experts' tokens; x's and dy's together with their rows, from one read:
+:func:`..kernels.fp8_rows.quantize_both`) and multiplied by the grouped FP8 weight-gradient kernel
 (:mod:`..kernels.api_fp8_wgrad`), into the output dtype or straight into fp32 ``main_grad``.
 Roles as TE quantizes them: x and act as inputs, dy and dz as gradients.
 """

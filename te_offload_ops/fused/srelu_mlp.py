@@ -196,7 +196,7 @@ class FusedScaledSReLUMLP(FusedOperation):
         hints.make_room([tokens * fc1.out_features * itemsize, tokens * fc1.out_features * itemsize,
                          tokens * fc2.out_features * itemsize, tokens * (fc1.in_features + fc1.out_features),
                          *x_cols_bytes], x2d.device)
-        y, xq, zq, w1, w2 = block_fp8.forward(fc1, fc2, recipe, x2d, split_sizes, probs_flat)
+        y, xq, zq, w1, w2, xc = block_fp8.forward(fc1, fc2, recipe, x2d, split_sizes, probs_flat, x_columns=x_cols)
         if check is not None:
             self._pending_checks.append(check)
         if not any(ctx.requires_grad for ctx in ctxs):
@@ -209,12 +209,8 @@ class FusedScaledSReLUMLP(FusedOperation):
         ctx_act.probs_shape = probs.shape
         w1_cols, w2_cols = (w1.cols, w1.col_scales), (w2.cols, w2.col_scales)
         ctx1.teo_x_cols = x_cols
-        if x_cols:
-            xc = fp8_wgrad.columns(*block_fp8.qparams(recipe, "input"), x2d, split_sizes)
-            x_saved = (xc.data, xc.scale_inv)
-        else:
-            x_saved = (xq.data, xq.scale_inv)
-        del xq
+        x_saved = (xc.data, xc.scale_inv) if x_cols else (xq.data, xq.scale_inv)
+        del xq, xc
         policy.save_for_backward(ctx1, *x_saved, split_sizes, *w1_cols, offload=fc1.offload,
                                  weights=w1_cols, owner=fc1)
         policy.save_for_backward(ctx_act, zq.data, zq.scale_inv, probs_flat, offload=act_op.offload, owner=act_op)
@@ -313,19 +309,21 @@ class FusedScaledSReLUMLP(FusedOperation):
         dy = dy.contiguous()
         device, itemsize = dy.device, dy.element_size()
         tokens, ffn = z_data.shape
-        # dact (dz over it), act, dz in FP8 and dprobs
-        hints.make_room([tokens * ffn * itemsize, tokens * ffn * itemsize, tokens * ffn, tokens * 4], device)
-        dz, dz_fp8, dprobs, act = block_fp8.dgrads(recipe, dy, block_fp8.Rows(z_data, z_scales), probs, split_sizes,
-                                                   w2_cols)
+        experts = fc1.num_groups
+        fp8_w2 = fp8_wgrad.wanted(dy) and weight_params(fc2)[0].requires_grad  # fc2's wgrad in FP8
+        # dact (dz over it), act, dz in FP8 and dprobs; dy's columnwise copy for an FP8 wgrad
+        dy_cols_bytes = [fp8_wgrad.column_bytes(tokens, fc2.out_features, experts)] if fp8_w2 else []
+        hints.make_room([tokens * ffn * itemsize, tokens * ffn * itemsize, tokens * ffn, tokens * 4, *dy_cols_bytes],
+                        device)
+        dz, dz_fp8, dprobs, act, dyc = block_fp8.dgrads(recipe, dy, block_fp8.Rows(z_data, z_scales), probs,
+                                                        split_sizes, w2_cols, dy_columns=fp8_w2)
         del z_data, z_scales
         in_q, grad_q = block_fp8.qparams(recipe, "input"), block_fp8.qparams(recipe, "grad")
-        experts = fc1.num_groups
-        if fp8_wgrad.wanted(dy) and weight_params(fc2)[0].requires_grad:  # FP8: act and dy columnwise per expert
+        if fp8_w2:  # act columnwise per expert too
             _make_room([fp8_wgrad.column_bytes(tokens, ffn, experts)], device)
             actc = fp8_wgrad.columns(*in_q, act, split_sizes)
             del act
-            _make_room([fp8_wgrad.column_bytes(tokens, fc2.out_features, experts), *weight_grad_bytes(fc2)], device)
-            dyc = fp8_wgrad.columns(*grad_q, dy, split_sizes)
+            _make_room(weight_grad_bytes(fc2), device)
             dw2 = weight_grads(fc2, dyc, actc, split_sizes, temporaries=[])
             del dyc, actc
         else:

@@ -16,6 +16,8 @@ so the bytes equal those of TE's ``Float8BlockQuantizer`` applied to the same bf
   reduction runs over tokens): each expert's ``(K, T_e)`` columnwise copy as TE's quantizer writes
   it for that expert alone, the experts' copies side by side with each one's tokens padded to a
   multiple of 128 (zeros), offsets on the GPU (no split sizes read on the host);
+* :func:`quantize_both`: :func:`quantize` and :func:`quantize_columns` from one read (x when the
+  weight gradients run in FP8, dy likewise);
 * :func:`quantize_weights`: each expert's weight in 128x128 blocks, both orientations at once (the
   fprop reads W, the dgrad W^T), as TE's 2D quantizer writes each expert's rowwise and columnwise
   data and scales; one pass over the weights, read in place (Megatron's reversed buffer too).
@@ -161,6 +163,32 @@ if triton is not None:
         tl.store(s_ptr + pb.to(tl.int64) * KP + k, scale_inv, mask=k < K)
 
     @triton.jit
+    def quantize_both_kernel(x_ptr, off_ptr, poff_ptr, q_ptr, s_ptr, r_ptr, rs_ptr, E, T, K, TP, KP, row_stride, eps,
+                             E_P2: tl.constexpr, POW2: tl.constexpr, INF_VALUE: tl.constexpr):
+        """quantize_columns_kernel's block, also written as rows (quantize_kernel's bytes): one read."""
+        pb = tl.program_id(0)
+        kb = tl.program_id(1)
+        pos = pb * 128
+        e_idx = tl.arange(0, E_P2)
+        ends = tl.load(poff_ptr + 1 + e_idx, mask=e_idx < E, other=2147483647)
+        e = tl.sum((ends <= pos).to(tl.int32), axis=0)
+        p0 = tl.load(poff_ptr + e)
+        t0 = tl.load(off_ptr + e)
+        t_end = tl.load(off_ptr + tl.minimum(e + 1, E))
+        tok = t0 + (pos - p0) + tl.arange(0, 128)
+        k = kb * 128 + tl.arange(0, 128)
+        tok_ok = (tok < t_end) & (tok < T) & (tok >= 0)
+        mask = tok_ok[:, None] & (k < K)[None, :]
+        x = tl.load(x_ptr + tok.to(tl.int64)[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        store_fp8(x, r_ptr, rs_ptr, tok, k, mask, tok_ok, kb, K, row_stride, eps, POW2, INF_VALUE)
+        scale = block_scale(tl.max(tl.abs(x), axis=0), eps, POW2, INF_VALUE)
+        q = (x * scale[None, :]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        cols = pos + tl.arange(0, 128)
+        tl.store(q_ptr + k.to(tl.int64)[:, None] * TP + cols[None, :], tl.trans(q), mask=(k < K)[:, None])
+        scale_inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        tl.store(s_ptr + pb.to(tl.int64) * KP + k, scale_inv, mask=k < K)
+
+    @triton.jit
     def quantize_weights_kernel(w_ptr, expert_stride, rows_ptr, row_s_ptr, cols_ptr, col_s_ptr, E, N, K, NBP, KBP,
                                 eps, REVERSED: tl.constexpr, POW2: tl.constexpr, INF_VALUE: tl.constexpr):
         e = tl.program_id(0)
@@ -246,6 +274,30 @@ def quantize_columns(x: torch.Tensor, split_sizes: torch.Tensor, eps: float, pow
                                                           E_P2=e_p2, POW2=pow2, INF_VALUE=_inf_value(x.dtype),
                                                           num_warps=WEIGHT_WARPS)
     return data, scales, poff
+
+
+def quantize_both(x: torch.Tensor, split_sizes: torch.Tensor, eps: float, pow2: bool):
+    """``(rows, row scales, columns, column scales, poff)``: :func:`quantize`'s and
+    :func:`quantize_columns`' outputs from one read of ``x`` (the same bytes)."""
+    t, k = x.shape
+    e = split_sizes.numel()
+    if e == 0:
+        raise ValueError("split_sizes must hold at least one expert")
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous, got stride {tuple(x.stride())}")
+    tp, kp = padded_tokens(t, e), -(-k // 4) * 4
+    rows = torch.empty((t, k), dtype=torch.uint8, device=x.device)
+    row_scales = _scales(t, k, x.device)
+    data = torch.empty((k, tp), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((tp // BLOCK, kp), dtype=torch.float32, device=x.device)
+    off, poff = expert_offsets(split_sizes)
+    if tp:
+        e_p2 = max(2, 1 << (e - 1).bit_length())
+        quantize_both_kernel[(tp // BLOCK, -(-k // BLOCK))](x, off, poff, data, scales, rows, row_scales, e, t, k, tp,
+                                                            kp, row_scales.stride(0), float(eps), E_P2=e_p2,
+                                                            POW2=pow2, INF_VALUE=_inf_value(x.dtype),
+                                                            num_warps=WEIGHT_WARPS)
+    return rows, row_scales, data, scales, poff
 
 
 def _scales(t: int, k: int, device) -> torch.Tensor:
