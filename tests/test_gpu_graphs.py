@@ -57,6 +57,12 @@ def _values(step: int):
     return x, probs, dy
 
 
+def _static_inputs():
+    """Step 0's x and probs as leaf tensors the graph reads, and dy: a capture's static inputs."""
+    x0, probs0, dy0 = _values(0)
+    return x0.clone().requires_grad_(), [p.clone().requires_grad_() for p in probs0], dy0.clone()
+
+
 def _eager(step: int, splits, recipe=None) -> dict:
     stack = make_stack(_cfg(recipe=recipe))  # same seed: same weights as the graphed stack
     x, probs, dy = _values(step)
@@ -167,9 +173,8 @@ def test_graph_replays_match_eager_steps(how, engine, monkeypatch):
     ctx, sync, counter = offload_context(engine, num_layers=1, model_layers=LAYERS,
                                          retain_pinned_cpu_buffers=engine == "v2")
     model = _Stack(stack, ctx, sync)
-    x0, probs0, dy0 = _values(0)
-    x, probs = x0.clone().requires_grad_(), [p.clone().requires_grad_() for p in probs0]
-    dy, splits = dy0.clone(), torch.tensor(ROUTINGS[0], device="cuda", dtype=torch.int64)
+    x, probs, dy = _static_inputs()
+    splits = torch.tensor(ROUTINGS[0], device="cuda", dtype=torch.int64)
     if how == "torch":
         graphed = _TorchGraph(model, x, splits, probs, dy)
     else:
@@ -221,9 +226,8 @@ def test_fp8_graph_replays_match_eager_steps(monkeypatch):
     stack = make_stack(_cfg(recipe="block"))
     ctx, sync, _ = offload_context("none", num_layers=1, model_layers=LAYERS)
     model = _Stack(stack, ctx, sync, recipe="block")
-    x0, probs0, dy0 = _values(0)
-    x, probs = x0.clone().requires_grad_(), [p.clone().requires_grad_() for p in probs0]
-    dy, splits = dy0.clone(), torch.tensor(ROUTINGS[0], device="cuda", dtype=torch.int64)
+    x, probs, dy = _static_inputs()
+    splits = torch.tensor(ROUTINGS[0], device="cuda", dtype=torch.int64)
     graphed = _TorchGraph(model, x, splits, probs, dy)
     assert all(forward_plan(mlp) == ["FusedScaledSReLUMLP"] for mlp in stack)
     for step, routing in enumerate(ROUTINGS):
@@ -238,9 +242,8 @@ def test_graph_keeps_host_split_sizes_of_its_capture(routing, monkeypatch):
     stack = make_stack(_cfg())
     ctx, sync, _ = offload_context("none", num_layers=1, model_layers=LAYERS)
     model = _Stack(stack, ctx, sync)
-    x0, probs0, dy0 = _values(0)
-    x, probs = x0.clone().requires_grad_(), [p.clone().requires_grad_() for p in probs0]
-    dy, splits = dy0.clone(), torch.tensor(routing, dtype=torch.int64)
+    x, probs, dy = _static_inputs()
+    splits = torch.tensor(routing, dtype=torch.int64)
     graphed = _TorchGraph(model, x, splits, probs, dy)
     assert all(forward_plan(mlp) == ["FusedScaledSReLUMLP"] for mlp in stack)
     for step in range(3):
@@ -259,8 +262,7 @@ def test_unfused_path_capture_is_refused(monkeypatch):
         pass                     # when the capture raises, leaves it patched: keep it to this test
 
     model = RefusedStack(stack, *offload_context("none", num_layers=1, model_layers=LAYERS)[:2])
-    x0, probs0, _ = _values(0)
-    x, probs = x0.clone().requires_grad_(), [p.clone().requires_grad_() for p in probs0]
+    x, probs, _ = _static_inputs()
     splits = torch.tensor(ROUTINGS[0], device="cuda", dtype=torch.int64)
     before = model(x, splits, *probs).detach()  # eager: runs unfused
     assert forward_plan(stack[0]) == ["GroupedLinear", "ScaledSReLU", "GroupedLinear"]
@@ -299,10 +301,9 @@ def test_v2_without_retained_buffers_is_refused(monkeypatch):
     stack = make_stack(_cfg())
     ctx, sync, _ = offload_context("v2", num_layers=1, model_layers=LAYERS)
     model = _Stack(stack, ctx, sync)
-    x0, probs0, dy0 = _values(0)
-    x, probs = x0.clone().requires_grad_(), [p.clone().requires_grad_() for p in probs0]
+    x, probs, dy = _static_inputs()
     splits = torch.tensor(ROUTINGS[0], device="cuda", dtype=torch.int64)
-    model(x, splits, *probs).backward(dy0)
+    model(x, splits, *probs).backward(dy)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(GraphCaptureError, match="retain_pinned_cpu_buffers=True"):
         with torch.cuda.graph(graph):
