@@ -190,7 +190,8 @@ class FusedScaledSReLUMLP(FusedOperation):
         tokens, itemsize = x2d.shape[0], x2d.element_size()
         # x for fc1's wgrad: its FP8 rows (dequantized for a bf16 wgrad), or its per-expert
         # columnwise copy for the FP8 wgrad (TE's recipe saves that copy alone)
-        x_cols = fp8_wgrad.wanted(x2d) and weight_params(fc1)[0].requires_grad
+        x_cols = (fp8_wgrad.wanted(x2d) and weight_params(fc1)[0].requires_grad
+                  and any(ctx.requires_grad for ctx in ctxs))
         # z, act and y in bf16, x and z in FP8 (tokens x (hidden + ffn) bytes), x's columnwise copy
         x_cols_bytes = [fp8_wgrad.column_bytes(tokens, fc1.in_features, fc1.num_groups)] if x_cols else []
         hints.make_room([tokens * fc1.out_features * itemsize, tokens * fc1.out_features * itemsize,
