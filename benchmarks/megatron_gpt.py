@@ -36,10 +36,11 @@ so no variant's memory, hooks or global state reach another; each starts from th
 * a last suffix ``+fp8block``, ``+fp8current`` or ``+fp8delayed`` runs the variant under that FP8
   recipe (Megatron's ``fp8="e4m3", fp8_recipe="blockwise"``; ``"hybrid"`` with ``"tensorwise"`` or
   ``"delayed"``; the router pads each expert's tokens for them, unless ``moe_preprocess`` is
-  graphed or ``--capacity-factor`` fixes the capacities; not with ``--cuda-graphs moe``), e.g. ``ours+fp8block,ours+teo+fp8block,stock+fp8current``; such a row compares with
-  ours (and its loss with stock) at the same precision, and a table sets each against its bf16
-  variant. ``stock+fp8block`` needs TE's block-scaled grouped GEMM (cuBLASLt >= 13.6 on Hopper; refused
-  up front without it).
+  graphed or ``--capacity-factor`` fixes the capacities; not with ``--cuda-graphs moe``), e.g.
+  ``ours+fp8block,ours+teo+fp8block,stock+fp8current``; such a row compares with ours (and its
+  loss with stock) at the same precision, and a table sets each against its bf16 variant.
+  ``stock+fp8block`` needs TE's block-scaled grouped GEMM (cuBLASLt >= 13.6 on Hopper; refused up
+  front without it).
 
 ``--repeats N`` runs each variant's timing job N times, in rounds through the variants (a slow
 spell of the host falls on every variant alike); a row is the run with the median step, and the
