@@ -48,8 +48,9 @@ def _operands(m, n, splits, seed):
     b = (torch.randn(t, n, device="cuda", generator=g) * 2.0).bfloat16()  # e.g. act or x
     if t > 420:
         a[400:420] *= 1e-3  # a block of small values: another scale
-    qa, sa, poff = fp8_rows.quantize_columns(a, split, 0.0, False)
-    qb, sb, _ = fp8_rows.quantize_columns(b, split, 0.0, False)
+    qa, sa = fp8_rows.quantize_columns(a, split, 0.0, False)
+    _, poff = fp8_rows.expert_offsets(split)
+    qb, sb = fp8_rows.quantize_columns(b, split, 0.0, False)
     return split, t, (qa, sa), (qb, sb), poff
 
 

@@ -78,7 +78,7 @@ def quantize_with_columns(recipe, role: str, t: torch.Tensor, split_sizes: Optio
         return quantize_for(recipe, role, t), None
     from ..kernels import fp8_rows
 
-    rows, row_scales, data, scales, _ = fp8_rows.quantize_both(t.contiguous(), split_sizes, *qparams(recipe, role))
+    rows, row_scales, data, scales = fp8_rows.quantize_both(t.contiguous(), split_sizes, *qparams(recipe, role))
     return Rows(rows, row_scales), fp8_wgrad.Cols(data, scales, t.shape[0])
 
 

@@ -46,7 +46,7 @@ def column_bytes(tokens: int, features: int, experts: int) -> int:
 def columns(eps: float, pow2: bool, t: torch.Tensor, split_sizes: torch.Tensor) -> Cols:
     from ..kernels import fp8_rows
 
-    data, scales, _ = fp8_rows.quantize_columns(t.contiguous(), split_sizes, eps, pow2)
+    data, scales = fp8_rows.quantize_columns(t.contiguous(), split_sizes, eps, pow2)
     return Cols(data, scales, t.shape[0])
 
 
