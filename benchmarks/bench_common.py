@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import re
+from pathlib import Path
 
 
 def cuda_problem() -> str | None:
@@ -87,6 +88,48 @@ def add_mlp_shape_args(parser, tokens_help: str = "tokens per expert") -> None:
     parser.add_argument("--tokens", type=int, default=2048, help=tokens_help)
     parser.add_argument("--hidden", "-H", type=int, default=2688)
     parser.add_argument("--ffn", "-F", type=int, default=1856)
+
+
+def add_gemm_timing_args(parser, tokens: tuple) -> None:
+    """The options the grouped-GEMM benchmarks share: experts, tokens per expert (several), timing
+    rounds and calls per round, the output folder and the per-case watchdog."""
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(tokens), help="tokens per expert")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--watchdog", type=float, default=120.0,
+                        help="seconds one case may take before the stacks are dumped and the run exits")
+
+
+def check_gemm_timing_args(parser, args) -> None:
+    for name in ("experts", "reps", "inner"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if any(t < 1 for t in args.tokens):
+        parser.error(f"--tokens must be >= 1, got {args.tokens}")
+
+
+def bar_chart(path, title: str, labels: list, series: dict, size=(10, 4.5), line=None, **tick_style) -> bool:
+    """One group of bars per label, one bar per series (name -> values), TFLOP/s on the y axis; an
+    optional ``(value, label)`` reference line. False where matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=size)
+    width = 0.8 / len(series)
+    for j, (name, ys) in enumerate(series.items()):
+        ax.bar([i + (j - (len(series) - 1) / 2) * width for i in range(len(labels))], ys, width, label=name)
+    if line is not None:
+        ax.axhline(line[0], color="grey", linestyle="--", linewidth=1, label=line[1])
+    ax.set_xticks(range(len(labels)), labels, **(tick_style or {"fontsize": 7}))
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(title)
+    ax.legend(fontsize=8, ncol=max(1, min(3, len(series) // 2 + 1)))
+    fig.tight_layout()
+    save_png(fig, path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def file_stem(benchmark: str, gpu: str, *suffixes: str) -> str:

@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_common import cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports  # noqa: E402
+from bench_common import (add_gemm_timing_args, bar_chart, check_gemm_timing_args, cuda_problem, file_stem,  # noqa: E402
+                          refuse, utc_now, write_reports)
 
 TOKENS = (2048, 4096, 8192)
 SHAPES = ((2048, 4096), (4096, 2048), (1792, 2688))
@@ -179,41 +180,18 @@ def markdown(result: dict) -> str:
 
 
 def chart(result: dict, path) -> bool:
-    plt = pyplot()
-    if plt is None:
-        return False
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    width = 0.8 / len(CONTENDERS)
-    for j, name in enumerate(CONTENDERS):
-        ys = [r["contenders"][name].get("TFLOPs", 0.0) for r in rows]
-        ax.bar([i + (j - (len(CONTENDERS) - 1) / 2) * width for i in range(len(rows))], ys, width, label=name)
-    ax.axhline(1100, color="grey", linestyle="--", linewidth=1, label="1,100 TFLOP/s")
-    ax.set_xticks(range(len(rows)), [f"{r['tokens_per_expert']}\nN{r['n']} K{r['k']}" for r in rows], fontsize=7)
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(f"Grouped GEMM, E={result['experts']} x tokens/expert ({result['gpu']})")
-    ax.legend(fontsize=8, ncol=3)
-    fig.tight_layout()
-    save_png(fig, path, dpi=120)
-    plt.close(fig)
-    return True
+    return bar_chart(path, f"Grouped GEMM, E={result['experts']} x tokens/expert ({result['gpu']})",
+                     [f"{r['tokens_per_expert']}\nN{r['n']} K{r['k']}" for r in rows],
+                     {name: [r["contenders"][name].get("TFLOPs", 0.0) for r in rows] for name in CONTENDERS},
+                     size=(11, 4.5), line=(1100, "1,100 TFLOP/s"))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="tokens per expert")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--inner", type=int, default=10)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    ap.add_argument("--watchdog", type=float, default=120.0,
-                    help="seconds one case may take before the stacks are dumped and the run exits")
+    add_gemm_timing_args(ap, TOKENS)
     args = ap.parse_args(argv)
-    for name in ("experts", "reps", "inner"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if any(t < 1 for t in args.tokens):
-        ap.error(f"--tokens must be >= 1, got {args.tokens}")
+    check_gemm_timing_args(ap, args)
     if (problem := _problem()):
         return refuse("bench_fp8_gemm.py", problem)
     result = measure(args)

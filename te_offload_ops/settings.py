@@ -32,3 +32,17 @@ def fp8_rows() -> str:
     if raw not in FP8_ROWS_CHOICES:
         raise ValueError(f"{FP8_ROWS_ENV} must be one of {', '.join(FP8_ROWS_CHOICES)}, got {raw!r}")
     return raw
+
+
+FP8_WGRAD_ENV = "TEO_FP8_WGRAD"
+FP8_WGRAD_CHOICES = ("bf16", "fp8")
+
+
+def fp8_wgrad() -> str:
+    """How the FP8 path computes its weight gradients: ``bf16`` (default: bf16 GEMMs on the saved
+    FP8 operands dequantized) or ``fp8`` (FP8 GEMMs on per-expert columnwise copies, TE's 128x1
+    blocks, as TE's recipe computes them)."""
+    raw = os.environ.get(FP8_WGRAD_ENV, "") or FP8_WGRAD_CHOICES[0]
+    if raw not in FP8_WGRAD_CHOICES:
+        raise ValueError(f"{FP8_WGRAD_ENV} must be one of {', '.join(FP8_WGRAD_CHOICES)}, got {raw!r}")
+    return raw

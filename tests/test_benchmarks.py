@@ -20,7 +20,7 @@ sys.path.insert(0, str(BENCH / "experiments"))
 @pytest.mark.parametrize("script", ["moe_step.py", "bench_fused_mlp.py", "bench_kernels.py", "bench_graphs.py",
                                     "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py",
                                     "megatron_gpt.py", "first_step.py", "bench_fp8_gemm.py", "fp8_training_loss.py",
-                                    "megatron_loss.py", "experiments/ablate_epilogue.py", "experiments/profile_fp8_mlp.py",
+                                    "megatron_loss.py", "bench_fp8_wgrad.py", "experiments/ablate_epilogue.py", "experiments/profile_fp8_mlp.py",
                                     "experiments/bench_copy_interference.py", "experiments/bench_cluster2x2.py",
                                     "experiments/profile_gemm.py", "experiments/diagnose_fp8_gemm.py",
                                     "experiments/tune_fp8_rows.py"])
@@ -38,7 +38,7 @@ def test_every_benchmark_script_is_kept_run_or_an_experiment_with_a_line():
             "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py", "megatron_gpt.py",
             "megatron_gpt_model.py", "megatron_gpt_report.py", "megatron_gpt_jobs.py", "megatron_gpt_numerics.py",
             "comm_copy_overlap.py", "teo_budget_check.py", "first_step.py", "bench_fp8_gemm.py",
-            "fp8_training_loss.py", "megatron_loss.py"}
+            "fp8_training_loss.py", "megatron_loss.py", "bench_fp8_wgrad.py"}
     assert {p.name for p in BENCH.glob("*.py")} == kept
     readme = (BENCH / "experiments" / "README.md").read_text()
     for script in (BENCH / "experiments").glob("*.py"):
@@ -167,6 +167,26 @@ def test_fp8_gemm_report_gives_ratios_and_names_contenders_that_did_not_run(tmp_
     text = markdown(result)
     assert "| 4096 | 2048 | 4096 | 1100 | 1050 | 550 | n/a | 2.00 | n/a | 2.3e-03 | n/a |" in text
     assert "Not run: RuntimeError: no cuBLAS block scaling" in text
+    if chart(result, tmp_path / "c.png"):
+        assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_fp8_wgrad_report_gives_tflops_ratios_and_the_command_without_paths(tmp_path):
+    from bench_common import command_line
+    from bench_fp8_wgrad import chart, markdown
+
+    def timed(tf):
+        return {"ms": 0.5, "TFLOPs": tf, "host_us": 20.0, "host_behind_samples": 0}
+
+    contenders = {"fp8": timed(900.0), "fp8 main_grad": timed(850.0), "bf16": timed(600.0),
+                  "bf16 main_grad": timed(560.0), "columns": {"ms": 0.031, "host_us": 9.0, "host_behind_samples": 0}}
+    rows = [{"tokens_per_expert": 2048, "m": 2688, "n": 1856, "gflop": 163.0, "fp8_vs_dequant_bf16": 1.1e-3,
+             "contenders": contenders}]
+    command = command_line("benchmarks/bench_fp8_wgrad.py", ["--tokens", "2048", "--out", "/x/y"])
+    result = {"gpu": "GPU", "date": "today", "experts": 8, "reps": 10, "inner": 10, "rows": rows, "command": command}
+    text = markdown(result)
+    assert "| 2048 | 2688 | 1856 | 900 | 850 | 600 | 560 | 31 | 1.50 | 1.1e-03 |" in text
+    assert "`python benchmarks/bench_fp8_wgrad.py --tokens 2048`" in text and "/x/y" not in text
     if chart(result, tmp_path / "c.png"):
         assert (tmp_path / "c.png").stat().st_size > 0
 

@@ -358,3 +358,71 @@ def test_a_weight_written_between_forward_and_backward_is_refused_as_autograd_re
                                            r"expected version \d+ instead"):
         check_weight_versions(op, saved, "fc1")
     check_weight_versions(op, weight_versions(weight_params(op)), "fc1")  # a new forward records them again
+
+
+def test_fp8_columnwise_operands_take_the_fp8_wgrad_now_delayed_and_into_main_grad(monkeypatch):
+    """weight_grads sends FP8 columnwise copies (fp8_wgrad.Cols) to the FP8 kernels, bf16 token
+    matrices to the bf16 ones, on each path: returned grads (the params' dtype), delayed (queued
+    on the wgrad store, run by backward_dw) and into main_grad (accumulating or overwriting)."""
+    import types
+
+    from te_offload_ops import kernels
+    from te_offload_ops.fused import fp8_wgrad
+    from te_offload_ops.fused import weight_grads as wg
+
+    e, out_f, in_f = 3, 4, 8
+    params = [torch.nn.Parameter(torch.zeros(out_f, in_f, dtype=torch.bfloat16)) for _ in range(e)]
+    monkeypatch.setattr(wg, "weight_params", lambda op: params)
+    calls = []
+
+    def fake_fp8(dy, x, split, out_dtype):
+        calls.append(("fp8", out_dtype))
+        return torch.ones(e, out_f, in_f, dtype=out_dtype)
+
+    monkeypatch.setattr(fp8_wgrad, "wgrad", fake_fp8)
+    monkeypatch.setattr(fp8_wgrad, "wgrad_main_grad",
+                        lambda dy, x, split, mg, accumulate: calls.append(("fp8 main_grad", accumulate)))
+    monkeypatch.setattr(kernels, "grouped_wgrad",
+                        lambda dy, x, split: calls.append("bf16") or torch.zeros(e, out_f, in_f))
+    monkeypatch.setattr(wg, "_main_grads", lambda op: ["buffers"])
+    cols = fp8_wgrad.Cols(torch.empty(0), torch.empty(0), 5)
+    split = torch.tensor([2, 0, 3])
+    op = types.SimpleNamespace(_accumulate_into_main_grad=False, wgrad_store=None, single_grouped_weight=False)
+
+    grads = wg.weight_grads(op, cols, cols, split, temporaries=[])
+    assert calls == [("fp8", torch.bfloat16)] and all(g.eq(1).all() for g in grads)
+    calls.clear()
+    wg.weight_grads(op, torch.zeros(5, out_f), torch.zeros(5, in_f), split, temporaries=[])
+    assert calls == ["bf16"]
+
+    queued = []
+    op.wgrad_store = types.SimpleNamespace(delay_wgrad_compute=lambda: True, put=lambda args, job: queued.append((args, job)))
+    calls.clear()
+    assert wg.weight_grads(op, cols, cols, split, temporaries=[]) == [None] * e
+    assert calls == []  # nothing until backward_dw
+    (temps, operands, grad_weights), job = queued[0]
+    job(temps, operands, grad_weights)
+    assert calls == [("fp8", torch.bfloat16)] and len(grad_weights) == e
+
+    op.wgrad_store, op._accumulate_into_main_grad = None, True
+    for overwrite in (False, True):
+        for p in params:
+            p.overwrite_main_grad = overwrite
+        calls.clear()
+        wg.weight_grads(op, cols, cols, split, temporaries=[])
+        assert calls == [("fp8 main_grad", not overwrite)]
+
+
+def test_fp8_wgrad_setting_is_bf16_unless_asked_and_refuses_unknown_values(monkeypatch):
+    from te_offload_ops import settings
+    from te_offload_ops.fused import fp8_wgrad
+
+    monkeypatch.delenv(settings.FP8_WGRAD_ENV, raising=False)
+    assert settings.fp8_wgrad() == "bf16"
+    assert not fp8_wgrad.wanted(torch.zeros(2))
+    monkeypatch.setenv(settings.FP8_WGRAD_ENV, "fp8")
+    assert settings.fp8_wgrad() == "fp8"
+    assert not fp8_wgrad.wanted(torch.zeros(2))  # on the CPU: the bf16 wgrads
+    monkeypatch.setenv(settings.FP8_WGRAD_ENV, "e5m2")
+    with pytest.raises(ValueError, match=r"TEO_FP8_WGRAD must be one of bf16, fp8, got 'e5m2'"):
+        settings.fp8_wgrad()

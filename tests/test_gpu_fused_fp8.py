@@ -320,6 +320,44 @@ def test_weight_kernel_writes_te_quantizers_bytes_in_both_orientations(n, k):
         assert torch.equal(col_s[i, :, :nb], ref["columnwise_scale_inv"][:, :nb])
 
 
+@pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "fp32"])
+@pytest.mark.parametrize("k", [2688, 200])
+def test_column_kernel_writes_te_quantizers_columnwise_bytes_per_expert(k, pow2):
+    """Each expert's columnwise copy (tokens in 128 x 1 blocks), as TE quantizes that expert's
+    tokens alone, side by side with each expert's tokens padded to 128 (an FP8 wgrad's operands)."""
+    from te_offload_ops.kernels import fp8_rows
+
+    if (reason := fp8_rows.unavailable()) is not None:
+        pytest.skip(reason)
+    splits = torch.tensor([0, 1, 127, 128, 129, 300, 2047, 5], device="cuda")
+    t = int(splits.sum())
+    g = torch.Generator(device="cuda").manual_seed(9)
+    x = (torch.randn(t, k, device="cuda", generator=g) * 2).bfloat16()
+    x[3] = 0
+    x[400:420] *= 1e-4  # a block of small values: another scale
+    data, scales = fp8_rows.quantize_columns(x, splits, 0.0, pow2)
+    _, poff = fp8_rows.expert_offsets(splits)
+    q = _te_quantizer(columnwise=True, pow2=pow2)
+    off = [0] + torch.cumsum(splits, 0).tolist()
+    for e, te in enumerate(splits.tolist()):
+        p0, p1 = int(poff[e]), int(poff[e + 1])
+        assert p1 - p0 == -(-te // 128) * 128
+        if te == 0:
+            continue
+        ref = q(x[off[e]:off[e + 1]]).get_metadata()
+        assert torch.equal(data[:, p0:p0 + te], ref["columnwise_data"].view(torch.uint8)), e
+        assert torch.equal(scales[p0 // 128:p1 // 128, :k], ref["columnwise_scale_inv"][:, :k]), e
+        assert bool((data[:, p0 + te:p1] == 0).all()), e
+
+
+def _te_quantizer(columnwise: bool, pow2: bool):
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch import Float8BlockQuantizer
+
+    return Float8BlockQuantizer(fp8_dtype=tex.DType.kFloat8E4M3, rowwise=not columnwise, columnwise=columnwise,
+                                amax_epsilon=0.0, force_pow_2_scales=pow2, block_scaling_dim=1)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "fp32"])
 @pytest.mark.parametrize("f", [1856, 320, 64])

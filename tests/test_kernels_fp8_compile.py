@@ -344,3 +344,97 @@ def test_fp8_fault_isolation_variant_drops_only_the_scale_copy(monkeypatch):
     tx = re.compile(r"mov\.b32\s+%r\d+,\s*(\d+);\s*\n\s*mbarrier\.arrive\.expect_tx")
     assert [int(x) for x in tx.findall(full)] == [2 * 128 * 128 + (128 + 4) * 4]  # A, B (BN=128), A scales from an aligned row
     assert [int(x) for x in tx.findall(bare)] == [2 * 128 * 128]
+
+
+# (M, N, E, epilogue, tile or None, output dtype): the FP8 weight gradient's forms at the MLP's
+# shapes (fc1's dW: M=F, N=H; fc2's: M=H, N=F; F=1856 leaves a partial 128-block), main_grad
+# accumulation, and the small tile
+WGRAD_VARIANTS = [
+    (1856, 2688, 8, "plain", None, torch.bfloat16),
+    (2688, 1856, 8, "plain", None, torch.bfloat16),
+    (1856, 2688, 8, "acc_f32", None, torch.bfloat16),
+    (2688, 1856, 8, "store_f32", None, torch.bfloat16),
+    (2688, 1856, 8, "red_f32", None, torch.bfloat16),
+    (64, 64, 3, "plain", (128, 64), torch.float16),
+]
+
+
+@needs_dsl
+@pytest.mark.parametrize("m,n,e,epilogue,tile,out_dtype", WGRAD_VARIANTS,
+                         ids=[f"M{v[0]}-N{v[1]}-E{v[2]}-{v[3]}" for v in WGRAD_VARIANTS])
+def test_fp8_wgrad_compiles_to_token_major_e4m3_wgmma_with_per_column_promotion(m, n, e, epilogue, tile, out_dtype):
+    """Both operands token-major e4m3 WGMMA (k32 steps), four 2-D TMA loads per stage (A, B and
+    their scale vectors), the promotion one multiply (row scale x column scale) and one fma per
+    accumulator element a thread holds, and no register spills."""
+    from te_offload_ops.kernels.api_fp8_wgrad import compile_variant_fp8_wgrad
+
+    kern, compiled, secs = compile_variant_fp8_wgrad(m, n, e, out_dtype=out_dtype, tile=tile, epilogue=epilogue,
+                                                     options="--keep-ptx --keep-cubin")
+    ptx = str(compiled.artifacts.PTX)
+    bn = kern.bn
+    per_thread = 64 * bn // 128
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3", ptx)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global", ptx)) == 4
+    assert "cp.async.bulk.tensor.3d" not in ptx  # no expert dimension: experts are token ranges
+    assert len(re.findall(r"\bfma\.rn\.f32\b", ptx)) >= per_thread
+    assert len(re.findall(r"\bmul(?:\.rn)?\.f32\b", ptx)) >= per_thread
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)) == 1
+    if epilogue == "acc_f32":
+        assert "ld.global" in ptx  # main_grad read, added to, written back
+    assert kern.stages >= 4
+    found = _resource_usage(compiled)
+    print(f"compile fp8 wgrad M={m} N={n} E={e} BN={bn} {epilogue}: {secs:.2f} s, {kern.stages} stages"
+          f"{', ' + found if found else ''}")
+
+
+@needs_dsl
+def test_fp8_wgrad_kernel_refuses_what_it_cannot_run():
+    from te_offload_ops.kernels.gemm_fp8_wgrad_sm90 import GroupedWgradFp8Sm90
+
+    with pytest.raises(ValueError, match="BN in"):
+        GroupedWgradFp8Sm90(cutlass.BFloat16, 256, 256, 2, tile_mn=(128, 192))
+    with pytest.raises(ValueError, match="epilogues are"):
+        GroupedWgradFp8Sm90(cutlass.BFloat16, 256, 256, 2, epilogue="tma_f32")
+    with pytest.raises(ValueError, match="multiple of 8"):
+        GroupedWgradFp8Sm90(cutlass.BFloat16, 100, 256, 2)
+
+
+def test_fp8_wgrad_entry_point_refuses_bad_operands_clearly():
+    from te_offload_ops.kernels.api_fp8_wgrad import _check
+
+    t, e = 300, 3
+    tp = (t + 127 * e) // 128 * 128
+    a = torch.zeros(256, tp, dtype=torch.uint8)
+    b = torch.zeros(128, tp, dtype=torch.uint8)
+    sa = torch.zeros(tp // 128, 256)
+    sb = torch.zeros(tp // 128, 128)
+    split = torch.tensor([100, 0, 200], dtype=torch.int32)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        _check(a, sa, b, sb, split, t)  # on the CPU
+    if not torch.cuda.is_available():
+        return
+    a, b, sa, sb, split = (x.cuda() for x in (a, b, sa, sb, split))
+    _check(a, sa, b, sb, split, t)
+    with pytest.raises(ValueError, match="padded_tokens"):
+        _check(a, sa, b, sb, split, t + 200)
+    with pytest.raises(ValueError, match="a_scale_inv"):
+        _check(a, sa[:, :128], b, sb, split, t)
+
+
+def test_fp8_wgrad_launch_plan_matches_the_kernel_and_keys_apart_from_the_bf16_form():
+    """A kernel loaded from the disk cache launches from its plan: the plan's walk (experts, tile
+    groups) is the kernel object's, and its cache key differs from the bf16 weight gradient's."""
+    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels.api_fp8_wgrad import launch_plan_fp8_wgrad
+
+    plan = launch_plan_fp8_wgrad(torch.bfloat16, 1856, 2688, 8, (128, 128), "red_f32")
+    assert (plan.num_experts, plan.wgrad_groups, plan.n_tiles, plan.m_tiles) == (8, 15 * 21, 21, 15)
+    from te_offload_ops.kernels.gemm_plan import GemmPlan
+
+    bf16 = GemmPlan(2, 2688, 0, 8, b_n_major=True, epilogue="red_f32", tile_mn=(128, 128), wgrad_m=1856)
+    assert api._kernel_params(plan) != api._kernel_params(bf16)
+    if _HAVE_DSL:
+        from te_offload_ops.kernels.gemm_fp8_wgrad_sm90 import GroupedWgradFp8Sm90
+
+        kern = GroupedWgradFp8Sm90(cutlass.BFloat16, 1856, 2688, 8, tile_mn=(128, 128), epilogue="red_f32")
+        assert (kern.num_experts, kern.wgrad_groups) == (plan.num_experts, plan.wgrad_groups)

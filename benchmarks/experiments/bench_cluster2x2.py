@@ -24,7 +24,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
 from bench_common import (  # noqa: E402
-    add_mlp_shape_args, cuda_problem, file_stem, pyplot, refuse, save_png, utc_now, write_reports,
+    add_mlp_shape_args, bar_chart, cuda_problem, file_stem, refuse, utc_now, write_reports,
 )
 
 ENV = "TEO_GEMM_CLUSTER_M"
@@ -146,22 +146,11 @@ def markdown(result: dict) -> str:
 
 
 def chart(result: dict, path) -> bool:
-    plt = pyplot()
-    if plt is None:
-        return False
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(9, 4))
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["pair_TFLOPs"] for r in rows], 0.4, label="CTA pair (A shared)")
-    ax.bar([x + 0.2 for x in xs], [r["two_by_two_TFLOPs"] for r in rows], 0.4, label="2 x 2 (A and B shared)")
-    ax.set_xticks(list(xs), [r["gemm"] for r in rows], rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(f"Grouped GEMMs, pair vs 2 x 2 clusters ({result['gpu']})")
-    ax.legend()
-    fig.tight_layout()
-    save_png(fig, path, dpi=120)
-    plt.close(fig)
-    return True
+    return bar_chart(path, f"Grouped GEMMs, pair vs 2 x 2 clusters ({result['gpu']})", [r["gemm"] for r in rows],
+                     {"CTA pair (A shared)": [r["pair_TFLOPs"] for r in rows],
+                      "2 x 2 (A and B shared)": [r["two_by_two_TFLOPs"] for r in rows]},
+                     size=(9, 4), rotation=20, ha="right", fontsize=8)
 
 
 def main(argv=None) -> int:

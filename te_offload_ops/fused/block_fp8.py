@@ -9,7 +9,8 @@ and gradients, 128x128 for weights), quantized with the recipe's settings as TE'
 * backward: ``dact = q(dy) @ q(W2)``; ``dz = dact * 2 relu(z) * prob`` and
   ``dprob = sum(dact * relu(z)^2)``; ``dx = q(dz) @ q(W1)``; the wgrads run in bf16 on the saved
   FP8 operands dequantized (x, and act recomputed from z), with Megatron's settings
-  (:mod:`.weight_grads`).
+  (:mod:`.weight_grads`), or with ``TEO_FP8_WGRAD=fp8`` in FP8 on per-expert columnwise copies
+  (:mod:`.fp8_wgrad`; x is then saved as its columnwise copy).
 
 The row passes (x's and dy's quantization, x's dequantization) and the weights' quantization are
 Triton kernels (:mod:`..kernels.fp8_rows`) that write the bytes TE's quantizer writes; fc1's GEMM
@@ -38,6 +39,7 @@ import torch
 
 from .. import settings
 from ..capture import capturing
+from . import fp8_wgrad
 from .expert_weights import expert_weights, stacked_weight
 
 BLOCK = 128  # TE's block length for both 1x128 and 128x128 scales
@@ -55,7 +57,8 @@ def _row_kernels():
     return fp8_rows
 
 
-def _qparams(recipe, role: str) -> tuple[float, bool]:
+def qparams(recipe, role: str) -> tuple[float, bool]:
+    """(amax epsilon, power-of-two scales) the recipe quantizes ``role`` ("input" or "grad") with."""
     params = recipe.fp8_quant_fwd_inp if role == "input" else recipe.fp8_quant_bwd_grad
     return float(params.amax_epsilon), bool(params.power_2_scale)
 
@@ -63,8 +66,20 @@ def _qparams(recipe, role: str) -> tuple[float, bool]:
 def quantize_for(recipe, role: str, t: torch.Tensor) -> "Rows":
     """Rows ``t`` in FP8 as the recipe quantizes ``role`` ("input" or "grad")."""
     if t.is_cuda and (fast := _row_kernels()) is not None:
-        return Rows(*fast.quantize(t.contiguous(), *_qparams(recipe, role)))
+        return Rows(*fast.quantize(t.contiguous(), *qparams(recipe, role)))
     return quantize_rows(t, quantizer(recipe, role))
+
+
+def quantize_with_columns(recipe, role: str, t: torch.Tensor, split_sizes: Optional[torch.Tensor]):
+    """``(rows, columns or None)``: :func:`quantize_for`'s rows, and with ``split_sizes`` the
+    per-expert columnwise copy an FP8 weight gradient reads, both from one read of ``t`` (the
+    caller asks for columns only where :func:`.fp8_wgrad.wanted`, i.e. where Triton runs)."""
+    if split_sizes is None:
+        return quantize_for(recipe, role, t), None
+    from ..kernels import fp8_rows
+
+    rows, row_scales, data, scales = fp8_rows.quantize_both(t.contiguous(), split_sizes, *qparams(recipe, role))
+    return Rows(rows, row_scales), fp8_wgrad.Cols(data, scales, t.shape[0])
 
 
 def recipe_problem(recipe: Any) -> Optional[str]:
@@ -240,23 +255,25 @@ def dscaled_srelu(dact: torch.Tensor, z: Rows, probs: torch.Tensor) -> tuple[tor
     return dact, dprobs, act
 
 
-def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs: torch.Tensor):
-    """Returns ``(y, x in FP8, z in FP8, fc1's weights, fc2's weights)``."""
+def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs: torch.Tensor,
+            x_columns: bool = False):
+    """Returns ``(y, x in FP8, z in FP8, fc1's weights, fc2's weights, x's columnwise copy or None)``
+    (the copy where ``x_columns``: for an FP8 weight gradient)."""
     qx, qw = quantizer(recipe, "input"), quantizer(recipe, "weight")
-    xq = quantize_for(recipe, "input", x)
+    xq, xc = quantize_with_columns(recipe, "input", x, split_sizes if x_columns else None)
     w1 = step_weights(fc1, qw, recipe)
     if x.is_cuda and settings.fp8_rows() == "gemm":  # act and z quantized in fc1's epilogue
         from .. import kernels
 
-        eps, pow2 = _qparams(recipe, "input")
+        eps, pow2 = qparams(recipe, "input")
         act_data, act_scales, z_data, z_scales = kernels.grouped_gemm_fp8_srelu_quantize(
             xq.data, xq.scale_inv, w1.rows, w1.row_scales, split_sizes, probs, eps=eps, pow2=pow2, out_dtype=x.dtype)
         w2 = step_weights(fc2, qw, recipe)
         y = gemm(Rows(act_data, act_scales), w2.rows, w2.row_scales, split_sizes, x.dtype)
-        return y, xq, Rows(z_data, z_scales), w1, w2
+        return y, xq, Rows(z_data, z_scales), w1, w2, xc
     z = gemm(xq, w1.rows, w1.row_scales, split_sizes, x.dtype)
     if (fast := _row_kernels()) is not None:  # act and z quantized in one pass over z
-        act_data, act_scales, z_data, z_scales = fast.srelu_quantize(z, probs.contiguous(), *_qparams(recipe, "input"))
+        act_data, act_scales, z_data, z_scales = fast.srelu_quantize(z, probs.contiguous(), *qparams(recipe, "input"))
         act, zq = Rows(act_data, act_scales), Rows(z_data, z_scales)
     else:
         act = quantize_rows(scaled_srelu(z, probs), qx)
@@ -264,28 +281,29 @@ def forward(fc1, fc2, recipe, x: torch.Tensor, split_sizes: torch.Tensor, probs:
     del z
     w2 = step_weights(fc2, qw, recipe)
     y = gemm(act, w2.rows, w2.row_scales, split_sizes, x.dtype)
-    return y, xq, zq, w1, w2
+    return y, xq, zq, w1, w2, xc
 
 
 def dgrads(recipe, dy: torch.Tensor, z: Rows, probs: torch.Tensor, split_sizes: torch.Tensor,
-           w2_cols: tuple[torch.Tensor, torch.Tensor]):
-    """fc2's dgrad and the activation's backward: ``(dz, dz in FP8 or None, dprobs, act)``."""
-    dyq = quantize_for(recipe, "grad", dy)
+           w2_cols: tuple[torch.Tensor, torch.Tensor], dy_columns: bool = False):
+    """fc2's dgrad and the activation's backward: ``(dz, dz in FP8 or None, dprobs, act, dy's
+    columnwise copy or None)`` (the copy where ``dy_columns``: for fc2's FP8 weight gradient)."""
+    dyq, dyc = quantize_with_columns(recipe, "grad", dy, split_sizes if dy_columns else None)
     if dy.is_cuda and settings.fp8_rows() == "gemm":  # the SReLU backward in fc2's dgrad epilogue
         from .. import kernels
 
-        eps, pow2 = _qparams(recipe, "grad")
+        eps, pow2 = qparams(recipe, "grad")
         dz, dz_data, dz_scales, dprobs, act = kernels.grouped_gemm_fp8_dsrelu_quantize(
             dyq.data, dyq.scale_inv, *w2_cols, split_sizes, z.data, z.scale_inv, probs, eps=eps, pow2=pow2,
             out_dtype=dy.dtype)
-        return dz, Rows(dz_data, dz_scales), dprobs, act
+        return dz, Rows(dz_data, dz_scales), dprobs, act, dyc
     dact = gemm(dyq, *w2_cols, split_sizes, dy.dtype)
     if dact.is_cuda and (fast := _row_kernels()) is not None:
         dz, dz_data, dz_scales, dprobs, act = fast.dsrelu_quantize(dact, z.data, z.scale_inv, probs.contiguous(),
-                                                                   *_qparams(recipe, "grad"))
-        return dz, Rows(dz_data, dz_scales), dprobs, act
+                                                                   *qparams(recipe, "grad"))
+        return dz, Rows(dz_data, dz_scales), dprobs, act, dyc
     dz, dprobs, act = dscaled_srelu(dact, z, probs)
-    return dz, None, dprobs, act
+    return dz, None, dprobs, act, dyc
 
 
 def input_grad(recipe, dz: torch.Tensor, dz_fp8: Optional[Rows], split_sizes: torch.Tensor,

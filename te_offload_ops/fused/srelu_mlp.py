@@ -29,7 +29,7 @@ from ..capture import capturing, sizes_filled_on_device
 from ..ops.input_checks import check_input, check_scales, check_split_sizes
 from .expert_weights import check_weight_versions, expert_weights, weight_dtype, weight_params, weight_versions
 from .row_chunks import block_split_sizes, chunk_rows, expert_row_ranges
-from . import block_fp8
+from . import block_fp8, fp8_wgrad
 from .selection import active_recipe, runtime_blockers
 from .split_check import check_now, resolve_in_backward, start_check
 from .weight_grads import check_main_grad, weight_grad_bytes, weight_grads
@@ -188,11 +188,16 @@ class FusedScaledSReLUMLP(FusedOperation):
         fc1, act_op, fc2 = self.basic_ops
         probs_flat = probs.reshape(-1)
         tokens, itemsize = x2d.shape[0], x2d.element_size()
-        # z, act and y in bf16, x and z in FP8 (tokens x (hidden + ffn) bytes)
+        # x for fc1's wgrad: its FP8 rows (dequantized for a bf16 wgrad), or its per-expert
+        # columnwise copy for the FP8 wgrad (TE's recipe saves that copy alone)
+        x_cols = (fp8_wgrad.wanted(x2d) and weight_params(fc1)[0].requires_grad
+                  and any(ctx.requires_grad for ctx in ctxs))
+        # z, act and y in bf16, x and z in FP8 (tokens x (hidden + ffn) bytes), x's columnwise copy
+        x_cols_bytes = [fp8_wgrad.column_bytes(tokens, fc1.in_features, fc1.num_groups)] if x_cols else []
         hints.make_room([tokens * fc1.out_features * itemsize, tokens * fc1.out_features * itemsize,
-                         tokens * fc2.out_features * itemsize, tokens * (fc1.in_features + fc1.out_features)],
-                        x2d.device)
-        y, xq, zq, w1, w2 = block_fp8.forward(fc1, fc2, recipe, x2d, split_sizes, probs_flat)
+                         tokens * fc2.out_features * itemsize, tokens * (fc1.in_features + fc1.out_features),
+                         *x_cols_bytes], x2d.device)
+        y, xq, zq, w1, w2, xc = block_fp8.forward(fc1, fc2, recipe, x2d, split_sizes, probs_flat, x_columns=x_cols)
         if check is not None:
             self._pending_checks.append(check)
         if not any(ctx.requires_grad for ctx in ctxs):
@@ -204,7 +209,10 @@ class FusedScaledSReLUMLP(FusedOperation):
         ctx_act.probs_require_grad = probs.requires_grad
         ctx_act.probs_shape = probs.shape
         w1_cols, w2_cols = (w1.cols, w1.col_scales), (w2.cols, w2.col_scales)
-        policy.save_for_backward(ctx1, xq.data, xq.scale_inv, split_sizes, *w1_cols, offload=fc1.offload,
+        ctx1.teo_x_cols = x_cols
+        x_saved = (xc.data, xc.scale_inv) if x_cols else (xq.data, xq.scale_inv)
+        del xq, xc
+        policy.save_for_backward(ctx1, *x_saved, split_sizes, *w1_cols, offload=fc1.offload,
                                  weights=w1_cols, owner=fc1)
         policy.save_for_backward(ctx_act, zq.data, zq.scale_inv, probs_flat, offload=act_op.offload, owner=act_op)
         policy.save_for_backward(ctx2, *w2_cols, offload=fc2.offload, weights=w2_cols, owner=fc2)
@@ -302,21 +310,41 @@ class FusedScaledSReLUMLP(FusedOperation):
         dy = dy.contiguous()
         device, itemsize = dy.device, dy.element_size()
         tokens, ffn = z_data.shape
-        # dact (dz over it), act, dz in FP8 and dprobs
-        hints.make_room([tokens * ffn * itemsize, tokens * ffn * itemsize, tokens * ffn, tokens * 4], device)
-        dz, dz_fp8, dprobs, act = block_fp8.dgrads(recipe, dy, block_fp8.Rows(z_data, z_scales), probs, split_sizes,
-                                                   w2_cols)
+        experts = fc1.num_groups
+        fp8_w2 = fp8_wgrad.wanted(dy) and weight_params(fc2)[0].requires_grad  # fc2's wgrad in FP8
+        # dact (dz over it), act, dz in FP8 and dprobs; dy's columnwise copy for an FP8 wgrad
+        dy_cols_bytes = [fp8_wgrad.column_bytes(tokens, fc2.out_features, experts)] if fp8_w2 else []
+        hints.make_room([tokens * ffn * itemsize, tokens * ffn * itemsize, tokens * ffn, tokens * 4, *dy_cols_bytes],
+                        device)
+        dz, dz_fp8, dprobs, act, dyc = block_fp8.dgrads(recipe, dy, block_fp8.Rows(z_data, z_scales), probs,
+                                                        split_sizes, w2_cols, dy_columns=fp8_w2)
         del z_data, z_scales
-        _make_room(weight_grad_bytes(fc2), device)
-        dw2 = weight_grads(fc2, dy, act, split_sizes, temporaries=[act])
-        del act
+        in_q, grad_q = block_fp8.qparams(recipe, "input"), block_fp8.qparams(recipe, "grad")
+        if fp8_w2:  # act columnwise per expert too
+            _make_room([fp8_wgrad.column_bytes(tokens, ffn, experts)], device)
+            actc = fp8_wgrad.columns(*in_q, act, split_sizes)
+            del act
+            _make_room(weight_grad_bytes(fc2), device)
+            dw2 = weight_grads(fc2, dyc, actc, split_sizes, temporaries=[])
+            del dyc, actc
+        else:
+            _make_room(weight_grad_bytes(fc2), device)
+            dw2 = weight_grads(fc2, dy, act, split_sizes, temporaries=[act])
+            del act
         dx = None
         if ctx1.input_requires_grad:
             _make_room([tokens * fc1.in_features * itemsize], device)
             dx = block_fp8.input_grad(recipe, dz, dz_fp8, split_sizes, tuple(w1_cols))
         del dz_fp8
-        _make_room([tokens * fc1.in_features * itemsize, *weight_grad_bytes(fc1)], device)
-        x = block_fp8.dequantize_rows(block_fp8.Rows(x_data, x_scales), dy.dtype)
-        dw1 = weight_grads(fc1, dz, x, split_sizes, temporaries=[dz, x])
+        if ctx1.teo_x_cols:
+            _make_room([fp8_wgrad.column_bytes(tokens, ffn, experts)], device)
+            dzc = fp8_wgrad.columns(*grad_q, dz, split_sizes)
+            del dz
+            _make_room(weight_grad_bytes(fc1), device)
+            dw1 = weight_grads(fc1, dzc, fp8_wgrad.Cols(x_data, x_scales, tokens), split_sizes, temporaries=[])
+        else:
+            _make_room([tokens * fc1.in_features * itemsize, *weight_grad_bytes(fc1)], device)
+            x = block_fp8.dequantize_rows(block_fp8.Rows(x_data, x_scales), dy.dtype)
+            dw1 = weight_grads(fc1, dz, x, split_sizes, temporaries=[dz, x])
         dprobs = dprobs.to(probs.dtype).view(ctx_act.probs_shape) if ctx_act.probs_require_grad else None
         return dx, [dw1, (), dw2], [(None,), (dprobs,), (None,)]

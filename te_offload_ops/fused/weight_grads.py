@@ -24,6 +24,7 @@ from ..te_internals import (
     view_main_grad_as_grouped_buffer,
 )
 
+from . import fp8_wgrad
 from .expert_weights import weight_params
 
 
@@ -82,18 +83,34 @@ def _main_grads(op) -> list[torch.Tensor] | torch.Tensor:
     return [get_main_grad_from_param(p, op_label="GroupedLinear") for p in params]
 
 
-def _run_wgrad(temporaries, operands, grad_weights, *, main_grads, accumulate) -> None:
+def _gemm(dy, x, split_sizes, out_dtype) -> torch.Tensor:
+    """(E, out, in): bf16/fp16 token matrices, or their FP8 columnwise copies (:class:`.fp8_wgrad.Cols`)."""
+    from .. import kernels
+
+    if isinstance(dy, fp8_wgrad.Cols):
+        return fp8_wgrad.wgrad(dy, x, split_sizes, out_dtype)
+    return kernels.grouped_wgrad(dy, x, split_sizes)
+
+
+def _gemm_main_grad(dy, x, split_sizes, main_grads, accumulate) -> None:
+    from .. import kernels
+
+    if isinstance(dy, fp8_wgrad.Cols):
+        fp8_wgrad.wgrad_main_grad(dy, x, split_sizes, main_grads, accumulate)
+    else:
+        kernels.grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, accumulate=accumulate)
+
+
+def _run_wgrad(temporaries, operands, grad_weights, *, main_grads, accumulate, out_dtype) -> None:
     """The delayed wgrad GEMM, run by ``op.backward_dw()``: into ``main_grads``, or per-expert
     grads into the list ``grad_weights`` that TE's backward_dw then assigns to ``.grad``.
     ``temporaries`` only ride along: backward_dw frees them once this returns."""
-    from .. import kernels
-
     del temporaries
     dy, x, split_sizes = operands
     if main_grads is not None:
-        kernels.grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, accumulate=accumulate)
+        _gemm_main_grad(dy, x, split_sizes, main_grads, accumulate)
     else:
-        grad_weights[:] = kernels.grouped_wgrad(dy, x, split_sizes).unbind(0)
+        grad_weights[:] = _gemm(dy, x, split_sizes, out_dtype).unbind(0)
 
 
 def weight_grad_bytes(op) -> list[int]:
@@ -113,12 +130,11 @@ def weight_grad_bytes(op) -> list[int]:
 
 def weight_grads(op, dy: torch.Tensor, x: torch.Tensor, split_sizes: torch.Tensor,
                  temporaries: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
-    """Grads to return for ``op``'s weight Parameters for ``W_e = dy_e^T @ x_e``.
+    """Grads to return for ``op``'s weight Parameters for ``W_e = dy_e^T @ x_e``: ``dy`` and ``x``
+    the (T, out) and (T, in) token matrices, or both FP8 columnwise copies (:mod:`.fp8_wgrad`).
 
     ``temporaries`` are tensors of the fused op's own that the GEMM reads (freed after it when
     delayed; the saved input is not among them, it may be the caller's)."""
-    from .. import kernels
-
     params = weight_params(op)
     if not params[0].requires_grad:
         return [None] * len(params)
@@ -126,11 +142,11 @@ def weight_grads(op, dy: torch.Tensor, x: torch.Tensor, split_sizes: torch.Tenso
     main_grads = _main_grads(op) if into_main_grad else None
     accumulate = into_main_grad and get_accumulate_flag_in_param(params[0])
     if op.wgrad_store is not None and op.wgrad_store.delay_wgrad_compute():
-        job = functools.partial(_run_wgrad, main_grads=main_grads, accumulate=accumulate)
+        job = functools.partial(_run_wgrad, main_grads=main_grads, accumulate=accumulate, out_dtype=params[0].dtype)
         op.wgrad_store.put([list(temporaries), [dy, x, split_sizes], []], job)
         return _dummy_grads(params) if into_main_grad else [None] * len(params)
     if into_main_grad:
-        kernels.grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, accumulate=accumulate)
+        _gemm_main_grad(dy, x, split_sizes, main_grads, accumulate)
         return _dummy_grads(params)
-    dw = kernels.grouped_wgrad(dy, x, split_sizes)
+    dw = _gemm(dy, x, split_sizes, params[0].dtype)
     return [dw] if op.single_grouped_weight else list(dw.unbind(0))

@@ -266,14 +266,20 @@ def _compile(
         # dprobs partials, or each expert's main_grad offset from the base (elements)
         make_ptr(cutlass.Int64, fake, gmem, assumed_align=8) if main_grad else make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),
     ]
+    return compile_timed(kern, [*args, cutlass.Int32(1), cutlass.Int32(1), make_fake_stream()], call, options)
+
+
+def compile_timed(kern, args: list, call: str, options: str | None):
+    """(kernel object, compiled, seconds) of ``cute.compile(kern, *args)`` under the call
+    convention ``call`` ("tvm-ffi" adds its compile option), ``options`` passed on; the kernel
+    object records the convention, which tells its launch how to pass the arguments."""
+    _, cute, _, _ = _cutlass()
     if call == "tvm-ffi":
         options = f"{options} --enable-tvm-ffi" if options else "--enable-tvm-ffi"
-    kern.call = call  # how _launch passes the arguments
-    t0 = time.perf_counter()
+    kern.call = call
     extra = {"options": options} if options else {}
-    compiled = cute.compile(
-        kern, *args, cutlass.Int32(1), cutlass.Int32(1), make_fake_stream(), **extra
-    )
+    t0 = time.perf_counter()
+    compiled = cute.compile(kern, *args, **extra)
     return kern, compiled, time.perf_counter() - t0
 
 
@@ -317,6 +323,19 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
     b_layout = tuple(b_layout)
     if b_layout != (None, False):  # weights laid out other than one packed (E, N, K) tensor
         key = key[:-1] + (("b", *b_layout), call)
+    variant = ((dtype, n, k, e, bool(b_n_major), epilogue, tile),
+               dict(cluster_n=cluster_n, wgrad_m=wgrad_m, schedule=schedule, slot_stride=slot_stride,
+                    b_layout=b_layout, cluster_m=cluster_m))
+    return cached_kernel(key, lambda key, call: _load_or_compile(key, call, *variant))
+
+
+def cached_kernel(key: tuple, load):
+    """(kernel, compiled) of the variant ``key`` (its last element the call convention): from the
+    in-memory cache, else ``load(key, call)`` (the disk cache or a compile), once per process.
+
+    Where the TVM-FFI call path fails to compile (an apache-tvm-ffi the DSL cannot use) and no
+    call convention was asked for, the Python executor compiles the same kernel instead, from then
+    on (a broken kernel raises there again). A first call inside a CUDA graph capture raises."""
     hit = _CACHE.get(key)
     if hit is None and capturing():
         raise GraphCaptureError(_first_call_in_capture(key))
@@ -324,18 +343,14 @@ def get_kernel(dtype, n, k, e, *, b_n_major, epilogue, tile=None, wgrad_m=None, 
         with _LOCK:
             hit = _CACHE.get(key)
             if hit is None:
-                variant = ((dtype, n, k, e, bool(b_n_major), epilogue, tile),
-                           dict(cluster_n=cluster_n, wgrad_m=wgrad_m, schedule=schedule, slot_stride=slot_stride,
-                                b_layout=b_layout, cluster_m=cluster_m))
+                call = key[-1]
                 try:
-                    kern, compiled = _load_or_compile(key, call, *variant)
+                    kern, compiled = load(key, call)
                 except Exception as exc:
                     if call != "tvm-ffi" or os.environ.get(CALL_ENV):
                         raise
-                    # an apache-tvm-ffi the DSL cannot use?  If the Python executor compiles
-                    # the same kernel, use it from now on (a broken kernel raises here again)
                     key = key[:-1] + ("python",)
-                    kern, compiled = _load_or_compile(key, "python", *variant)
+                    kern, compiled = load(key, "python")
                     _TVM_FFI_FAILED.append(repr(exc)[:300])
                     _log.warning("the TVM-FFI kernel call path failed to compile (%s); using the "
                                  "CuTe DSL's Python executor", _TVM_FFI_FAILED[-1])

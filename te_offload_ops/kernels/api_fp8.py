@@ -12,8 +12,6 @@ importing the DSL.
 
 from __future__ import annotations
 
-import os
-import time
 
 import torch
 
@@ -67,14 +65,9 @@ def _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call="python", op
         make_ptr(od, fake, gmem, assumed_align=16),  # act in the output dtype (dsrelu_q)
         make_ptr(cutlass.Float32, fake, gmem, assumed_align=4),  # dprob partials (dsrelu_q)
     ]
-    if call == "tvm-ffi":
-        options = f"{options} --enable-tvm-ffi" if options else "--enable-tvm-ffi"
-    kern.call = call
-    extra = {"options": options} if options else {}
-    t0 = time.perf_counter()
-    compiled = cute.compile(kern, *args, cutlass.Int32(1), cutlass.Int32(4), cutlass.Int32(1), cutlass.Int32(4),
-                            cutlass.Float32(0.0), make_fake_stream(), **extra)
-    return kern, compiled, time.perf_counter() - t0
+    args += [cutlass.Int32(1), cutlass.Int32(4), cutlass.Int32(1), cutlass.Int32(4), cutlass.Float32(0.0),
+             make_fake_stream()]
+    return api.compile_timed(kern, args, call, options)
 
 
 def compile_variant_fp8(n: int, k: int, e: int, *, out_dtype=torch.bfloat16, tile=None, cluster_n=None,
@@ -151,30 +144,8 @@ def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None, epilogue="plain", pow
     call = api.kernel_call_convention()
     form = () if epilogue == "plain" else (epilogue, bool(pow2))
     key = ("fp8_blockwise", out_dtype, tile, cluster_n, n, k, e, sb_cols, *form, call)
-    hit = api._CACHE.get(key)
-    if hit is None and capturing():
-        raise GraphCaptureError(api._first_call_in_capture(key))
-    if hit is None:
-        with api._LOCK:
-            hit = api._CACHE.get(key)
-            if hit is None:
-                try:
-                    kern, compiled = _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call,
-                                                          epilogue, pow2)
-                except Exception as exc:
-                    if call != "tvm-ffi" or os.environ.get(api.CALL_ENV):
-                        raise
-                    # as api.get_kernel does: an apache-tvm-ffi the DSL cannot use falls back to the
-                    # Python executor for good (a broken kernel raises here again)
-                    key = key[:-1] + ("python",)
-                    kern, compiled = _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols,
-                                                          "python", epilogue, pow2)
-                    api._TVM_FFI_FAILED.append(repr(exc)[:300])
-                    api._log.warning("the TVM-FFI kernel call path failed to compile (%s); using the "
-                                     "CuTe DSL's Python executor", api._TVM_FFI_FAILED[-1])
-                kern.cache_key = key
-                hit = api._CACHE[key] = (kern, compiled)
-    return hit
+    return api.cached_kernel(key, lambda key, call: _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n,
+                                                                         sb_cols, call, epilogue, pow2))
 
 
 def _shape(t) -> str:

@@ -12,6 +12,12 @@ so the bytes equal those of TE's ``Float8BlockQuantizer`` applied to the same bf
   and ``act`` recomputed for fc2's wgrad; one pass;
 * :func:`quantize`: rows in 1x128 blocks (x for fc1, dy for fc2's dgrad);
 * :func:`dequantize`: FP8 rows back to bf16/fp16 (fc1's wgrad reads x);
+* :func:`quantize_columns`: tokens in 128x1 blocks per expert, for an FP8 weight gradient (whose
+  reduction runs over tokens): each expert's ``(K, T_e)`` columnwise copy as TE's quantizer writes
+  it for that expert alone, the experts' copies side by side with each one's tokens padded to a
+  multiple of 128 (zeros), offsets on the GPU (no split sizes read on the host);
+* :func:`quantize_both`: :func:`quantize` and :func:`quantize_columns` from one read (x when the
+  weight gradients run in FP8, dy likewise);
 * :func:`quantize_weights`: each expert's weight in 128x128 blocks, both orientations at once (the
   fprop reads W, the dgrad W^T), as TE's 2D quantizer writes each expert's rowwise and columnwise
   data and scales; one pass over the weights, read in place (Megatron's reversed buffer too).
@@ -129,6 +135,67 @@ if triton is not None:
 
 
     @triton.jit
+    def expert_block(split_ptr, pos, E, T, E_P2: tl.constexpr):
+        """(first token, end token, first padded column) of the expert whose padded range holds
+        column ``pos``, from the split sizes alone (no host read, no torch pass); past the last
+        expert an empty range. Sizes are clamped to [0, T]: they are checked only later, on the
+        host, and bad ones must not reach outside x meanwhile."""
+        e_idx = tl.arange(0, E_P2)
+        sizes = tl.load(split_ptr + e_idx, mask=e_idx < E, other=0)
+        sizes = tl.minimum(tl.maximum(sizes, 0), T).to(tl.int32)
+        padded = (sizes + 127) // 128 * 128
+        p_end = tl.cumsum(padded, 0)
+        t_end = tl.cumsum(sizes, 0)
+        # the expert: how many experts' padded ranges end at or before pos
+        e = tl.sum(((p_end <= pos) & (e_idx < E)).to(tl.int32), axis=0)
+        here = (e_idx == e) & (e_idx < E)
+        past = (e >= E).to(tl.int32)  # nothing selected: start at the padded end, read nothing
+        p0 = tl.sum(tl.where(here, p_end - padded, 0), axis=0) + past * tl.sum(padded, axis=0)
+        t0 = tl.sum(tl.where(here, t_end - sizes, 0), axis=0) + past * tl.sum(sizes, axis=0)
+        return t0, t0 + tl.sum(tl.where(here, sizes, 0), axis=0), p0
+
+    @triton.jit
+    def column_block(x_ptr, split_ptr, E, T, K, pb, kb, E_P2: tl.constexpr):
+        """Block ``(pb, kb)`` of the padded copy, read from x: (values fp32 (128 tokens, 128
+        features), tokens, features, mask); padding and blocks past the last expert read as zeros."""
+        pos = pb * 128
+        t0, t_end, p0 = expert_block(split_ptr, pos, E, T, E_P2)
+        tok = t0 + (pos - p0) + tl.arange(0, 128)
+        k = kb * 128 + tl.arange(0, 128)
+        tok_ok = (tok < t_end) & (tok < T) & (tok >= 0)
+        mask = tok_ok[:, None] & (k < K)[None, :]
+        x = tl.load(x_ptr + tok.to(tl.int64)[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        return x, tok, k, mask, tok_ok
+
+    @triton.jit
+    def store_columns(x, q_ptr, s_ptr, pb, k, K, TP, KP, eps, POW2: tl.constexpr, INF_VALUE: tl.constexpr):
+        """The block's 128x1 quantization: (K, TP) rows of tokens, scales at (pb, k)."""
+        scale = block_scale(tl.max(tl.abs(x), axis=0), eps, POW2, INF_VALUE)  # per feature, over the tokens
+        q = (x * scale[None, :]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        cols = pb * 128 + tl.arange(0, 128)
+        tl.store(q_ptr + k.to(tl.int64)[:, None] * TP + cols[None, :], tl.trans(q), mask=(k < K)[:, None])
+        scale_inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        tl.store(s_ptr + pb.to(tl.int64) * KP + k, scale_inv, mask=k < K)
+
+    @triton.jit
+    def quantize_columns_kernel(x_ptr, split_ptr, q_ptr, s_ptr, E, T, K, TP, KP, eps, E_P2: tl.constexpr,
+                                POW2: tl.constexpr, INF_VALUE: tl.constexpr):
+        pb = tl.program_id(0)  # a 128-token block of the padded copy
+        kb = tl.program_id(1)
+        x, _, k, _, _ = column_block(x_ptr, split_ptr, E, T, K, pb, kb, E_P2)
+        store_columns(x, q_ptr, s_ptr, pb, k, K, TP, KP, eps, POW2, INF_VALUE)
+
+    @triton.jit
+    def quantize_both_kernel(x_ptr, split_ptr, q_ptr, s_ptr, r_ptr, rs_ptr, E, T, K, TP, KP, row_stride, eps,
+                             E_P2: tl.constexpr, POW2: tl.constexpr, INF_VALUE: tl.constexpr):
+        """quantize_columns_kernel's block, also written as rows (quantize_kernel's bytes): one read."""
+        pb = tl.program_id(0)
+        kb = tl.program_id(1)
+        x, tok, k, mask, tok_ok = column_block(x_ptr, split_ptr, E, T, K, pb, kb, E_P2)
+        store_fp8(x, r_ptr, rs_ptr, tok, k, mask, tok_ok, kb, K, row_stride, eps, POW2, INF_VALUE)
+        store_columns(x, q_ptr, s_ptr, pb, k, K, TP, KP, eps, POW2, INF_VALUE)
+
+    @triton.jit
     def quantize_weights_kernel(w_ptr, expert_stride, rows_ptr, row_s_ptr, cols_ptr, col_s_ptr, E, N, K, NBP, KBP,
                                 eps, REVERSED: tl.constexpr, POW2: tl.constexpr, INF_VALUE: tl.constexpr):
         e = tl.program_id(0)
@@ -170,6 +237,78 @@ def quantize_weights(w: torch.Tensor, reversed_experts: bool, eps: float, pow2: 
                                          REVERSED=reversed_experts, POW2=pow2, INF_VALUE=_inf_value(w.dtype),
                                          num_warps=WEIGHT_WARPS)
     return rows, row_s, cols, col_s
+
+
+def padded_tokens(num_tokens: int, num_experts: int) -> int:
+    """Columns of :func:`quantize_columns`' copy: room for every expert's tokens rounded up to 128,
+    whatever the split (known on the host from the shapes alone): the rounded sizes sum to at most
+    ``T + 127 E`` and to a multiple of 128."""
+    return (num_tokens + (BLOCK - 1) * num_experts) // BLOCK * BLOCK
+
+
+def expert_offsets(split_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(off, poff)``, int32 (E + 1,) on the split sizes' device: each expert's first token, and
+    its first column in :func:`quantize_columns`' padded copy (the exclusive sums of the sizes and
+    of the sizes rounded up to 128). The kernels derive these themselves; this is for callers
+    that slice the copy per expert (tests, references)."""
+    sizes = split_sizes.reshape(-1).to(torch.int64)
+    zero = sizes.new_zeros(1)
+    off = torch.cat([zero, sizes.cumsum(0)])
+    poff = torch.cat([zero, ((sizes + BLOCK - 1) // BLOCK * BLOCK).cumsum(0)])
+    return off.to(torch.int32), poff.to(torch.int32)
+
+
+def _column_args(x: torch.Tensor, split_sizes: torch.Tensor):
+    """Checks; ``(T, K, E, Tp, roundup(K, 4), split sizes as the kernels read them)``."""
+    t, k = x.shape
+    e = split_sizes.numel()
+    if e == 0:
+        raise ValueError("split_sizes must hold at least one expert")
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous, got stride {tuple(x.stride())}")
+    if split_sizes.dtype not in (torch.int32, torch.int64) or split_sizes.device != x.device:
+        raise ValueError(f"split_sizes must be int32/int64 on {x.device}, got {split_sizes.dtype} on "
+                         f"{split_sizes.device}")
+    return t, k, e, padded_tokens(t, e), -(-k // 4) * 4, split_sizes.reshape(-1).contiguous()
+
+
+def _grid_args(e: int, tp: int, k: int):
+    return (tp // BLOCK, -(-k // BLOCK)), max(2, 1 << (e - 1).bit_length())  # E_P2 holds the E experts
+
+
+def quantize_columns(x: torch.Tensor, split_sizes: torch.Tensor, eps: float, pow2: bool):
+    """``(data, scales)`` of contiguous bf16/fp16 tokens ``x`` (T, K), experts' rows in
+    ``split_sizes`` (E,) order, in 128-token x 1 blocks per expert: ``data`` (K, Tp) uint8 with
+    expert ``e``'s tokens at columns ``poff[e]:poff[e] + T_e`` (zeros up to ``poff[e + 1]`` and
+    past ``poff[E]``; ``poff`` as :func:`expert_offsets` gives it), ``scales`` (Tp / 128,
+    roundup(K, 4)) fp32 (1 for padding blocks); Tp = :func:`padded_tokens`. Expert ``e``'s slices
+    are the bytes of TE's ``Float8BlockQuantizer`` (1D) columnwise data and scales of
+    ``x[off[e]:off[e + 1]]`` alone. One launch: the kernel finds each block's expert from the
+    split sizes on the GPU."""
+    t, k, e, tp, kp, sizes = _column_args(x, split_sizes)
+    data = torch.empty((k, tp), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((tp // BLOCK, kp), dtype=torch.float32, device=x.device)
+    if tp:
+        grid, e_p2 = _grid_args(e, tp, k)
+        quantize_columns_kernel[grid](x, sizes, data, scales, e, t, k, tp, kp, float(eps), E_P2=e_p2, POW2=pow2,
+                                      INF_VALUE=_inf_value(x.dtype), num_warps=WEIGHT_WARPS)
+    return data, scales
+
+
+def quantize_both(x: torch.Tensor, split_sizes: torch.Tensor, eps: float, pow2: bool):
+    """``(rows, row scales, columns, column scales)``: :func:`quantize`'s and
+    :func:`quantize_columns`' outputs from one read of ``x`` (the same bytes)."""
+    t, k, e, tp, kp, sizes = _column_args(x, split_sizes)
+    rows = torch.empty((t, k), dtype=torch.uint8, device=x.device)
+    row_scales = _scales(t, k, x.device)
+    data = torch.empty((k, tp), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((tp // BLOCK, kp), dtype=torch.float32, device=x.device)
+    if tp:
+        grid, e_p2 = _grid_args(e, tp, k)
+        quantize_both_kernel[grid](x, sizes, data, scales, rows, row_scales, e, t, k, tp, kp, row_scales.stride(0),
+                                   float(eps), E_P2=e_p2, POW2=pow2, INF_VALUE=_inf_value(x.dtype),
+                                   num_warps=WEIGHT_WARPS)
+    return rows, row_scales, data, scales
 
 
 def _scales(t: int, k: int, device) -> torch.Tensor:
