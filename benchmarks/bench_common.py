@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import re
 from pathlib import Path
 
@@ -43,10 +44,20 @@ def mlp_path(mlp) -> str:
     return "fused" if fused and not any(op.last_fallback_reasons for op in fused) else "unfused"
 
 
-def command_line(script: str, argv: list, paths: tuple = ("--out",)) -> str:
-    """``python <script> <argv>`` as a results page names it: without the options in ``paths``
-    (where its files and logs went) and their values."""
-    shown, skip = [], False
+# the package's settings that change what a benchmark runs (README's table, less where kernels
+# are kept): a results page's command names those set, so that it reruns the same code
+SETTINGS_SHOWN = ("TEO_FUSED_SRELU_MLP", "TEO_FUSED_ACT_CHUNK_MIB", "TEO_CHECK_SPLIT_SIZES", "TEO_KERNEL_CALL",
+                  "TEO_GEMM_SCHEDULE", "TEO_GEMM_CLUSTER_N", "TEO_GEMM_CLUSTER_M", "TEO_WGRAD_BACKEND",
+                  "TEO_MAIN_GRAD_ADD", "TEO_FP8_ROWS", "TEO_FP8_WGRAD")
+
+
+def command_line(script: str, argv: list, paths: tuple = ("--out",), env=None) -> str:
+    """``[SETTING=value ...] python <script> <argv>`` as a results page names it: the settings of
+    :data:`SETTINGS_SHOWN` set in ``env`` (the process's by default), and the arguments without
+    the options in ``paths`` (where its files and logs went) and their values."""
+    env = os.environ if env is None else env
+    shown, skip = [f"{name}={env[name]}" for name in SETTINGS_SHOWN if env.get(name)], False
+    shown.append(f"python {script}")
     for a in argv:
         if skip:
             skip = False
@@ -54,7 +65,7 @@ def command_line(script: str, argv: list, paths: tuple = ("--out",)) -> str:
             skip = True
         elif not a.startswith(tuple(p + "=" for p in paths)):
             shown.append(a)
-    return " ".join([f"python {script}", *shown])
+    return " ".join(shown)
 
 
 @contextlib.contextmanager

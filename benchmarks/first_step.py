@@ -48,6 +48,12 @@ WORKLOADS = ("mlp", "model")
 TARGET_S = 1.0  # a warm cache's first step at most this much longer than stock's
 
 
+def _command(argv: list) -> str:
+    from bench_common import command_line
+
+    return command_line("benchmarks/first_step.py", argv)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="mlp,model", help=f"comma-separated, from {', '.join(WORKLOADS)}")
@@ -322,7 +328,7 @@ def main(argv=None) -> int:
                     _run(args, w, m, Path(tmp) / f"round{args.rounds - 1}-{w}", profile_to=out)
                     profiles.append(str(out))
     result = {"benchmark": "first_step", "gpu": gpu, "date": utc_now(),
-              "command": "python benchmarks/first_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": _command(argv if argv is not None else sys.argv[1:]),
               "versions": {d: _version(d) for d in ("torch", "transformer-engine", "nvidia-cutlass-dsl")},
               "settings": {k: getattr(args, k) for k in ("experts", "topk", "hidden", "ffn", "heads", "layers",
                                                           "seq", "rounds", "workloads", "modes")},

@@ -30,6 +30,12 @@ from bench_common import cuda_problem, file_stem, pyplot, refuse, save_png, utc_
 PRECISIONS = ("bf16", "fp8-block")
 
 
+def _command(argv: list) -> str:
+    from bench_common import command_line
+
+    return command_line("benchmarks/fp8_training_loss.py", argv)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", "-E", type=int, default=8)
@@ -127,7 +133,7 @@ def measure(args) -> dict:
     within = all(lo - width <= v <= hi + width for v in finals["fp8-block"])
     return {"gpu": torch.cuda.get_device_name(), "date": utc_now(), "args": {k: str(v) if isinstance(v, Path) else v
                                                                               for k, v in vars(args).items()},
-            "command": "python3 benchmarks/fp8_training_loss.py " + " ".join(sys.argv[1:]),
+            "command": _command(sys.argv[1:]),
             "runs": runs, "finals": finals, "bf16_spread": [lo, hi], "fp8_within_bf16_spread": within}
 
 

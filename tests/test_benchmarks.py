@@ -182,13 +182,23 @@ def test_fp8_wgrad_report_gives_tflops_ratios_and_the_command_without_paths(tmp_
                   "bf16 main_grad": timed(560.0), "columns": {"ms": 0.031, "host_us": 9.0, "host_behind_samples": 0}}
     rows = [{"tokens_per_expert": 2048, "m": 2688, "n": 1856, "gflop": 163.0, "fp8_vs_dequant_bf16": 1.1e-3,
              "contenders": contenders}]
-    command = command_line("benchmarks/bench_fp8_wgrad.py", ["--tokens", "2048", "--out", "/x/y"])
+    command = command_line("benchmarks/bench_fp8_wgrad.py", ["--tokens", "2048", "--out", "/x/y"], env={})
     result = {"gpu": "GPU", "date": "today", "experts": 8, "reps": 10, "inner": 10, "rows": rows, "command": command}
     text = markdown(result)
     assert "| 2048 | 2688 | 1856 | 900 | 850 | 600 | 560 | 31 | 1.50 | 1.1e-03 |" in text
     assert "`python benchmarks/bench_fp8_wgrad.py --tokens 2048`" in text and "/x/y" not in text
     if chart(result, tmp_path / "c.png"):
         assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_a_results_pages_command_names_the_settings_that_change_what_ran():
+    from bench_common import command_line
+
+    env = {"TEO_FP8_WGRAD": "fp8", "TEO_GEMM_SCHEDULE": "cooperative", "TEO_KERNEL_CACHE_DIR": "/somewhere",
+           "TEO_FP8_ROWS": ""}
+    assert command_line("benchmarks/fp8_recipes.py", ["--recipes", "none", "--out=/o"], env=env) == \
+        "TEO_GEMM_SCHEDULE=cooperative TEO_FP8_WGRAD=fp8 python benchmarks/fp8_recipes.py --recipes none"
+    assert command_line("b.py", [], env={}) == "python b.py"
 
 
 def test_megatron_settings_report_splits_main_grads_extra_time_into_kernels_and_the_rest():
