@@ -52,3 +52,21 @@ def test_the_padded_width_and_offsets_need_no_host_read_of_the_split():
         assert int(poff[-1]) <= fp8_rows.padded_tokens(int(sizes.sum()), len(splits))
         assert all(int(poff[i + 1] - poff[i]) % 128 == 0 and int(poff[i + 1] - poff[i]) >= s
                    for i, s in enumerate(splits))
+
+
+@pytest.mark.parametrize("x_shape, x_dtype, sizes, match", [
+    ((4, 8, 2), "bfloat16", [4], "2-D"),
+    ((4, 8), "float32", [4], "bf16/fp16"),
+    ((4, 8), "bfloat16", [], "at least one expert"),
+    ((4, 8), "bfloat16", [1.0, 3.0], "int32/int64"),
+])
+def test_column_quantizers_refuse_bad_operands_before_any_launch(x_shape, x_dtype, sizes, match):
+    import torch
+
+    from te_offload_ops.kernels import fp8_rows
+
+    x = torch.zeros(x_shape, dtype=getattr(torch, x_dtype))
+    split = torch.tensor(sizes, dtype=torch.float32 if match == "int32/int64" else torch.int64)
+    for fn in (fp8_rows.quantize_columns, fp8_rows.quantize_both):
+        with pytest.raises(ValueError, match=match):
+            fn(x, split, 0.0, False)

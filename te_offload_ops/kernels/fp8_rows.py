@@ -260,6 +260,8 @@ def expert_offsets(split_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def _column_args(x: torch.Tensor, split_sizes: torch.Tensor):
     """Checks; ``(T, K, E, Tp, roundup(K, 4), split sizes as the kernels read them)``."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be a 2-D bf16/fp16 (tokens, features) tensor, got {x.dtype} {tuple(x.shape)}")
     t, k = x.shape
     e = split_sizes.numel()
     if e == 0:
