@@ -357,7 +357,7 @@ def _launch_fp8(kern, compiled, a, b, c, s, sa, sb, num_tokens, q=None):
     sa_stride = sa.stride(0)
     if sa.shape[0] == 1 and (sa_stride % 4 or sa_stride < num_tokens):
         sa_stride = -(-num_tokens // 4) * 4
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = api.stream_handle(a.device.index)
     kern.launched = True
     # the other epilogue's pointers are not read: any valid address of the right alignment serves
     prob, qd, qs, zd, zs, c2, part, q_stride, eps = q if q is not None else (sb, a, sb, a, sb, c, sb, 4, 0.0)

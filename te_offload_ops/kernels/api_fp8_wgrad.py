@@ -202,7 +202,7 @@ def _launch(kern, compiled, a, b, c, split, sa, sb, offsets, num_tokens):
         raise GraphCaptureError(api._first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
     n_work = kern.num_experts * kern.wgrad_groups
     num_ctas = min(api._cluster_slots(a.device.index, 1), n_work)
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = api.stream_handle(a.device.index)
     kern.launched = True
     # one k-block: the row stride addresses nothing, but TMA wants a 16-byte multiple
     ints = (num_tokens, a.shape[1], sa.shape[1] if sa.shape[0] == 1 else sa.stride(0),
