@@ -590,18 +590,19 @@ def numerics_job(args, rank: int, weights: dict) -> dict:
 
 def worker(args) -> int:
     """One rank of one job: writes ``rank<r>.json`` into ``--worker-out`` (its result, or the error)."""
-    from megatron_gpt_model import reference_weights, run_rank
+    from megatron_gpt_model import reference_weights, run_rank, use_graphable_rng
 
     def body(rank: int) -> dict:
         weights, digest = reference_weights(args.shape, args.worker_ep)
+        if args.cuda_graphs and args.worker_job == "time":
+            use_graphable_rng(args.seed)
         if args.worker_job == "time":
             return {"weights_digest": digest, "row": time_variant(args, rank, weights)}
         if args.worker_job == "cap":
             return {"weights_digest": digest, "cap": cap_trial(args, weights)}
         return {"weights_digest": digest, "numerics": numerics_job(args, rank, weights)}
 
-    return run_rank(args.worker_out, args.worker_ep, args.seed, body, result={"job": args.worker_job},
-                    graphable_rng=bool(args.cuda_graphs) and args.worker_job == "time")
+    return run_rank(args.worker_out, args.worker_ep, args.seed, body, result={"job": args.worker_job})
 
 
 # ------------------------------------------------------------------------------------------------

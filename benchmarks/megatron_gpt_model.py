@@ -147,10 +147,9 @@ def worker_env(base: Optional[dict] = None) -> dict:
     return env
 
 
-def init_parallel(ep: int, seed: int, timeout_minutes: int = 5, *, graphable_rng: bool = False) -> tuple[int, int]:
+def init_parallel(ep: int, seed: int, timeout_minutes: int = 5) -> tuple[int, int]:
     """torch.distributed (from torchrun's environment, or one rank) and Megatron's parallel state
-    with expert parallelism ``ep``; returns (rank, world size). ``graphable_rng``: TE's RNG tracker,
-    which CUDA graph capture needs (set before any model is built: the tracker is made once)."""
+    with expert parallelism ``ep``, Megatron's RNG tracker seeded; returns (rank, world size)."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -170,15 +169,22 @@ def init_parallel(ep: int, seed: int, timeout_minutes: int = 5, *, graphable_rng
         raise ValueError(f"expert parallelism {ep} does not divide the {world} ranks")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep, create_gloo_process_groups=False)
-    if graphable_rng:  # and off the legacy default stream, which capture refuses (as Megatron's trainer)
-        torch.cuda.set_stream(torch.cuda.Stream())
-        model_parallel_cuda_manual_seed(seed, te_rng_tracker=True, use_cudagraphable_rng=True, force_reset_rng=True)
-    else:
-        model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
     return rank, world
 
 
-def run_rank(out_dir, ep: int, seed: int, body, *, result: dict, graphable_rng: bool = False) -> int:
+def use_graphable_rng(seed: int) -> None:
+    """TE's RNG tracker, which CUDA graph capture needs, in place of Megatron's (models built from
+    here on use it), and a stream off the legacy default one, which capture refuses (as Megatron's
+    trainer). Called after the reference weights are made: the trackers draw different weights."""
+    import torch
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.cuda.set_stream(torch.cuda.Stream())
+    model_parallel_cuda_manual_seed(seed, te_rng_tracker=True, use_cudagraphable_rng=True, force_reset_rng=True)
+
+
+def run_rank(out_dir, ep: int, seed: int, body, *, result: dict) -> int:
     """One rank of a benchmark job: Megatron's parallel state (:func:`init_parallel`), then
     ``body(rank)`` (a dict merged into the result), written to ``out_dir/rank<r>.json`` with the
     GPU's name, or the error and its traceback. Exits non-zero on an error, so torchrun stops the
@@ -193,7 +199,7 @@ def run_rank(out_dir, ep: int, seed: int, body, *, result: dict, graphable_rng: 
     result = {"rank": rank, **result}
     ok, started = True, False
     try:
-        rank, result["world"] = init_parallel(ep, seed, timeout_minutes=3, graphable_rng=graphable_rng)
+        rank, result["world"] = init_parallel(ep, seed, timeout_minutes=3)
         started = True
         result["gpu"] = torch.cuda.get_device_name()
         result.update(body(rank))

@@ -59,6 +59,8 @@ def test_our_experts_run_in_megatrons_moe_layer_graphs_and_train_as_eagerly(tmp_
     # the timed steps replayed the experts: their op never ran in Python
     assert graphed["experts_eager_forwards_timed_per_rank"] == [0], graphed["experts_eager_forwards_timed_per_rank"]
     assert eager["ours"]["experts_eager_forwards_timed_per_rank"][0] > 0
+    # both start from the same weights (the graphed run switches to TE's RNG tracker after making them)
+    assert graphed["weights_digest"] == eager["ours"]["weights_digest"]
     # the replays train as the eager steps do (same weights, tokens and kernels; sizes from the capture)
     assert graphed["first_loss"] == pytest.approx(eager["ours"]["first_loss"], rel=1e-3)
     assert _close(eager["ours"]["timed_losses_per_rank"][0], graphed["timed_losses_per_rank"][0], 5e-3)
