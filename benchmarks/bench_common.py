@@ -101,6 +101,31 @@ def add_mlp_shape_args(parser, tokens_help: str = "tokens per expert") -> None:
     parser.add_argument("--ffn", "-F", type=int, default=1856)
 
 
+def attach_main_grads(mlp) -> list:
+    """Megatron's gradient buffers on an expert MLP built with ``accumulate_into_main_grad=True``:
+    per GroupedLinear one fp32 buffer holding its weights' ``main_grad`` one after another, in
+    reverse order (as Megatron's grad buffer lays out a layer's experts), and ``.grad`` dropped once
+    autograd has it, as Megatron's DDP hook drops it (TE hands autograd a placeholder there: the
+    wgrads went into ``main_grad``; kept, autograd would add the placeholder into ``.grad`` every
+    step). Returns the buffers."""
+    import torch
+
+    buffers = []
+    for op in mlp:
+        weights = [p for p in op.parameters() if p.dim() >= 2]
+        if not weights:
+            continue
+        buffer = torch.zeros(sum(p.numel() for p in weights), device=weights[0].device, dtype=torch.float32)
+        end = buffer.numel()
+        for p in weights:  # the first weight last
+            p.main_grad = buffer[end - p.numel():end].view(p.shape)
+            end -= p.numel()
+            p.grad_added_to_main_grad = False
+            p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+        buffers.append(buffer)
+    return buffers
+
+
 def add_gemm_timing_args(parser, tokens: tuple) -> None:
     """The options the grouped-GEMM benchmarks share: experts, tokens per expert (several), timing
     rounds and calls per round, the output folder and the per-case watchdog."""

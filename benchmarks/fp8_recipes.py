@@ -30,7 +30,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from bench_common import (  # noqa: E402
-    add_mlp_shape_args, cuda_problem, file_stem, pyplot, refuse, save_png, split_check_off, utc_now, write_reports,
+    add_mlp_shape_args, attach_main_grads, cuda_problem, file_stem, pyplot, refuse, save_png, split_check_off, utc_now,
+    write_reports,
 )
 from timing import event_ms, interleaved, median  # noqa: E402
 
@@ -44,6 +45,9 @@ def parse_args(argv=None):
     add_mlp_shape_args(p)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of {', '.join(RECIPES)}")
+    p.add_argument("--main-grad", action="store_true",
+                   help="Megatron's wgrad fusion on both implementations: accumulate_into_main_grad=True, wgrads "
+                        "added into fp32 main_grad buffers, .grad dropped (results stem gets _main_grad)")
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args(argv)
     for name in ("experts", "tokens", "hidden", "ffn", "iters"):
@@ -69,9 +73,13 @@ def make_mlp(impl: str, args, seed: int = 0):
 
     ns = te.ops if impl == "te" else teo
     torch.manual_seed(seed)
-    kw = dict(bias=False, device="cuda", dtype=torch.bfloat16)
-    return te.ops.Sequential(ns.GroupedLinear(args.experts, args.hidden, args.ffn, **kw), ns.ScaledSReLU(),
-                             ns.GroupedLinear(args.experts, args.ffn, args.hidden, **kw))
+    main_grad = getattr(args, "main_grad", False)
+    kw = dict(bias=False, device="cuda", dtype=torch.bfloat16, accumulate_into_main_grad=main_grad)
+    mlp = te.ops.Sequential(ns.GroupedLinear(args.experts, args.hidden, args.ffn, **kw), ns.ScaledSReLU(),
+                            ns.GroupedLinear(args.experts, args.ffn, args.hidden, **kw))
+    if main_grad:
+        attach_main_grads(mlp)
+    return mlp
 
 
 def make_inputs(args, seed: int = 1):
@@ -211,7 +219,8 @@ def tflops(args, ms: float) -> float:
 def markdown(result: dict) -> str:
     a = result["args"]
     lines = [f"# Grouped MLP under TE's quantization recipes ({result['gpu']}, {result['date']})", "",
-             f"E={a['experts']} x {a['tokens']} tokens, H={a['hidden']}, F={a['ffn']}, bf16 weights, fwd+bwd. "
+             f"E={a['experts']} x {a['tokens']} tokens, H={a['hidden']}, F={a['ffn']}, bf16 weights, fwd+bwd"
+             + (", wgrads added into fp32 main_grad (Megatron's wgrad fusion)" if a.get("main_grad") else "") + ". "
              f"Command: `{result['command']}`", "",
              "Host ahead: the GPU time of a step queued behind a sleeping GPU (no host time in it; `-`: the "
              "step waits for the GPU on the host); host queue: the host's time to queue that step. Back to back "
@@ -278,10 +287,11 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"[fp8_recipes]   {json.dumps(row)}", flush=True)
     result = {"gpu": gpu, "date": utc_now(), "args": {k: v for k, v in vars(args).items()
-              if k in ("experts", "tokens", "hidden", "ffn", "iters")},
+              if k in ("experts", "tokens", "hidden", "ffn", "iters", "main_grad")},
               "command": command_line(argv if argv is not None else sys.argv[1:]),
               "torch": torch.__version__, "rows": rows}
-    paths = write_reports(args.out, file_stem("fp8_recipes", gpu), result, markdown, plot)
+    paths = write_reports(args.out, file_stem("fp8_recipes", gpu, "main_grad" if args.main_grad else ""), result,
+                          markdown, plot)
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 

@@ -295,6 +295,53 @@ def test_fp8_recipes_report_names_each_recipe_and_error():
                         6 * 2 * 8 * 2048 * 2688 * 1856 / 1e9)
 
 
+def test_fp8_recipes_main_grad_option_is_recorded_in_its_args_and_header():
+    import fp8_recipes
+
+    assert fp8_recipes.parse_args([]).main_grad is False
+    assert fp8_recipes.parse_args(["--main-grad"]).main_grad is True
+    result = {"gpu": "GPU", "date": "2026-11-25 00:00 UTC", "command": "python benchmarks/fp8_recipes.py --main-grad",
+              "args": {"experts": 8, "tokens": 2048, "hidden": 2688, "ffn": 1856, "iters": 20, "main_grad": True},
+              "rows": []}
+    assert "wgrads added into fp32 main_grad" in fp8_recipes.markdown(result)
+    result["args"]["main_grad"] = False
+    assert "main_grad" not in fp8_recipes.markdown(result)
+
+
+def test_attach_main_grads_lays_out_megatrons_buffer_and_drops_grad():
+    from bench_common import attach_main_grads
+
+    class Experts(torch.nn.Module):
+        def __init__(self, shapes):
+            super().__init__()
+            self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(*s)) for s in shapes)
+            self.bias = torch.nn.Parameter(torch.zeros(3))  # 1-D: no main_grad
+
+        def forward(self, x):
+            for w in self.weights:
+                x = x @ w.t() if w.dim() == 2 else x @ w[0].t()
+            return x
+
+    class Act(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    fc1, act, fc2 = Experts([(3, 3), (3, 3)]), Act(), Experts([(2, 3, 3)])
+    buffers = attach_main_grads([fc1, act, fc2])
+    assert [b.dtype for b in buffers] == [torch.float32, torch.float32]
+    assert [b.numel() for b in buffers] == [18, 18]
+    w0, w1 = fc1.weights
+    # the first expert last in the buffer, as in Megatron's grad buffer
+    assert w1.main_grad.data_ptr() == buffers[0].data_ptr()
+    assert w0.main_grad.data_ptr() == buffers[0].data_ptr() + 9 * 4
+    assert fc2.weights[0].main_grad.shape == (2, 3, 3) and fc2.weights[0].main_grad.data_ptr() == buffers[1].data_ptr()
+    assert not hasattr(fc1.bias, "main_grad") and w0.grad_added_to_main_grad is False
+    out = fc2(fc1(torch.randn(4, 3)))
+    out.sum().backward()
+    assert w0.grad is None and w1.grad is None and fc2.weights[0].grad is None  # dropped after accumulation
+    assert fc1.bias.grad is None  # unused in forward
+
+
 def test_first_step_report_compares_each_mode_with_stock(tmp_path):
     import first_step
 
