@@ -2,7 +2,7 @@
 
 * Hopper: ``te.ops.Sequential(te_offload_ops.GroupedLinear, te_offload_ops.ScaledSReLU,
   te_offload_ops.GroupedLinear)`` runs as one fused op of ours on sm_90 in bf16/fp16 with no FP8
-  recipe (:mod:`.srelu_mlp`).
+  recipe, or in FP8 under ``Float8BlockScaling`` (:mod:`.srelu_mlp`, :mod:`.block_fp8`).
 * Blackwell: where TE's own fused grouped MLP would take three ops of this package (sm_100,
   MXFP8/NVFP4), a subclass of TE's op that saves through the offload policy takes them
   (:mod:`.te_grouped_mlp`).
@@ -66,7 +66,8 @@ _registered = False
 def register() -> None:
     """Put both fusions ahead of TE's own, the Hopper one first (idempotent).
 
-    They never take the same ops: one needs sm_90 and no recipe, the other sm_100 and MXFP8/NVFP4.
+    They never take the same ops: one needs sm_90 and no recipe or Float8BlockScaling, the other
+    sm_100 and MXFP8/NVFP4.
     """
     global _registered
     if not _registered:
