@@ -8,7 +8,8 @@ Supports megatron-core >=0.19.2,<0.20 (tested with 0.19.2); other versions are r
 
     spec = use_te_offload_ops(get_gpt_layer_with_transformer_engine_spec(num_experts=8, moe_grouped_gemm=True))
     config = TransformerConfig(..., use_transformer_engine_op_fuser=True,
-                               activation_func=squared_relu, use_fused_weighted_squared_relu=True)
+                               activation_func=squared_relu, use_fused_weighted_squared_relu=True,
+                               add_bias_linear=False)
 
 and, for this package's offload schedule in Megatron's training loop,
 ``use_teo_offload(model, scope="layer", memory_budget=...)`` (:mod:`.teo_offload`).
