@@ -276,6 +276,35 @@ def test_adopting_an_op_without_a_counterpart_is_refused():
 # -- with Megatron-Core installed (the GPU machine; CI has none) ------------------------------
 
 
+def _python_block_with(path: Path, marker: str) -> str:
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+    found = [b for b in blocks if marker in b]
+    assert len(found) == 1, f"{path.name}: {len(found)} python blocks with {marker!r}"
+    return found[0]
+
+
+@requires_megatron
+@pytest.mark.parametrize("page", ["README.md", "docs/megatron.md"])
+def test_the_megatron_snippet_of_the_docs_builds_experts_that_fuse(page):
+    """The snippet as a reader copies it, ``...`` filled with a model's sizes: its config gives the
+    experts a scaled TE op the fused path takes (squared ReLU, no bias) and its spec our experts."""
+    from te_offload_ops.megatron.experts import scaled_activation_name
+
+    code = _python_block_with(ROOT / page, "config = TransformerConfig(")
+    assert code.count("...") == 1
+    code = code.replace("...", "num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128")
+    scope: dict = {}
+    exec(compile(code, page, "exec"), scope)  # noqa: S102 (the docs' own code)
+    spec = scope.get("spec", scope.get("layer_spec"))
+    config = scope["config"]
+    assert scaled_activation_name(config) == "ScaledSReLU" and not config.add_bias_linear
+    assert config.use_transformer_engine_op_fuser
+    experts = spec.submodules.mlp.keywords["submodules"].experts
+    assert experts.func is teo_megatron.TEOGroupedMLP
+
+
 @requires_megatron
 def test_use_te_offload_ops_on_megatron_specs():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
