@@ -158,6 +158,12 @@ def parser() -> argparse.ArgumentParser:
                    help="Megatron's per-layer CUDA graphs of these modules in every timed variant, as its trainer "
                         f"captures them (cuda_graph_impl=transformer_engine), e.g. attn,moe_router,moe_preprocess, "
                         f"or attn,moe with --capacity-factor; of {', '.join(GRAPH_MODULES)} (default: none)")
+    p.add_argument("--no-capture", action="store_true",
+                   help="with --cuda-graphs: Megatron's graphs configured (config, TE's RNG tracker, a side stream) "
+                        "but never captured, every step eager: the eager twin of a graphed run, to compare losses")
+    p.add_argument("--deterministic", action="store_true",
+                   help="timing jobs with TE's deterministic kernels too (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, as "
+                        "the numerics job always runs), so runs can be compared loss by loss")
     p.add_argument("--capacity-factor", type=float, default=None,
                    help="Megatron's drop-and-pad MoE in every variant: each expert takes at most this many times "
                         "its even share of the routed tokens, padded to that (static shapes, which the moe CUDA "
@@ -232,6 +238,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad or not args.offload_modules:
         p.error(f"--offload-modules: {bad or 'none given'}; choose from {', '.join(EXPERT_OFFLOAD_CHOICES)}")
     args.cuda_graphs = tuple(m.strip() for m in args.cuda_graphs.split(",") if m.strip())
+    if args.no_capture and not args.cuda_graphs:
+        p.error("--no-capture configures the graphs of --cuda-graphs without capturing them: give --cuda-graphs")
     if any(m not in GRAPH_MODULES for m in args.cuda_graphs):
         p.error(f"--cuda-graphs: {list(args.cuda_graphs)}: choose from {', '.join(GRAPH_MODULES)}")
     if "moe_preprocess" in args.cuda_graphs and "moe_router" not in args.cuda_graphs:
@@ -382,9 +390,11 @@ def time_variant(args, rank: int, weights: dict) -> dict:
             say(rank, f"{args.warmup} warm-up steps done ({experts_path(model)})")
             capture_s = None
             if graphs is not None:  # as Megatron's trainer: capture after the warm-up, then a first replay
-                capture_s = graphs.capture()
+                if not args.no_capture:
+                    capture_s = graphs.capture()
                 train_step(ddp, optimizer, shape, data[args.warmup % 2])
-                say(rank, f"CUDA graphs of {', '.join(v.cuda_graph_modules)} captured in {capture_s:.1f} s")
+                if capture_s is not None:
+                    say(rank, f"CUDA graphs of {', '.join(v.cuda_graph_modules)} captured in {capture_s:.1f} s")
             torch.cuda.synchronize()
             floor = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -632,7 +642,7 @@ def run_job(args, ep: int, label: str, job: str, **what) -> dict:
     with ``failure`` (None where every rank wrote a result)."""
     stem = "_".join(["ep" + str(ep), job, *(str(v).replace("+", "_") for v in what.values())])
     env = worker_env()
-    if job == "numerics":  # bitwise comparisons need TE's deterministic kernels
+    if job == "numerics" or args.deterministic:  # bitwise comparisons need TE's deterministic kernels
         env["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
     if args.job_logs is not None:
         args.job_logs.mkdir(parents=True, exist_ok=True)
@@ -710,7 +720,9 @@ def build_result(args, rows: list, numerics: dict, cap, gpus: list, complete: bo
                    "repeats": args.repeats, "warmup": args.warmup, "iters": args.iters,
                    "seed": args.seed, "profile": args.profile, "numerics": not args.no_numerics,
                    "cap_gib": args.cap_gib, "cap_max_micro_batch": args.cap_max_micro_batch,
-                   "cuda_graphs": list(args.cuda_graphs), "capacity_factor": args.capacity_factor},
+                   "cuda_graphs": list(args.cuda_graphs),
+                   "graphs_captured": bool(args.cuda_graphs) and not args.no_capture,
+                   "deterministic": args.deterministic, "capacity_factor": args.capacity_factor},
         "rows": rows, "numerics": numerics, "cap": cap,
     }
     result["targets"] = (targets(rows) + [dict(target=c["check"], value=c["value"], met=c["met"])
@@ -721,7 +733,7 @@ def build_result(args, rows: list, numerics: dict, cap, gpus: list, complete: bo
 
 def report_stem(args, gpu: str) -> str:
     suffixes = (() if args.ep == [1, 2] else ("ep" + "-".join(map(str, args.ep)),)) + \
-        (("graphs",) if args.cuda_graphs else ()) + \
+        (("graphs" if not args.no_capture else "graphs_uncaptured",) if args.cuda_graphs else ()) + \
         (("fp8",) if any(split_precision(v)[1] for v in args.variants) else ())
     return file_stem("megatron_gpt", gpu, *suffixes)
 

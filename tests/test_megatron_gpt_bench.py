@@ -70,6 +70,7 @@ def test_variant_names_map_to_what_each_runs():
     (["--worker-ep", "1", "--worker-out", "/tmp", "--worker-job", "bench"], "invalid choice: 'bench'"),
     (["--cuda-graphs", "attn,mlp"], "--cuda-graphs: ['attn', 'mlp']: choose from attn, moe_router, moe_preprocess, moe"),
     (["--cuda-graphs", "moe_preprocess"], "moe_preprocess needs moe_router"),
+    (["--no-capture"], "--no-capture configures the graphs of --cuda-graphs without capturing them"),
     (["--cap-gib", "60", "--ep", "1", "--cap-variants", "ours,ours+copies"], "ours+copies frees nothing"),
 ])
 def test_bad_arguments_are_refused_with_the_reason(argv, said, capsys):
@@ -230,6 +231,15 @@ def test_whole_moe_graphs_need_drop_and_pad_and_no_offloading_inside(argv, said,
     with pytest.raises(SystemExit):
         mg.parse_args(["--ep", "1", *argv])
     assert said in capsys.readouterr().err
+
+
+def test_the_eager_twin_of_a_graphed_run_is_named_apart():
+    common = ["--ep", "1", "--variants", "ours", "--cuda-graphs", "attn,moe", "--capacity-factor", "1"]
+    graphed = mg.parse_args([*common, "--deterministic"])
+    twin = mg.parse_args([*common, "--no-capture"])
+    assert not graphed.no_capture and graphed.deterministic and twin.no_capture and not twin.deterministic
+    assert mg.report_stem(graphed, "GPU") != mg.report_stem(twin, "GPU")
+    assert "graphs_uncaptured" in mg.report_stem(twin, "GPU")
 
 
 def test_drop_and_pad_with_whole_moe_graphs_reaches_every_variants_config():

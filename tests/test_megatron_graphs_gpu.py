@@ -4,9 +4,10 @@ attention graphed and the experts eager.
 
 Runs ``benchmarks/megatron_gpt.py`` on a small GPTModel at EP=1 as a user runs it: ours in bf16
 trains under the whole-layer graphs (captured after the warm-up, then replayed) with the fused op
-inside them, and its losses equal those of the same drop-and-pad model run eagerly; FP8 block
-scaling under drop-and-pad (the experts eager: Megatron pads FP8 experts' tokens through a host
-copy no capture takes) trains within FP8's error of bf16. About three minutes.
+inside them, and its losses equal those of its eager twin (the same configuration, RNG tracker and
+stream, never captured; TE's deterministic kernels in both); FP8 block scaling under drop-and-pad
+(the experts eager: Megatron pads FP8 experts' tokens through a host copy no capture takes) trains
+within FP8's error of bf16. About four minutes.
 """
 
 from __future__ import annotations
@@ -48,22 +49,24 @@ def _close(a, b, rel):
 
 
 def test_our_experts_run_in_megatrons_moe_layer_graphs_and_train_as_eagerly(tmp_path):
-    # the graphed run steps once more (its first replay) after its warm-up: the eager run warms up one
-    # step longer, so the timed steps of both start from the same state with the same tokens
-    graphed = _run(tmp_path, "graphed", "--variants", "ours", "--cuda-graphs", "attn,moe", "--warmup", "2")["ours"]
+    # the twin steps eagerly where the graphed run captures and replays: same steps, same tokens
+    graphs = ("--variants", "ours", "--cuda-graphs", "attn,moe", "--warmup", "2", "--deterministic")
+    graphed = _run(tmp_path, "graphed", *graphs)["ours"]
+    twin = _run(tmp_path, "twin", *graphs, "--no-capture")["ours"]
     eager = _run(tmp_path, "eager", "--variants", "ours,ours+fp8block", "--warmup", "3")
-    for r in (graphed, *eager.values()):
+    for r in (graphed, twin, *eager.values()):
         assert r["experts_path"].startswith("FusedScaledSReLUMLP"), r["experts_path"]
         assert all(math.isfinite(x) for x in r["timed_losses_per_rank"][0])
     assert graphed["cuda_graphs"] == ["attn", "moe"] and graphed["graph_capture_s"] > 0
+    assert twin["cuda_graphs"] == ["attn", "moe"] and twin["graph_capture_s"] is None
     # the timed steps replayed the experts: their op never ran in Python
     assert graphed["experts_eager_forwards_timed_per_rank"] == [0], graphed["experts_eager_forwards_timed_per_rank"]
-    assert eager["ours"]["experts_eager_forwards_timed_per_rank"][0] > 0
-    # both start from the same weights (the graphed run switches to TE's RNG tracker after making them)
-    assert graphed["weights_digest"] == eager["ours"]["weights_digest"]
+    assert twin["experts_eager_forwards_timed_per_rank"][0] > 0
+    # the same start: weights, and the first (eager) step of both
+    assert graphed["weights_digest"] == twin["weights_digest"] == eager["ours"]["weights_digest"]
+    assert graphed["first_loss"] == pytest.approx(twin["first_loss"], rel=1e-6)
     # the replays train as the eager steps do (same weights, tokens and kernels; sizes from the capture)
-    assert graphed["first_loss"] == pytest.approx(eager["ours"]["first_loss"], rel=1e-3)
-    assert _close(eager["ours"]["timed_losses_per_rank"][0], graphed["timed_losses_per_rank"][0], 5e-3)
+    assert _close(twin["timed_losses_per_rank"][0], graphed["timed_losses_per_rank"][0], 5e-3)
     # FP8 block scaling under drop-and-pad trains within FP8's error of bf16
     bf16, fp8 = eager["ours"], eager["ours+fp8block"]
     assert abs(fp8["first_loss"] - bf16["first_loss"]) <= 2e-2 * abs(bf16["first_loss"])
