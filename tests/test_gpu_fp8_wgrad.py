@@ -158,16 +158,32 @@ def test_fp8_wgrads_reach_main_grad_as_the_plain_fp8_wgrads(megatron, monkeypatc
             assert _rel(g, want) < 1e-2, (name, _rel(g, want))
 
 
-def test_fp8_wgrad_of_a_rank_without_tokens_is_zero_and_overwrites_or_adds_nothing():
-    """One expert, no tokens (a rank under expert parallelism can get none): the padded copies are
-    empty, the plain form returns zeros, main_grad keeps its values or is zeroed when overwritten."""
+@pytest.mark.parametrize("splits", [[0], [0, 0, 0, 0]], ids=["one-expert", "four-experts"])
+def test_fp8_wgrad_of_a_rank_without_tokens_is_zero_and_overwrites_or_adds_nothing(splits):
+    """No tokens (a rank under expert parallelism can get none): the padded copies are empty, the
+    plain form returns zeros, main_grad keeps its values (even -0.0) or is zeroed when overwritten."""
     from te_offload_ops.kernels.api_fp8_wgrad import grouped_wgrad_fp8_blockwise, grouped_wgrad_fp8_main_grad
 
-    split, t, (qa, sa), (qb, sb), _ = _operands(64, 64, [0], seed=3)
+    e = len(splits)
+    split, t, (qa, sa), (qb, sb), _ = _operands(64, 64, splits, seed=3)
     assert qa.shape[1] == 0
     assert torch.count_nonzero(grouped_wgrad_fp8_blockwise(qa, sa, qb, sb, split, t)) == 0
-    mg = torch.ones(1, 64, 64, device="cuda")
+    mg = torch.ones(e, 64, 64, device="cuda")
+    mg[:, 0, 0] = -0.0
     grouped_wgrad_fp8_main_grad(qa, sa, qb, sb, split, t, mg, accumulate=True)
-    assert bool((mg == 1).all())
+    assert bool((mg[:, 1:] == 1).all()) and bool(torch.signbit(mg[:, 0, 0]).all())
     grouped_wgrad_fp8_main_grad(qa, sa, qb, sb, split, t, mg, accumulate=False)
     assert torch.count_nonzero(mg) == 0
+
+
+def test_fp8_wgrad_reads_strided_split_sizes_as_their_values():
+    """A split-size view with a stride (every other entry of a longer tensor) gives the wgrads of
+    its values, as the contiguous copy does."""
+    from te_offload_ops.kernels.api_fp8_wgrad import grouped_wgrad_fp8_blockwise
+
+    split, t, (qa, sa), (qb, sb), _ = _operands(128, 128, SPLITS, seed=11)
+    wide = torch.stack([split, torch.full_like(split, 7)], dim=1).reshape(-1)
+    strided = wide[::2]
+    assert not strided.is_contiguous() and torch.equal(strided, split)
+    assert torch.equal(grouped_wgrad_fp8_blockwise(qa, sa, qb, sb, strided, t),
+                       grouped_wgrad_fp8_blockwise(qa, sa, qb, sb, split, t))

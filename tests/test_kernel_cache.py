@@ -548,6 +548,37 @@ def test_the_fp8_path_variants_are_the_fp8_gemms_and_the_same_wgrads(monkeypatch
     assert [v.kwargs.get("pow2") for v in mlp_variants(8, 2688, 1856, fp8=True)[1:3]] == [False, False]
 
 
+def test_the_fp8_wgrad_setting_warms_the_fp8_wgrad_kernels(monkeypatch):
+    from te_offload_ops.kernels import mlp_variants
+
+    monkeypatch.setenv("TEO_FP8_WGRAD", "fp8")
+    plain = mlp_variants(8, 2688, 1856, fp8=True)
+    # dW2 = dy^T act (M=H, N=F), dW1 = dz^T x (M=F, N=H), each in FP8 on columnwise copies
+    assert [(v.kwargs.get("fp8_wgrad"), v.kwargs["m"], v.kwargs["n"], v.kwargs["epilogue"]) for v in plain[3:]] == \
+        [(True, 2688, 1856, "plain"), (True, 1856, 2688, "plain")]
+    assert all("128-token scales" in v.describe() for v in plain[3:])
+    into = mlp_variants(8, 2688, 1856, fp8=True, main_grad=True, tokens=8 * 4096)
+    assert [v.kwargs["epilogue"] for v in into[3:]] == ["red_f32", "red_f32"]
+    over = mlp_variants(8, 2688, 1856, fp8=True, main_grad=True, overwrite_main_grad=True)
+    assert [v.kwargs["epilogue"] for v in over[3:]] == ["store_f32", "store_f32"]
+    assert plain[:3] == into[:3] == over[:3]  # the forward and dgrad GEMMs do not change
+    monkeypatch.setenv("TEO_FP8_WGRAD", "bf16")
+    assert not any(v.kwargs.get("fp8_wgrad") for v in mlp_variants(8, 2688, 1856, fp8=True))
+
+
+@needs_dsl
+def test_warm_up_command_compiles_and_loads_the_fp8_wgrad_kernels(tmp_path):
+    cache = tmp_path / "cache"
+    args = ("--num-experts", "2", "--hidden-size", "256", "--ffn-hidden-size", "128", "--fp8")
+    first = _warmup(cache, *args, TEO_FP8_WGRAD="fp8")
+    assert first.returncode == 0, first.stderr[-3000:]
+    lines = [ln for ln in first.stdout.splitlines() if ln.startswith("[")]
+    assert len(lines) == 5 and all(": compiled in " in ln for ln in lines), first.stdout
+    assert sum("128-token scales" in ln for ln in lines) == 2
+    second = _warmup(cache, *args, TEO_FP8_WGRAD="fp8")
+    assert second.returncode == 0 and "0 compiled and written, 5 already in" in second.stdout, second.stdout
+
+
 @needs_dsl
 def test_warm_up_command_compiles_then_loads_the_fp8_path(tmp_path):
     cache = tmp_path / "cache"

@@ -39,7 +39,9 @@ def wanted(t: torch.Tensor) -> bool:
 
 def column_bytes(tokens: int, features: int, experts: int) -> int:
     """Bytes of a (tokens, features) matrix's columnwise copy: data and scales (for make_room)."""
-    padded = (tokens + 127 * experts) // 128 * 128  # fp8_rows.padded_tokens
+    from ..kernels.fp8_rows import padded_tokens
+
+    padded = padded_tokens(tokens, experts)
     return features * padded + padded // 128 * (-(-features // 4) * 4) * 4
 
 

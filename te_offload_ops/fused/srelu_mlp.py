@@ -32,7 +32,7 @@ from .row_chunks import block_split_sizes, chunk_rows, expert_row_ranges
 from . import block_fp8, fp8_wgrad
 from .selection import active_recipe, runtime_blockers
 from .split_check import check_now, resolve_in_backward, start_check
-from .weight_grads import check_main_grad, weight_grad_bytes, weight_grads
+from .weight_grads import check_main_grad, main_grads_take_fp8, weight_grad_bytes, weight_grads
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class FusedScaledSReLUMLP(FusedOperation):
         # x for fc1's wgrad: its FP8 rows (dequantized for a bf16 wgrad), or its per-expert
         # columnwise copy for the FP8 wgrad (TE's recipe saves that copy alone)
         x_cols = (fp8_wgrad.wanted(x2d) and weight_params(fc1)[0].requires_grad
-                  and any(ctx.requires_grad for ctx in ctxs))
+                  and any(ctx.requires_grad for ctx in ctxs) and main_grads_take_fp8(fc1))
         # z, act and y in bf16, x and z in FP8 (tokens x (hidden + ffn) bytes), x's columnwise copy
         x_cols_bytes = [fp8_wgrad.column_bytes(tokens, fc1.in_features, fc1.num_groups)] if x_cols else []
         hints.make_room([tokens * fc1.out_features * itemsize, tokens * fc1.out_features * itemsize,
@@ -311,7 +311,8 @@ class FusedScaledSReLUMLP(FusedOperation):
         device, itemsize = dy.device, dy.element_size()
         tokens, ffn = z_data.shape
         experts = fc1.num_groups
-        fp8_w2 = fp8_wgrad.wanted(dy) and weight_params(fc2)[0].requires_grad  # fc2's wgrad in FP8
+        fp8_w2 = (fp8_wgrad.wanted(dy) and weight_params(fc2)[0].requires_grad  # fc2's wgrad in FP8
+                  and main_grads_take_fp8(fc2))
         # dact (dz over it), act, dz in FP8 and dprobs; dy's columnwise copy for an FP8 wgrad
         dy_cols_bytes = [fp8_wgrad.column_bytes(tokens, fc2.out_features, experts)] if fp8_w2 else []
         hints.make_room([tokens * ffn * itemsize, tokens * ffn * itemsize, tokens * ffn, tokens * 4, *dy_cols_bytes],

@@ -83,6 +83,18 @@ def _main_grads(op) -> list[torch.Tensor] | torch.Tensor:
     return [get_main_grad_from_param(p, op_label="GroupedLinear") for p in params]
 
 
+def main_grads_take_fp8(op) -> bool:
+    """Whether the FP8 wgrad kernel can write ``op``'s weight grads: it adds into fp32 main_grad by
+    8-byte pairs, so buffers off an 8-byte boundary take the bf16 wgrad instead (which has a
+    fallback for them); True where ``op`` does not accumulate into main_grad."""
+    if not accumulates_into_main_grad(op):
+        return True
+    from ..kernels import api
+
+    bufs = _main_grads(op)
+    return api._vector_aligned([bufs] if isinstance(bufs, torch.Tensor) else bufs)
+
+
 def _gemm(dy, x, split_sizes, out_dtype) -> torch.Tensor:
     """(E, out, in): bf16/fp16 token matrices, or their FP8 columnwise copies (:class:`.fp8_wgrad.Cols`)."""
     from .. import kernels

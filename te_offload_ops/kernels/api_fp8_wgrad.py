@@ -131,8 +131,13 @@ def _check(a, sa, b, sb, split_sizes, num_tokens):
             or split_sizes.device != a.device):
         bad(f"split_sizes must be a 1-D int32/int64 tensor on {a.device}, got {split_sizes.dtype} "
             f"{tuple(split_sizes.shape)} on {split_sizes.device}")
+    if b.device != a.device:
+        bad(f"a_data is on {a.device} and b_data on {b.device}; both must be on one GPU")
+    if not 0 <= num_tokens <= api._INT32_MAX or tp > api._INT32_MAX:
+        bad(f"{num_tokens} tokens ({tp} padded) overflow the kernel's 32-bit token counts")
     e = split_sizes.numel()
-    padded = (num_tokens + (SCALE_BLOCK - 1) * e) // SCALE_BLOCK * SCALE_BLOCK  # fp8_rows.padded_tokens
+    # fp8_rows.padded_tokens (not imported: it brings Triton)
+    padded = (num_tokens + (SCALE_BLOCK - 1) * e) // SCALE_BLOCK * SCALE_BLOCK if num_tokens else 0
     if num_tokens < 0 or tp != padded:
         bad(f"the padded token count must be fp8_rows.padded_tokens({num_tokens}, {e}) = {padded}, got {tp}")
     for name, rows in (("M", a.shape[0]), ("N", b.shape[0])):
@@ -165,7 +170,7 @@ def grouped_wgrad_fp8_blockwise(a_data, a_scale_inv, b_data, b_scale_inv, split_
         return torch.zeros((e, m, n), dtype=out_dtype, device=a_data.device)
     kern, compiled = _get_kernel(out_dtype, m, n, e, tile, "plain")
     out = torch.empty((e, m, n), dtype=out_dtype, device=a_data.device)
-    split = split_sizes.to(torch.int32)
+    split = api._splits_i32(split_sizes, a_data.device)  # contiguous: the kernel reads it with stride 1
     offsets = _unread_offsets(e, a_data.device)
     _launch(kern, compiled, a_data, b_data, out, split, a_scale_inv, b_scale_inv, offsets, num_tokens)
     return out
@@ -193,8 +198,8 @@ def grouped_wgrad_fp8_main_grad(a_data, a_scale_inv, b_data, b_scale_inv, split_
     tile = tuple(tile) if tile is not None else pick_tile_fp8_wgrad(n)
     kern, compiled = _get_kernel(torch.bfloat16, m, n, e, tile, "red_f32" if accumulate else "store_f32")
     base, offsets = api._main_grad_offsets(bufs, a_data.device)
-    _launch(kern, compiled, a_data, b_data, base, split_sizes.to(torch.int32), a_scale_inv, b_scale_inv, offsets,
-            num_tokens)
+    _launch(kern, compiled, a_data, b_data, base, api._splits_i32(split_sizes, a_data.device), a_scale_inv,
+            b_scale_inv, offsets, num_tokens)
 
 
 def _launch(kern, compiled, a, b, c, split, sa, sb, offsets, num_tokens):

@@ -242,7 +242,9 @@ def quantize_weights(w: torch.Tensor, reversed_experts: bool, eps: float, pow2: 
 def padded_tokens(num_tokens: int, num_experts: int) -> int:
     """Columns of :func:`quantize_columns`' copy: room for every expert's tokens rounded up to 128,
     whatever the split (known on the host from the shapes alone): the rounded sizes sum to at most
-    ``T + 127 E`` and to a multiple of 128."""
+    ``T + 127 E`` and to a multiple of 128; none without tokens."""
+    if num_tokens == 0:
+        return 0
     return (num_tokens + (BLOCK - 1) * num_experts) // BLOCK * BLOCK
 
 

@@ -8,7 +8,8 @@ job's ranks then load every kernel in milliseconds. The variants are those the f
 for these shapes: fc1 forward with SReLU, fc2 forward, fc2 dgrad with dSReLU, fc1 dgrad, and both
 weight gradients (plain, or added into main_grad the way :func:`~.api.main_grad_way` picks for the
 tokens, or every way it can pick where ``tokens`` is not given); with ``--fp8``, those of the
-``Float8BlockScaling`` path instead (the grouped FP8 GEMMs, the same wgrads).
+``Float8BlockScaling`` path instead (the grouped FP8 GEMMs, the same wgrads, or the FP8 wgrad
+kernels where ``TEO_FP8_WGRAD=fp8``).
 ``delay_wgrad_compute`` runs the same kernels later, so it needs nothing here. Without a GPU the
 kernels compile for sm_90a (``CUTE_DSL_ARCH``); the entries then serve GPU machines whose CuTe DSL
 is installed at the same path and picks the same CUDA flavour (the newest installed where no
@@ -47,6 +48,8 @@ class Variant:
         """One line; with the kernel object, its schedule (picked where not given) too."""
         kw = self.kwargs
         n, k, e = kw["n"], kw["k"], kw["e"]
+        if kw.get("fp8_wgrad"):
+            return f"{self.label} (M={kw['m']} N={n}, {e} experts, FP8 e4m3 with 128-token scales, {kw['epilogue']})"
         if kw.get("fp8"):
             scales = ", power-of-two scales" if kw.get("pow2") else ""
             return f"{self.label} (N={n} K={k}, {e} experts, FP8 e4m3 with 1x128 / 128x128 scales{scales})"
@@ -134,6 +137,11 @@ def mlp_variants(num_experts: int, hidden_size: int, ffn_hidden_size: int, param
         ]
     # weight gradients dW = dy^T x: fc2's over (dy: H, act: F), fc1's over (dz: F, x: H)
     wgrads = [("fc2 wgrad", h, f), ("fc1 wgrad", f, h)]
+    if fp8 and settings.fp8_wgrad() == "fp8":  # FP8 GEMMs on per-expert columnwise copies
+        epilogue = "plain" if not main_grad else "store_f32" if overwrite_main_grad else "red_f32"
+        return out + [Variant(label + (" into main_grad" if main_grad else ""),
+                              dict(base, fp8_wgrad=True, m=rows, n=cols, k=0, epilogue=epilogue))
+                      for label, rows, cols in wgrads]
     if not main_grad:
         if api.wgrad_backend() == "cute":
             out += [Variant(label, dict(base, n=cols, k=0, b_n_major=True, epilogue="plain", wgrad_m=rows))
@@ -164,6 +172,11 @@ def mlp_variants(num_experts: int, hidden_size: int, ffn_hidden_size: int, param
 
 def _get(kwargs: dict):
     kw = dict(kwargs)
+    if kw.pop("fp8_wgrad", False):
+        from .api_fp8_wgrad import _get_kernel, pick_tile_fp8_wgrad
+
+        out_dtype = kw["dtype"] if kw["epilogue"] == "plain" else torch.bfloat16  # as the launchers ask
+        return _get_kernel(out_dtype, kw["m"], kw["n"], kw["e"], pick_tile_fp8_wgrad(kw["n"]), kw["epilogue"])
     if kw.pop("fp8", False):
         from .api_fp8 import get_kernel_fp8
 
