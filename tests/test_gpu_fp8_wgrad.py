@@ -108,7 +108,7 @@ def _rel(a, ref):
     return ((a.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
-def _fused_run(monkeypatch, mode, case, megatron=()):
+def _fused_run(monkeypatch, mode, case, megatron=(), prepare=None):
     from mlp_steps import Config, attach_main_grads, make_inputs, make_stack, recipe_problem, run_step
 
     if (reason := recipe_problem("block")) is not None:
@@ -119,7 +119,32 @@ def _fused_run(monkeypatch, mode, case, megatron=()):
     stack = make_stack(cfg)
     if "main_grad" in megatron:
         attach_main_grads(stack)
+    if prepare is not None:
+        prepare(stack)
     return run_step(stack, make_inputs(cfg), "none"), stack
+
+
+def _main_grads_off_8_bytes(stack):
+    """Each main_grad moved 4 bytes past an 8-byte boundary (same values)."""
+    from mlp_steps import linears
+
+    for op in linears(stack):
+        for p in op.parameters():
+            moved = torch.empty(p.main_grad.numel() + 1, device="cuda", dtype=torch.float32)[1:]
+            moved.copy_(p.main_grad.reshape(-1))
+            p.main_grad = moved.view(p.main_grad.shape)
+            assert p.main_grad.data_ptr() % 8 == 4
+
+
+def test_main_grad_off_an_8_byte_boundary_takes_the_bf16_wgrad(monkeypatch):
+    """The FP8 wgrad adds fp32 pairs; buffers it cannot pair get the bf16 wgrad (the step runs,
+    and its main_grad gains are those of the bf16-wgrad step, bit for bit)."""
+    case = "uneven-zero-partial-ffn"
+    bf16, _ = _fused_run(monkeypatch, "bf16", case, ("main_grad",), _main_grads_off_8_bytes)
+    fp8, _ = _fused_run(monkeypatch, "fp8", case, ("main_grad",), _main_grads_off_8_bytes)
+    assert torch.equal(fp8["out"], bf16["out"])
+    for name, want in bf16["grads"].items():
+        assert torch.equal(fp8["grads"][name], want), name
 
 
 @pytest.mark.parametrize("case", list(FUSED_CASES))
