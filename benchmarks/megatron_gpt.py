@@ -89,7 +89,9 @@ from bench_common import file_stem, refuse, utc_now, write_reports  # noqa: E402
 import megatron_gpt_jobs as jobs  # noqa: E402
 from megatron_gpt_model import (EXPERT_OFFLOAD_CHOICES, PRECISIONS, GPTShape, Variant,  # noqa: E402
                                 split_precision, worker_env)
-from megatron_gpt_report import add_comparisons, cap_targets, chart, markdown, merge_variant, targets  # noqa: E402
+from megatron_gpt_report import (  # noqa: E402
+    add_comparisons, cap_targets, chart, function_label, markdown, merge_variant, targets,
+)
 
 BASE_VARIANTS = ("stock", "ours", "ours+megatron", "ours+teo", "ours+teo-ahead", "ours+teo-layer", "stock+megatron",
                  "ours+copies")
@@ -461,7 +463,7 @@ def host_profile(args, ddp, optimizer, data, steps: int = 3, top: int = 25, keep
     stats = pstats.Stats(prof)
     rows = []
     for (path, line, func), (_, calls, tottime, cumtime, _) in stats.stats.items():
-        where = f"{Path(path).parent.name}/{Path(path).name}:{line}({func})" if line else func
+        where = f"{Path(path).parent.name}/{Path(path).name}:{line}({func})" if line else function_label(func)
         rows.append({"function": where, "self_ms": tottime * 1e3 / steps, "cum_ms": cumtime * 1e3 / steps,
                      "calls": calls / steps, "path": path})
     rows.sort(key=lambda r: -r["self_ms"])

@@ -8,6 +8,7 @@ Pure functions over the result dicts (no torch, no GPU): tested on synthetic row
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from bench_common import pyplot, save_png
@@ -345,7 +346,7 @@ def host_lines(rows: list[dict], top: int = 12) -> list[str]:
         out += ["", f"Host time under cProfile, EP={row['ep']} {row['variant']} (rank 0): {host['wall_ms']:.1f} ms "
                     "per step; the functions that took most of it themselves:", "",
                 "| function | self ms/step | cumulative ms/step | calls/step |", "|---|---|---|---|"]
-        out += [f"| `{r['function']}` | {r['self_ms']:.2f} | {r['cum_ms']:.2f} | {r['calls']:.0f} |"
+        out += [f"| `{function_label(r['function'])}` | {r['self_ms']:.2f} | {r['cum_ms']:.2f} | {r['calls']:.0f} |"
                 for r in host["top"][:top]]
         if host.get("package_top"):
             out += ["", f"Of it, te_offload_ops' own functions: {host['package_self_ms']:.1f} ms per step; by "
@@ -356,11 +357,22 @@ def host_lines(rows: list[dict], top: int = 12) -> list[str]:
     return out
 
 
+def function_label(name: str) -> str:
+    """A profiled function's name without the object address cProfile gives some
+    (``<function Event.synchronize at 0x7f...>``): the same function in two processes, one name."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", name)
+
+
 def host_growth(base: dict, other: dict) -> list[dict]:
     """Per function, how much more self time a step ``other``'s host profile spent than ``base``'s
     (functions kept in either; a function absent from one counts as zero there), largest first."""
     def by_name(host):
-        return {r["function"]: r for r in host.get("functions", [])}
+        named: dict = {}
+        for r in host.get("functions", []):
+            into = named.setdefault(function_label(r["function"]), {"self_ms": 0.0, "calls": 0.0})
+            into["self_ms"] += r.get("self_ms", 0.0)
+            into["calls"] += r.get("calls", 0.0)
+        return named
 
     a, b = by_name(base), by_name(other)
     grown = []

@@ -190,6 +190,15 @@ def test_the_host_growth_table_compares_each_offloading_variant_with_ours_by_fun
     assert not any("EP=2" in line for line in lines)
 
 
+def test_a_function_cprofile_names_by_address_is_one_function_in_every_process():
+    fn = lambda name, ms, calls: {"function": name, "self_ms": ms, "cum_ms": ms, "calls": calls}  # noqa: E731
+    ours = {"wall_ms": 100.0, "functions": [fn("<function Event.synchronize at 0x7fc0c67411c0>", 0.5, 8)]}
+    teo = {"wall_ms": 105.0, "functions": [fn("<function Event.synchronize at 0x7f79cb5391c0>", 5.0, 8)]}
+    assert [(r["function"], r["self_ms"], r["calls"]) for r in mgr.host_growth(ours, teo)] == \
+        [("<function Event.synchronize>", 4.5, 0.0)]
+    assert mgr.function_label("teo/engine.py:210(pack)") == "teo/engine.py:210(pack)"
+
+
 def test_cuda_graphs_reach_every_variants_config_as_megatrons_trainer_sets_them():
     from te_offload_ops.megatron.teo_offload import teo_offload_problems
 
