@@ -360,6 +360,25 @@ def test_a_weight_written_between_forward_and_backward_is_refused_as_autograd_re
     check_weight_versions(op, weight_versions(weight_params(op)), "fc1")  # a new forward records them again
 
 
+def test_main_grad_off_an_8_byte_boundary_keeps_the_fp8_wgrad_out(monkeypatch):
+    """The FP8 wgrad adds into main_grad by fp32 pairs: buffers it cannot pair take the bf16 wgrad."""
+    import types
+
+    from te_offload_ops.fused import weight_grads as wg
+
+    params = [torch.nn.Parameter(torch.zeros(4, 8)) for _ in range(2)]
+    monkeypatch.setattr(wg, "weight_params", lambda op: params)
+    op = types.SimpleNamespace(_accumulate_into_main_grad=False)
+    assert wg.main_grads_take_fp8(op)  # no main_grad: the op's own grads
+    op._accumulate_into_main_grad = True
+    assert wg.main_grads_take_fp8(op)  # none allocated yet (FSDP makes them later): checked in backward
+    buffer = torch.zeros(2 * 32 + 1)
+    params[0].main_grad, params[1].main_grad = buffer[:32].view(4, 8), buffer[32:64].view(4, 8)
+    assert wg.main_grads_take_fp8(op)
+    params[1].main_grad = buffer[33:65].view(4, 8)  # 4 bytes past an 8-byte boundary
+    assert not wg.main_grads_take_fp8(op)
+
+
 def test_fp8_columnwise_operands_take_the_fp8_wgrad_now_delayed_and_into_main_grad(monkeypatch):
     """weight_grads sends FP8 columnwise copies (fp8_wgrad.Cols) to the FP8 kernels, bf16 token
     matrices to the bf16 ones, on each path: returned grads (the params' dtype), delayed (queued

@@ -91,8 +91,9 @@ def main_grads_take_fp8(op) -> bool:
         return True
     from ..kernels import api
 
-    bufs = _main_grads(op)
-    return api._vector_aligned([bufs] if isinstance(bufs, torch.Tensor) else bufs)
+    # the buffers as they stand (FSDP may make them only in backward: those are checked there)
+    bufs = [g for g in (getattr(p, "main_grad", None) for p in weight_params(op)) if isinstance(g, torch.Tensor)]
+    return api._vector_aligned(bufs)
 
 
 def _gemm(dy, x, split_sizes, out_dtype) -> torch.Tensor:
