@@ -249,6 +249,10 @@ def test_the_eager_twin_of_a_graphed_run_is_named_apart():
     assert not graphed.no_capture and graphed.deterministic and twin.no_capture and not twin.deterministic
     assert mg.report_stem(graphed, "GPU") != mg.report_stem(twin, "GPU")
     assert "graphs_uncaptured" in mg.report_stem(twin, "GPU")
+    rows = [{"cuda_graphs": ["attn", "moe"], "graph_capture_s": None}]
+    assert "never captured" in mgr.graphs_sentence(rows)
+    rows[0]["graph_capture_s"] = 2.5
+    assert "captured after the warm-up in up to 2.5 s" in mgr.graphs_sentence(rows)
 
 
 def test_drop_and_pad_with_whole_moe_graphs_reaches_every_variants_config():
