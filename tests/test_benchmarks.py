@@ -126,13 +126,16 @@ def test_copy_interference_report(tmp_path):
             {"direction": "h2d", "chunk_MiB": 4, "chunks": 2, "small_wait_ms": 0.01, "small_wait_max_ms": 0.01,
              "big_GBps": 50.0, "big_ms": 0.17, "overlapped": False},
             {"direction": "d2h", "chunk_MiB": 16, "chunks": 32, "small_wait_ms": 0.31, "small_wait_max_ms": 0.4,
-             "big_GBps": 53.9, "big_ms": 9.96}]
+             "big_GBps": 53.9, "big_ms": 9.96},
+            {"direction": "d2h", "chunk_MiB": 16, "chunks": 32, "small_wait_ms": 0.6, "small_wait_max_ms": 0.7,
+             "big_GBps": 52.0, "big_ms": 10.3, "paced_depth": 2, "overlapped": True}]
     result = {"gpu": "GPU", "date": "today", "mib": 512, "lead_ms": 2.0, "reps": 7, "rows": rows}
     text = markdown(result)
     assert "| d2h | whole | 1 | 8.250 (9.000) | 54.7 | 9.80 |" in text
     assert "| d2h | 16 | 32 | 0.310 (0.400) | 53.9 | 9.96 |" in text
     assert "| d2h | no large copy | 0 | 0.010 (0.020) | - | - |" in text
     assert "| h2d | 4 | 2 | 0.010 (0.010) (large copy already done: not measured) | 50.0 | 0.17 |" in text
+    assert "| d2h | 16, fed 2 at a time | 32 | 0.600 (0.700) | 52.0 | 10.30 |" in text
     assert chart(result, tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 0
 
 
