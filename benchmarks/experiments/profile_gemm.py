@@ -7,10 +7,12 @@
 
 The GEMM (fc1 fwd plain, fc2 fwd plain, fc1 fwd + SReLU, fc2 dgrad + dSReLU, fc1's weight
 gradient in bf16 (``wgrad``) or added into Megatron's fp32 main_grad (``wgrad_main_grad``, by
-``--add`` tma / red / rmw: the L2 traffic the add costs against the plain wgrad) runs
-three times to compile and warm up, then once between cudaProfilerStart/Stop, so
-``--profile-from-start off --launch-count 1`` catches exactly our kernel.  Shape:
-E=8 x 2048 tokens, H=2688, F=1856, bf16, int32 split sizes (no conversion kernel).
+``--add`` tma / red / rmw: the L2 traffic the add costs against the plain wgrad), or fc1's
+forward in FP8 under Float8BlockScaling (``fp8_fc1``: the grouped FP8 GEMM alone, its operands
+quantized beforehand) runs three times to compile and warm up, then once between
+cudaProfilerStart/Stop, so ``--profile-from-start off --launch-count 1`` catches exactly our
+kernel.  Shape: E=8 x ``--tokens`` (2048) tokens, H=2688, F=1856, bf16, int32 split sizes (no
+conversion kernel).
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ from bench_common import cuda_problem, refuse  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("gemm", nargs="?", default="fc1",
-                    choices=["fc1", "fc2", "srelu", "dsrelu", "wgrad", "wgrad_main_grad"])
+                    choices=["fc1", "fc2", "srelu", "dsrelu", "wgrad", "wgrad_main_grad", "fp8_fc1"])
     ap.add_argument("schedule", nargs="?", default="pingpong", choices=["cooperative", "pingpong"])
     ap.add_argument("--add", choices=["tma", "red", "rmw"], default="tma", help="main_grad add (wgrad_main_grad)")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per expert")
     args = ap.parse_args()
+    if args.tokens <= 0:
+        ap.error(f"--tokens must be positive, got {args.tokens}")
     if problem := cuda_problem():
         return refuse("profile_gemm.py", problem)
     import torch
@@ -40,7 +45,7 @@ def main() -> int:
     from te_offload_ops import kernels as K
 
     torch.manual_seed(0)
-    e, m, h, f = 8, 2048, 2688, 1856
+    e, m, h, f = 8, args.tokens, 2688, 1856
     t, dt = e * m, torch.bfloat16
     x = torch.randn(t, h, device="cuda").to(dt)
     w1 = (torch.randn(e, f, h, device="cuda") / h**0.5).to(dt)
@@ -52,6 +57,11 @@ def main() -> int:
     dh = torch.randn(t, f, device="cuda").to(dt)  # fc1's output grad: dW1[e] = dh_e^T x_e, (F, H)
     main_grad = torch.zeros(e, f, h, device="cuda", dtype=torch.float32) if args.gemm == "wgrad_main_grad" else None
     sc = args.schedule
+    if args.gemm == "fp8_fc1":  # operands quantized here, outside the bracket
+        from te_offload_ops.kernels import fp8_rows
+
+        xq, xs = fp8_rows.quantize(x, 0.0, True)
+        w1q, w1s, _, _ = fp8_rows.quantize_weights(w1, False, 0.0, True)
     fn = {
         "fc1": lambda: K.grouped_gemm(x, w1, s, schedule=sc),
         "fc2": lambda: K.grouped_gemm(z, w2, s, schedule=sc),
@@ -60,6 +70,7 @@ def main() -> int:
         "wgrad": lambda: K.grouped_wgrad(dh, x, s, backend="cute", schedule=sc),
         "wgrad_main_grad": lambda: K.grouped_wgrad_main_grad(dh, x, s, main_grad, backend="cute", schedule=sc,
                                                              add=args.add),
+        "fp8_fc1": lambda: K.grouped_gemm_fp8_blockwise(xq, xs, w1q, w1s, s),
     }[args.gemm]
     for _ in range(3):
         fn()
