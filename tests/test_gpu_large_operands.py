@@ -1,6 +1,6 @@
 """GPU: the fused path on operands past 2^31 elements (8 experts x 102,400 tokens, H=2688, F=1856:
-x, y, dy and dx have 2.2e9 elements each), in bf16 and under Float8BlockScaling, checked on
-sampled rows against an fp32 reference.
+x, y, dy and dx have 2.2e9 elements each), in bf16 and under Float8BlockScaling (its weight
+gradients in bf16 and in FP8), checked on sampled rows against an fp32 reference.
 
 About 40 GB of GPU memory; skipped on smaller GPUs."""
 
@@ -117,3 +117,34 @@ def test_fused_fp8_mlp_past_2_31_elements(monkeypatch):
         torch.backends.cuda.matmul.allow_tf32 = tf32
     got = list(mlp[2].parameters())[e].grad
     assert rel_err(got, ref_dw2) < 2e-2, rel_err(got, ref_dw2)
+
+
+@pytest.mark.gpu("sm_90", free_gib=(NEEDED_BYTES >> 30) + 16)
+@pytest.mark.skipif(fused_path_problem() is not None, reason=fused_path_problem() or "")
+def test_fused_fp8_wgrads_past_2_31_elements(monkeypatch):
+    """FP8 weight gradients (``TEO_FP8_WGRAD=fp8``) at these shapes: dy's and x's per-expert
+    columnwise copies (H x padded tokens) pass 2^31 elements. The step's output and dx are those of
+    the bf16-wgrad step bit for bit on sampled rows (the wgrads feed nothing else), and each
+    expert's weight grads lie within FP8's error of that step's."""
+    from test_gpu_fused_fp8 import rel_err
+
+    from te_offload_ops.fused import fp8_wgrad
+    from te_offload_ops.kernels import fp8_rows
+
+    assert fp8_rows.padded_tokens(T, E) * H > 2**31
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    rows = torch.cat([r for _, r in _sampled_rows()])
+    runs = {}
+    for mode in ("bf16", "fp8"):
+        monkeypatch.setenv("TEO_FP8_WGRAD", mode)
+        mlp, y, x, probs, dy = _step("block")
+        if mode == "fp8":
+            assert fp8_wgrad.wanted(dy)
+        runs[mode] = (y.detach()[rows].clone(), x.grad[rows].clone(),
+                      [p.grad.clone() for op in (mlp[0], mlp[2]) for p in op.parameters()])
+        del mlp, y, x, probs, dy
+        torch.cuda.empty_cache()
+    (y16, dx16, w16), (y8, dx8, w8) = runs["bf16"], runs["fp8"]
+    assert torch.equal(y8, y16) and torch.equal(dx8, dx16)
+    for i, (got, want) in enumerate(zip(w8, w16, strict=True)):
+        assert 0 < rel_err(got, want) < 6e-2, (i, rel_err(got, want))
