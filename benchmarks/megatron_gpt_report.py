@@ -50,7 +50,7 @@ def graphs_sentence(rows: list[dict]) -> str:
     if not graphed:
         return ""
     modules = ", ".join(graphed[0]["cuda_graphs"])
-    if all(r.get("graph_capture_s") is None for r in graphed):
+    if all("graph_capture_s" in r and r["graph_capture_s"] is None for r in graphed):
         return (f" Megatron's per-layer CUDA graphs of {modules} configured but never captured (--no-capture): "
                 "every step eager, as the graphed run's eager twin.")
     capture = max(r.get("graph_capture_s") or 0.0 for r in graphed)
