@@ -150,6 +150,9 @@ def worker_env(base: Optional[dict] = None) -> dict:
 def init_parallel(ep: int, seed: int, timeout_minutes: int = 5) -> tuple[int, int]:
     """torch.distributed (from torchrun's environment, or one rank) and Megatron's parallel state
     with expert parallelism ``ep``, Megatron's RNG tracker seeded; returns (rank, world size)."""
+    import random
+
+    import numpy
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -169,6 +172,10 @@ def init_parallel(ep: int, seed: int, timeout_minutes: int = 5) -> tuple[int, in
         raise ValueError(f"expert parallelism {ep} does not divide the {world} ranks")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep, create_gloo_process_groups=False)
+    # every generator, as Megatron's trainer seeds them: some weights (the router's) are drawn on the host
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     return rank, world
 

@@ -910,11 +910,22 @@ def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool 
     e, n, k = split_sizes.numel(), dy.shape[1], x.shape[1]
     bufs = _check_main_grads(main_grads, e, n, k, dy.device)
     s = _splits_i32(split_sizes, dy.device)
-    if wgrad_backend(backend) == "torch" or not _vector_aligned(bufs):  # odd addresses: no 8-byte pairs
+    if wgrad_backend(backend) == "torch":
+        # torch's grouped GEMM writes its inputs' dtype on Hopper (no fp32 output): each expert's
+        # wgrad is rounded to bf16/fp16 before the fp32 add, as a plain bf16 wgrad would be
         offs = torch.cumsum(s, 0, dtype=torch.int32)
-        dw = torch._grouped_mm(dy.t(), x, offs=offs, out_dtype=torch.float32)
+        dw = torch._grouped_mm(dy.t(), x, offs=offs)
         for g, d in zip(bufs, dw.unbind(0)):
             g.add_(d) if accumulate else g.copy_(d)
+        return
+    if not _vector_aligned(bufs):
+        # the kernel adds 8-byte fp32 pairs: it works on an aligned copy (fresh allocations are),
+        # which then goes back into the caller's buffers
+        staged = torch.stack(bufs) if accumulate else torch.empty((e, n, k), dtype=torch.float32, device=dy.device)
+        grouped_wgrad_main_grad(dy, x, s, staged, accumulate=accumulate, backend=backend, tile=tile,
+                                schedule=schedule, add=add)
+        for g, d in zip(bufs, staged.unbind(0)):
+            g.copy_(d)
         return
     t = dy.shape[0]
     if t == 0:
