@@ -118,6 +118,7 @@ def init_model_parallel(seed: int) -> bool:
         os.environ["MASTER_PORT"] = str(port)
         torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)  # nothing here uses gloo groups
+    torch.manual_seed(seed)  # the router's weights are drawn on the host
     model_parallel_cuda_manual_seed(seed)
     return own_group
 
