@@ -13,7 +13,8 @@ rounds of ``--inner`` calls):
   ``Float8BlockScaling`` (cuBLAS; each expert's tokens quantized on their own), where it runs.
 
 Quantization is outside every timed call. Each case also reports the FP8 output's relative error
-(Frobenius norm) against the bf16 GEMM of TE's dequantized operands and against TE's FP8 output.
+(Frobenius norm) against the bf16 GEMM of TE's dequantized operands and against TE's FP8 output,
+and the SM clock and power the GPU held while it was timed (``gpu_clocks.py``).
 Writes ``fp8_gemm_<GPU>.{json,md,png}`` to ``--out``; exits 2 where it cannot run.
 
     python3 benchmarks/bench_fp8_gemm.py --out "$OUT/results"
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_common import (add_gemm_timing_args, bar_chart, check_gemm_timing_args, cuda_problem, file_stem,  # noqa: E402
                           refuse, utc_now, write_reports)
+from gpu_clocks import GpuClocks  # noqa: E402
 
 TOKENS = (2048, 4096, 8192)
 SHAPES = ((2048, 4096), (4096, 2048), (1792, 2688))
@@ -126,9 +128,11 @@ def measure(args) -> dict:
         faulthandler.dump_traceback_later(args.watchdog, exit=True)
         fns, errors, flops = _case(args.experts, tok, n, k, torch)
         runnable = {name: fn for name, fn in fns.items() if callable(fn)}
-        times = time_interleaved(runnable, args.reps, args.inner)
+        with GpuClocks() as clocks:
+            times = time_interleaved(runnable, args.reps, args.inner)
         faulthandler.cancel_dump_traceback_later()
-        row = {"tokens_per_expert": tok, "n": n, "k": k, "gflop": flops / 1e9, **errors, "contenders": {}}
+        row = {"tokens_per_expert": tok, "n": n, "k": k, "gflop": flops / 1e9, **errors, **clocks.summary(),
+               "contenders": {}}
         for name in CONTENDERS:
             fn = fns.get(name)
             if callable(fn):
@@ -141,8 +145,9 @@ def measure(args) -> dict:
         c = row["contenders"]
         said = ", ".join(f"{name} {c[name]['TFLOPs']:.0f}" if "TFLOPs" in c[name] else f"{name} n/a"
                          for name in CONTENDERS)
+        clock = f"; SM {row['sm_MHz']:.0f} MHz (min {row['sm_MHz_min']:.0f})" if "sm_MHz" in row else ""
         print(f"[{i}/{len(cases)}] E={args.experts} x {tok}, N={n}, K={k}: TFLOP/s {said}; "
-              f"fp8 rel err vs dequantized bf16 {errors['fp8_vs_dequant_bf16']:.2e}", flush=True)
+              f"fp8 rel err vs dequantized bf16 {errors['fp8_vs_dequant_bf16']:.2e}{clock}", flush=True)
         del fns
         torch.cuda.empty_cache()
     compile_s = {str(key): round(secs, 2) for key, secs in api.compile_times().items() if key[0] == "fp8_blockwise"}
@@ -157,10 +162,11 @@ def markdown(result: dict) -> str:
              f"C_e = A_e @ B_e^T, E={result['experts']} experts, even splits; TFLOP/s from GPU time per call "
              f"with the host ahead, medians of {result['reps']} interleaved rounds of {result['inner']} calls. "
              "fp8: A 1x128 and B 128x128 scales, fp32 promotion per 128-K block, bf16 output. "
-             "Errors: relative Frobenius norm against the bf16 GEMM of TE's dequantized operands.", "",
+             "Errors: relative Frobenius norm against the bf16 GEMM of TE's dequantized operands. "
+             "SM MHz: the clock nvidia-smi read while the row's contenders ran (median, lowest).", "",
              "| tokens/expert | N | K | " + " | ".join(f"{c} TFLOP/s" for c in CONTENDERS)
-             + " | fp8 / bf16 | fp8 / te fp8 | fp8 err | fp8 vs te fp8 |",
-             "|---|---|---|" + "---|" * (len(CONTENDERS) + 4)]
+             + " | fp8 / bf16 | fp8 / te fp8 | fp8 err | fp8 vs te fp8 | SM MHz (lowest) | W |",
+             "|---|---|---|" + "---|" * (len(CONTENDERS) + 6)]
     for r in result["rows"]:
         c = r["contenders"]
         tf = {name: c[name].get("TFLOPs") for name in CONTENDERS}
@@ -168,8 +174,10 @@ def markdown(result: dict) -> str:
         ratio_bf16 = f"{tf['fp8'] / tf['bf16']:.2f}" if tf["fp8"] and tf["bf16"] else "n/a"
         ratio_te = f"{tf['fp8'] / tf['te fp8']:.2f}" if tf["fp8"] and tf["te fp8"] else "n/a"
         vs_te = f"{r['fp8_vs_te_fp8']:.1e}" if r["fp8_vs_te_fp8"] is not None else "n/a"
+        clock = f"{r['sm_MHz']:.0f} ({r['sm_MHz_min']:.0f})" if "sm_MHz" in r else "-"
+        watts = f"{r['power_W']:.0f}" if "power_W" in r else "-"
         lines.append(f"| {r['tokens_per_expert']} | {r['n']} | {r['k']} | " + " | ".join(cells)
-                     + f" | {ratio_bf16} | {ratio_te} | {r['fp8_vs_dequant_bf16']:.1e} | {vs_te} |")
+                     + f" | {ratio_bf16} | {ratio_te} | {r['fp8_vs_dequant_bf16']:.1e} | {vs_te} | {clock} | {watts} |")
     missing = {c["unavailable"] for r in result["rows"] for c in r["contenders"].values() if "unavailable" in c}
     if missing:
         lines += ["", "Not run: " + "; ".join(sorted(missing))]

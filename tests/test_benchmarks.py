@@ -38,7 +38,7 @@ def test_every_benchmark_script_is_kept_run_or_an_experiment_with_a_line():
             "bench_megatron_settings.py", "megatron_moe_layer.py", "fp8_recipes.py", "megatron_gpt.py",
             "megatron_gpt_model.py", "megatron_gpt_report.py", "megatron_gpt_jobs.py", "megatron_gpt_numerics.py",
             "comm_copy_overlap.py", "teo_budget_check.py", "first_step.py", "bench_fp8_gemm.py",
-            "fp8_training_loss.py", "megatron_loss.py", "bench_fp8_wgrad.py"}
+            "fp8_training_loss.py", "megatron_loss.py", "bench_fp8_wgrad.py", "gpu_clocks.py"}
     assert {p.name for p in BENCH.glob("*.py")} == kept
     readme = (BENCH / "experiments" / "README.md").read_text()
     for script in (BENCH / "experiments").glob("*.py"):
@@ -163,12 +163,17 @@ def test_fp8_gemm_report_gives_ratios_and_names_contenders_that_did_not_run(tmp_
 
     rows = [{"tokens_per_expert": 4096, "n": 2048, "k": 4096, "gflop": 550.0, "fp8_vs_dequant_bf16": 2.3e-3,
              "fp8_bn192_vs_fp8": 1e-3, "fp8_vs_te_fp8": None, "bf16_vs_dequant_bf16": 1e-6,
+             "sm_MHz": 1755.0, "sm_MHz_min": 1620.0, "power_W": 688.4,
              "contenders": {"fp8": timed(1100.0), "fp8 BN192": timed(1050.0), "bf16": timed(550.0),
                             "te fp8": {"unavailable": "RuntimeError: no cuBLAS block scaling"}}}]
+    rows.append({**rows[0], "tokens_per_expert": 8192})
+    for key in ("sm_MHz", "sm_MHz_min", "power_W"):  # a row without clock samples (no nvidia-smi)
+        del rows[1][key]
     result = {"gpu": "GPU", "date": "today", "experts": 8, "reps": 10, "inner": 10, "rows": rows,
               "fp8_compile_seconds": {"k": 1.5}}
     text = markdown(result)
-    assert "| 4096 | 2048 | 4096 | 1100 | 1050 | 550 | n/a | 2.00 | n/a | 2.3e-03 | n/a |" in text
+    assert "| 4096 | 2048 | 4096 | 1100 | 1050 | 550 | n/a | 2.00 | n/a | 2.3e-03 | n/a | 1755 (1620) | 688 |" in text
+    assert "| 8192 | 2048 | 4096 | 1100 | 1050 | 550 | n/a | 2.00 | n/a | 2.3e-03 | n/a | - | - |" in text
     assert "Not run: RuntimeError: no cuBLAS block scaling" in text
     if chart(result, tmp_path / "c.png"):
         assert (tmp_path / "c.png").stat().st_size > 0
@@ -388,3 +393,43 @@ def test_fp8_training_loss_report_says_whether_fp8_ends_within_the_bf16_spread()
     assert "| fp8-block | 0 | 1.0000 | 0.13000 | FusedScaledSReLUMLP |" in md and "within the bf16 spread" in md
     with pytest.raises(SystemExit):
         ftl.parse_args(["--tail", "400"])
+
+
+def test_clock_samples_parse_and_summarize_and_a_missing_sampler_gives_nothing():
+    from gpu_clocks import GpuClocks, parse_samples, summarize
+
+    text = "1980, 312.50\n1755, 688.40\n\n1620, [N/A]\nclocks.sm [MHz], power.draw [W]\n1830, 701.1\n"
+    samples = parse_samples(text)
+    assert samples == [(1980.0, 312.5), (1755.0, 688.4), (1620.0, None), (1830.0, 701.1)]
+    got = summarize(samples)
+    assert got == {"sm_MHz": 1792.5, "sm_MHz_min": 1620.0, "clock_samples": 4, "power_W": 688.4}
+    assert summarize([]) == {} and summarize([(1500.0, None)]) == {"sm_MHz": 1500.0, "sm_MHz_min": 1500.0,
+                                                                     "clock_samples": 1}
+    with GpuClocks(command="no-such-sampler-here") as clocks:
+        pass
+    assert clocks.summary() == {}
+    with pytest.raises(ValueError, match="period_ms"):
+        GpuClocks(period_ms=1)
+
+
+def test_clock_sampler_reads_what_its_command_prints_while_the_block_runs(tmp_path, monkeypatch):
+    """A stand-in nvidia-smi on PATH prints two samples and waits to be stopped: the block's
+    summary holds them, and the stand-in was asked for the clock and power at the period given."""
+    import time
+
+    from gpu_clocks import GpuClocks
+
+    seen = tmp_path / "args.txt"
+    fake = tmp_path / "fake-smi"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {seen}\necho '1500, 400.0'\necho '1400, 420.0'\nexec sleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    started = time.monotonic()
+    with GpuClocks(command="fake-smi", period_ms=20) as clocks:
+        deadline = time.monotonic() + 10
+        while not seen.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+    assert time.monotonic() - started < 15  # the sampler was stopped, not waited for
+    assert clocks.summary() == {"sm_MHz": 1450.0, "sm_MHz_min": 1400.0, "clock_samples": 2, "power_W": 410.0}
+    assert "--query-gpu=clocks.sm,power.draw" in seen.read_text() and "-lms=20" in seen.read_text()
