@@ -185,6 +185,22 @@ def cell(value, fmt: str) -> str:
     return fmt.format(value)
 
 
+def weights_lines(rows: list) -> list:
+    """A warning where the variants of one EP started from different weights (their processes' digests
+    differ): the loss columns then compare only the rows with equal digests."""
+    out = []
+    for ep in sorted({r.get("ep") for r in rows if "error" not in r and r.get("ep") is not None}):
+        digests = {}
+        for r in rows:
+            if r.get("ep") == ep and "error" not in r and r.get("weights_digest") is not None:
+                digests.setdefault(repr(r["weights_digest"]), []).append(r["variant"])
+        if len(digests) > 1:
+            groups = "; ".join(", ".join(names) for names in digests.values())
+            out.append(f"Weights at EP={ep}: the variants' processes started from different weights ({groups}); "
+                       "the loss columns compare only variants that started alike.")
+    return ["", *out] if out else []
+
+
 def markdown(result: dict) -> str:
     c = result["config"]
     lines = [
@@ -222,6 +238,7 @@ def markdown(result: dict) -> str:
         row = {**row, "step_ms_runs_text": " / ".join("failed" if x is None else f"{x:.1f}" for x in runs) or None,
                "step_vs_ours_runs_text": " / ".join("-" if x is None else f"{x:.3f}" for x in ratios) or None}
         lines.append("| " + " | ".join(cell(row.get(k), f) for _, k, f in columns) + " |")
+    lines += weights_lines(result["rows"])
     lines += numerics_lines(result.get("numerics") or {})
     if result.get("targets"):
         lines += ["", "| target | reached | met |", "|---|---|---|"]

@@ -848,3 +848,16 @@ def test_idle_causes_are_summed_over_phases_and_averaged_over_steps():
     assert idle["idle_ms_by_cause"]["wait: H2D copy"] == pytest.approx(0.108)
     assert idle["gpu_ms"] == pytest.approx(0.97) and idle["largest_gaps"][0]["next"] == "F"
     assert list(idle["idle_ms_by_cause"].values()) == sorted(idle["idle_ms_by_cause"].values(), reverse=True)
+
+
+def test_the_report_says_when_variants_started_from_different_weights():
+    rows = [{"variant": "stock", "ep": 1, "weights_digest": [2541.18]},
+            {"variant": "ours", "ep": 1, "weights_digest": [2541.18]},
+            {"variant": "ours+teo", "ep": 1, "weights_digest": [2543.62]},
+            {"variant": "stock", "ep": 2, "weights_digest": [7.0, 7.0]},
+            {"variant": "ours", "ep": 2, "weights_digest": [7.0, 7.0]},
+            {"variant": "ours+megatron", "ep": 2, "error": "failed"}]
+    lines = mgr.weights_lines(rows)
+    assert lines == ["", "Weights at EP=1: the variants' processes started from different weights (stock, ours; "
+                         "ours+teo); the loss columns compare only variants that started alike."]
+    assert mgr.weights_lines(rows[3:]) == []
