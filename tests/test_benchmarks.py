@@ -433,3 +433,17 @@ def test_clock_sampler_reads_what_its_command_prints_while_the_block_runs(tmp_pa
     assert time.monotonic() - started < 15  # the sampler was stopped, not waited for
     assert clocks.summary() == {"sm_MHz": 1450.0, "sm_MHz_min": 1400.0, "clock_samples": 2, "power_W": 410.0}
     assert "--query-gpu=clocks.sm,power.draw" in seen.read_text() and "-lms=20" in seen.read_text()
+
+
+def test_host_under_dma_names_the_copies_host_memory_in_its_page():
+    import host_under_dma as hud
+
+    rows = [{"work": "python-large", "ms": {"idle": 15.0, "d2h": 16.5, "h2d": 15.5, "both": 19.5},
+             "ms_each": {"idle": [15.0, 14.0], "d2h": [16.5, 17.0], "h2d": [15.5, 15.0], "both": [19.5, 19.0]}}]
+    result = {"gpu": "GPU", "date": "today", "command": "python benchmarks/experiments/host_under_dma.py",
+              "rows": rows, "not_overlapped": [], "host_memory": "write-combined"}
+    text = hud.markdown(result)
+    assert "The copies' host memory: write-combined." in text
+    assert "| python-large | 15.00 [14.00-15.00] | 16.50 [16.50-17.00] (x1.10) |" in text
+    del result["host_memory"]  # a page without the field: torch's pinned memory
+    assert "The copies' host memory: pinned." in hud.markdown(result)

@@ -16,7 +16,12 @@ Each workload runs while the copies are still in flight (checked: each way's las
 done at its end); each round measures every mode in turn (the median of its repeats), after a
 warm-up round; the page gives the median over rounds and their range.
 
-    python benchmarks/experiments/host_under_dma.py --out benchmarks/results
+``--host-memory write-combined`` puts the copies' host side in write-combined pinned memory
+(``cuMemHostAlloc`` with ``CU_MEMHOSTALLOC_WRITECOMBINED``) instead of torch's pinned memory: the
+CPU does not cache it, so the copies need not pass through the CPU's caches (an offload engine's
+host buffers are never read by the CPU). Does the host's own work then slow less?
+
+    python benchmarks/experiments/host_under_dma.py --out benchmarks/results [--host-memory write-combined]
 """
 
 from __future__ import annotations
@@ -36,6 +41,35 @@ sys.path.insert(0, str(BENCH))
 from bench_common import command_line, file_stem, pyplot, refuse, save_png, write_reports  # noqa: E402
 
 MODES = ("idle", "d2h", "h2d", "both")
+
+
+CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTALLOC_WRITECOMBINED = 0x01, 0x04
+
+
+def write_combined_buffer(nbytes: int):
+    """A pinned, write-combined host buffer of ``nbytes`` as a uint8 tensor, and the function that
+    frees it (after the last copy that uses it). Needs the CUDA context current (a CUDA op first)."""
+    import ctypes
+
+    driver = ctypes.CDLL("libcuda.so.1")
+    ptr = ctypes.c_void_p()
+    rc = driver.cuMemHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes),
+                               ctypes.c_uint(CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_WRITECOMBINED))
+    if rc != 0:
+        raise RuntimeError(f"cuMemHostAlloc of {nbytes} bytes, write-combined, failed: CUresult {rc}")
+    tensor = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr.value), dtype=torch.uint8)
+    if not tensor.is_pinned():  # torch would copy it synchronously, through a staging buffer
+        driver.cuMemFreeHost(ptr)
+        raise RuntimeError("the write-combined buffer is not seen as pinned memory by torch")
+    return tensor, lambda: driver.cuMemFreeHost(ptr)
+
+
+def host_buffer(kind: str, numel: int):
+    """The copies' host side, bf16: torch's pinned memory or write-combined pinned memory."""
+    if kind == "pinned":
+        return torch.empty(numel, dtype=torch.bfloat16, pin_memory=True), (lambda: None)
+    raw, free = write_combined_buffer(numel * 2)
+    return raw.view(torch.bfloat16), free
 
 
 def launch_work(a, b, out, n=2000):
@@ -91,9 +125,10 @@ def measure(mode, work, gpu, host, streams, repeats, count):
 
 
 def markdown(result: dict) -> str:
+    memory = result.get("host_memory", "pinned")
     lines = [f"# Host work while pinned copies run ({result['gpu']}, {result['date']})", "",
              "Median ms of each workload over the rounds, [the rounds' range]; x: the median against the copy "
-             f"engines idle. Command: `{result['command']}`", "",
+             f"engines idle. The copies' host memory: {memory}. Command: `{result['command']}`", "",
              "| work | " + " | ".join(MODES) + " |", "|---|" + "---|" * len(MODES)]
     for row in result["rows"]:
         med = row["ms"]
@@ -131,13 +166,15 @@ def main() -> int:
     p.add_argument("--copies", type=int, default=24, help="copies queued each way per measurement")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--host-memory", choices=("pinned", "write-combined"), default="pinned",
+                   help="the copies' host buffer: torch's pinned memory, or write-combined pinned memory")
     p.add_argument("--out", type=Path, default=None, help="folder for JSON, markdown and PNG")
     args = p.parse_args()
     if not torch.cuda.is_available():  # torch alone: it needs neither TE nor this package
         return refuse("host_under_dma.py", "no CUDA GPU is visible (torch.cuda.is_available() is False)")
     numel = args.copy_mib * 2**20 // 2
     gpu = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
-    host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
+    host, free_host = host_buffer(args.host_memory, numel)
     streams = (torch.cuda.Stream(), torch.cuda.Stream())
     a = torch.randn(1024, device="cuda")
     b, out = torch.randn_like(a), torch.empty_like(a)
@@ -159,14 +196,18 @@ def main() -> int:
                 results[name][mode].append(ms)
                 if not overlapped:
                     not_overlapped.append((name, mode))
+    torch.cuda.synchronize()
+    free_host()
     result = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "host_memory": args.host_memory,
               "command": command_line("benchmarks/experiments/host_under_dma.py", sys.argv[1:]),
               "args": {k: str(v) for k, v in vars(args).items() if k != "out"},
               "rows": [{"work": name, "ms": {m: statistics.median(results[name][m]) for m in MODES},
                         "ms_each": results[name]} for name in works],
               "not_overlapped": sorted(set(not_overlapped))}
     if args.out:
-        paths = write_reports(args.out, file_stem("host_under_dma", result["gpu"]), result, markdown, chart)
+        suffix = () if args.host_memory == "pinned" else ("write_combined",)
+        paths = write_reports(args.out, file_stem("host_under_dma", result["gpu"], *suffix), result, markdown, chart)
         print("wrote " + ", ".join(str(x) for x in paths))
     else:
         print(markdown(result))
