@@ -1,5 +1,8 @@
 """CPU: teo's pinned host buffers by size class, reused from step to step."""
 
+import pytest
+import torch
+
 from te_offload_ops.engines.teo.pool import allocation_class, class_bytes, size_class
 from teo_fakes import fake_pool
 
@@ -107,3 +110,74 @@ def test_the_oversized_buffer_taken_is_the_smallest_that_holds_the_request():
         pool.release(b, None)
     got = pool.acquire(2 << 20)  # nothing near 2 MiB free; 1 MiB is too small, 16 MiB the smallest that holds it
     assert got.tensor.numel() == 16 << 20 and pool.allocations == 3 and pool.oversized_reuses == 1
+
+
+class _FakeDriver:
+    """cuMemHostAlloc / cuMemFreeHost over host memory ctypes owns, recording the calls."""
+
+    def __init__(self, rc=0):
+        self.rc, self.blocks, self.freed, self.flags = rc, {}, [], []
+
+    def cuMemHostAlloc(self, pptr, nbytes, flags):
+        import ctypes
+
+        self.flags.append(flags.value)
+        if self.rc:
+            return self.rc
+        block = ctypes.create_string_buffer(nbytes.value)
+        self.blocks[ctypes.addressof(block)] = block
+        ctypes.cast(pptr, ctypes.POINTER(ctypes.c_void_p))[0] = ctypes.addressof(block)
+        return 0
+
+    def cuMemFreeHost(self, ptr):
+        self.freed.append(ptr.value)
+        return 0
+
+
+def test_write_combined_memory_is_freed_with_its_last_view_and_failures_say_so(monkeypatch):
+    import gc
+
+    from te_offload_ops.engines.teo import pool as pool_mod
+
+    driver = _FakeDriver()
+    monkeypatch.setattr(pool_mod, "_driver", lambda: driver)
+    monkeypatch.setattr(pool_mod, "_is_pinned", lambda t: True)
+    t = pool_mod.write_combined_bytes(4096)
+    assert t.dtype == torch.uint8 and t.numel() == 4096
+    assert driver.flags == [pool_mod._CU_MEMHOSTALLOC_PORTABLE | pool_mod._CU_MEMHOSTALLOC_WRITECOMBINED]
+    t[:3] = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    address = t.data_ptr()
+    assert address in driver.blocks and driver.blocks[address].raw[:3] == b"\x01\x02\x03"
+    view = t[1:10]
+    del t
+    gc.collect()
+    assert driver.freed == []  # a view still reads it
+    del view
+    gc.collect()
+    assert driver.freed == [address]
+
+    monkeypatch.setattr(pool_mod, "_driver", lambda: _FakeDriver(rc=2))
+    with pytest.raises(RuntimeError, match="cuMemHostAlloc of 4096 write-combined bytes failed \\(CUresult 2\\)"):
+        pool_mod.write_combined_bytes(4096)
+    driver = _FakeDriver()
+    monkeypatch.setattr(pool_mod, "_driver", lambda: driver)
+    monkeypatch.setattr(pool_mod, "_is_pinned", lambda t: False)
+    with pytest.raises(RuntimeError, match="not seen as pinned memory"):
+        pool_mod.write_combined_bytes(4096)
+    gc.collect()
+    assert len(driver.freed) == 1  # the refused buffer went back
+
+
+def test_the_default_pools_host_memory_comes_from_the_environment(monkeypatch):
+    from te_offload_ops.engines.teo import pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "_DEFAULT_POOL", None)
+    monkeypatch.setenv(pool_mod.HOST_MEMORY_ENV, "write-combined")
+    assert pool_mod.default_pool()._allocate is pool_mod.write_combined_bytes
+    monkeypatch.setattr(pool_mod, "_DEFAULT_POOL", None)
+    monkeypatch.delenv(pool_mod.HOST_MEMORY_ENV)
+    assert pool_mod.default_pool()._allocate is pool_mod._pinned_bytes
+    monkeypatch.setattr(pool_mod, "_DEFAULT_POOL", None)
+    monkeypatch.setenv(pool_mod.HOST_MEMORY_ENV, "uncached")
+    with pytest.raises(ValueError, match="TEO_HOST_MEMORY must be one of \\('pinned', 'write-combined'\\), got 'uncached'"):
+        pool_mod.default_pool()

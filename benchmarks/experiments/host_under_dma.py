@@ -17,9 +17,10 @@ done at its end); each round measures every mode in turn (the median of its repe
 warm-up round; the page gives the median over rounds and their range.
 
 ``--host-memory write-combined`` puts the copies' host side in write-combined pinned memory
-(``cuMemHostAlloc`` with ``CU_MEMHOSTALLOC_WRITECOMBINED``) instead of torch's pinned memory: the
-CPU does not cache it, so the copies need not pass through the CPU's caches (an offload engine's
-host buffers are never read by the CPU). Does the host's own work then slow less?
+(teo's ``write_combined_bytes``, what ``TEO_HOST_MEMORY=write-combined`` gives teo) instead of
+torch's pinned memory: the CPU does not cache it, so the copies need not pass through the CPU's
+caches (an offload engine's host buffers are never read by the CPU). Does the host's own work
+then slow less?
 
     python benchmarks/experiments/host_under_dma.py --out benchmarks/results [--host-memory write-combined]
 """
@@ -43,33 +44,15 @@ from bench_common import command_line, file_stem, pyplot, refuse, save_png, writ
 MODES = ("idle", "d2h", "h2d", "both")
 
 
-CU_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTALLOC_WRITECOMBINED = 0x01, 0x04
-
-
-def write_combined_buffer(nbytes: int):
-    """A pinned, write-combined host buffer of ``nbytes`` as a uint8 tensor, and the function that
-    frees it (after the last copy that uses it). Needs the CUDA context current (a CUDA op first)."""
-    import ctypes
-
-    driver = ctypes.CDLL("libcuda.so.1")
-    ptr = ctypes.c_void_p()
-    rc = driver.cuMemHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes),
-                               ctypes.c_uint(CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_WRITECOMBINED))
-    if rc != 0:
-        raise RuntimeError(f"cuMemHostAlloc of {nbytes} bytes, write-combined, failed: CUresult {rc}")
-    tensor = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr.value), dtype=torch.uint8)
-    if not tensor.is_pinned():  # torch would copy it synchronously, through a staging buffer
-        driver.cuMemFreeHost(ptr)
-        raise RuntimeError("the write-combined buffer is not seen as pinned memory by torch")
-    return tensor, lambda: driver.cuMemFreeHost(ptr)
-
-
 def host_buffer(kind: str, numel: int):
-    """The copies' host side, bf16: torch's pinned memory or write-combined pinned memory."""
+    """The copies' host side, bf16: torch's pinned memory or write-combined pinned memory (freed
+    with its last view)."""
     if kind == "pinned":
-        return torch.empty(numel, dtype=torch.bfloat16, pin_memory=True), (lambda: None)
-    raw, free = write_combined_buffer(numel * 2)
-    return raw.view(torch.bfloat16), free
+        return torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
+    sys.path.insert(0, str(BENCH.parent))
+    from te_offload_ops.engines.teo.pool import write_combined_bytes  # what teo's pool allocates
+
+    return write_combined_bytes(numel * 2).view(torch.bfloat16)
 
 
 def launch_work(a, b, out, n=2000):
@@ -174,7 +157,7 @@ def main() -> int:
         return refuse("host_under_dma.py", "no CUDA GPU is visible (torch.cuda.is_available() is False)")
     numel = args.copy_mib * 2**20 // 2
     gpu = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
-    host, free_host = host_buffer(args.host_memory, numel)
+    host = host_buffer(args.host_memory, numel)
     streams = (torch.cuda.Stream(), torch.cuda.Stream())
     a = torch.randn(1024, device="cuda")
     b, out = torch.randn_like(a), torch.empty_like(a)
@@ -196,8 +179,6 @@ def main() -> int:
                 results[name][mode].append(ms)
                 if not overlapped:
                     not_overlapped.append((name, mode))
-    torch.cuda.synchronize()
-    free_host()
     result = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "host_memory": args.host_memory,
               "command": command_line("benchmarks/experiments/host_under_dma.py", sys.argv[1:]),

@@ -11,11 +11,18 @@ than the request's 30% rounded would, and a tensor that grows by up to 30% from 
 (what a rank receives under expert parallelism changes with routing) still fits the buffer it
 had. A buffer handed back is given out again after the GPU work that last used it (its ``ready``
 event), so a steady sequence of steps allocates pinned memory in its first steps only.
+
+``TEO_HOST_MEMORY=write-combined`` gives the default pool write-combined pinned memory (the
+driver's ``cuMemHostAlloc`` with ``CU_MEMHOSTALLOC_WRITECOMBINED``) instead of torch's pinned
+memory: the CPU never reads an offloaded tensor's bytes, and memory it does not cache keeps the
+copies out of its caches (``benchmarks/experiments/host_under_dma.py --host-memory`` measures
+what that does to the host's own work).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -23,8 +30,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["HostBuffer", "PinnedBufferPool", "allocation_class", "class_bytes", "default_pool", "free_pinned_buffers",
-           "size_class"]
+__all__ = ["HOST_MEMORY_ENV", "HostBuffer", "PinnedBufferPool", "allocation_class", "class_bytes", "default_pool",
+           "free_pinned_buffers", "size_class", "write_combined_bytes"]
 
 _CLASSES_PER_OCTAVE = 8
 _MIN_CLASS_BYTES = 64 * 1024
@@ -67,6 +74,63 @@ class HostBuffer:
 
 def _pinned_bytes(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+_CU_MEMHOSTALLOC_PORTABLE, _CU_MEMHOSTALLOC_WRITECOMBINED = 0x01, 0x04
+
+
+def _driver():
+    import ctypes
+
+    return ctypes.CDLL("libcuda.so.1")
+
+
+class _DriverHostMemory:
+    """Owns one ``cuMemHostAlloc`` allocation: freed when the last tensor viewing it is gone."""
+
+    def __init__(self, driver, ptr):
+        self.driver, self.ptr = driver, ptr
+
+    def __del__(self):
+        try:
+            self.driver.cuMemFreeHost(self.ptr)
+        except Exception:  # noqa: BLE001 (the driver may be gone at interpreter exit)
+            pass
+
+
+def write_combined_bytes(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of pinned, write-combined host memory as a uint8 tensor (freed with its last view).
+    Needs the CUDA context current on this thread (any CUDA op makes it so)."""
+    import ctypes
+
+    driver = _driver()
+    ptr = ctypes.c_void_p()
+    rc = driver.cuMemHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes),
+                               ctypes.c_uint(_CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_WRITECOMBINED))
+    if rc != 0 or not ptr.value:
+        raise RuntimeError(f"teo: cuMemHostAlloc of {nbytes} write-combined bytes failed (CUresult {rc})")
+    memory = _DriverHostMemory(driver, ptr)
+    view = (ctypes.c_uint8 * nbytes).from_address(ptr.value)
+    view.owner = memory  # the tensor's storage keeps the view, the view its memory
+    tensor = torch.frombuffer(view, dtype=torch.uint8)
+    if not _is_pinned(tensor):  # torch would copy it synchronously, through a staging buffer
+        raise RuntimeError("teo: the write-combined host buffer is not seen as pinned memory by torch")
+    return tensor
+
+
+def _is_pinned(tensor: torch.Tensor) -> bool:
+    return tensor.is_pinned()
+
+
+HOST_MEMORY_ENV = "TEO_HOST_MEMORY"
+_HOST_MEMORY = {"pinned": _pinned_bytes, "write-combined": write_combined_bytes}
+
+
+def _default_allocator() -> Callable[[int], torch.Tensor]:
+    kind = os.environ.get(HOST_MEMORY_ENV, "") or "pinned"
+    if kind not in _HOST_MEMORY:
+        raise ValueError(f"{HOST_MEMORY_ENV} must be one of {tuple(_HOST_MEMORY)}, got {kind!r}")
+    return _HOST_MEMORY[kind]
 
 
 class PinnedBufferPool:
@@ -134,10 +198,11 @@ _DEFAULT_POOL: Optional[PinnedBufferPool] = None
 
 
 def default_pool() -> PinnedBufferPool:
-    """The pool every teo context shares unless given its own."""
+    """The pool every teo context shares unless given its own; its memory as $TEO_HOST_MEMORY says
+    when it is made (``pinned``, the default, or ``write-combined``)."""
     global _DEFAULT_POOL
     if _DEFAULT_POOL is None:
-        _DEFAULT_POOL = PinnedBufferPool()
+        _DEFAULT_POOL = PinnedBufferPool(_default_allocator())
     return _DEFAULT_POOL
 
 
