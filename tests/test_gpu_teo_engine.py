@@ -183,14 +183,19 @@ def _zero_grads(stack, inputs):
 
 
 @requires_gpu
+@pytest.mark.parametrize("host_memory", ["pinned", "write-combined"])
 @pytest.mark.parametrize("reload_ahead", [0, 2])
-def test_slow_copies_and_reused_memory_keep_steps_exact(monkeypatch, path, reload_ahead):
+def test_slow_copies_and_reused_memory_keep_steps_exact(monkeypatch, path, reload_ahead, host_memory):
     """Cross-stream ordering under stress: every offload and reload copy is queued behind a ~1 ms
     sleep on its copy stream (so the compute stream runs far ahead), and after each forward the
     compute stream fills large fresh allocations with NaN (so a block handed out before its copy
     finished, or a pinned buffer overwritten while read, would poison the result). Three steps back
     to back with one context and no host synchronization: each bitwise equal to no offload; also
-    with reloads started two layers ahead of peak-neutral."""
+    with reloads started two layers ahead of peak-neutral, and with write-combined host buffers."""
+    from te_offload_ops.engines.teo import pool as pool_mod
+
+    pool = pool_mod.PinnedBufferPool(pool_mod._HOST_MEMORY[host_memory])
+    monkeypatch.setattr(pool_mod, "_DEFAULT_POOL", pool)  # the engine's shared pool, for this test
     cfg = Config(layers=LAYERS)
     stack, inputs = make_stack(cfg), make_inputs(cfg)
     none_ctx, none_sync, _ = offload_context("none", num_layers=0, model_layers=LAYERS)
@@ -215,7 +220,7 @@ def test_slow_copies_and_reused_memory_keep_steps_exact(monkeypatch, path, reloa
         h.backward(dy)
         results.append(_grads_of(stack, inputs))  # clones queued on the compute stream, no sync
     torch.cuda.synchronize()
-    assert counter.total > 0
+    assert counter.total > 0 and pool.allocations > 0
     for step, got in enumerate(results):
         for i, (a, b) in enumerate(zip(got, ref)):
             assert torch.equal(a, b), (step, i)
