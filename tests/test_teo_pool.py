@@ -159,6 +159,9 @@ def test_write_combined_memory_is_freed_with_its_last_view_and_failures_say_so(m
     monkeypatch.setattr(pool_mod, "_driver", lambda: _FakeDriver(rc=2))
     with pytest.raises(RuntimeError, match="cuMemHostAlloc of 4096 write-combined bytes failed \\(CUresult 2\\)"):
         pool_mod.write_combined_bytes(4096)
+    monkeypatch.setattr(pool_mod, "_driver", lambda: _FakeDriver(rc=201))
+    with pytest.raises(RuntimeError, match="no CUDA context current on this thread"):
+        pool_mod.write_combined_bytes(4096)
     driver = _FakeDriver()
     monkeypatch.setattr(pool_mod, "_driver", lambda: driver)
     monkeypatch.setattr(pool_mod, "_is_pinned", lambda t: False)

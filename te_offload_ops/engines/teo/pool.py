@@ -77,6 +77,7 @@ def _pinned_bytes(nbytes: int) -> torch.Tensor:
 
 
 _CU_MEMHOSTALLOC_PORTABLE, _CU_MEMHOSTALLOC_WRITECOMBINED = 0x01, 0x04
+_CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 def _driver():
@@ -108,7 +109,8 @@ def write_combined_bytes(nbytes: int) -> torch.Tensor:
     rc = driver.cuMemHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes),
                                ctypes.c_uint(_CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_WRITECOMBINED))
     if rc != 0 or not ptr.value:
-        raise RuntimeError(f"teo: cuMemHostAlloc of {nbytes} write-combined bytes failed (CUresult {rc})")
+        why = " (no CUDA context current on this thread: run a CUDA op first)" if rc == _CUDA_ERROR_INVALID_CONTEXT else ""
+        raise RuntimeError(f"teo: cuMemHostAlloc of {nbytes} write-combined bytes failed (CUresult {rc}){why}")
     memory = _DriverHostMemory(driver, ptr)
     view = (ctypes.c_uint8 * nbytes).from_address(ptr.value)
     view.owner = memory  # the tensor's storage keeps the view, the view its memory
