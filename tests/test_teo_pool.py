@@ -182,5 +182,5 @@ def test_the_default_pools_host_memory_comes_from_the_environment(monkeypatch):
     assert pool_mod.default_pool()._allocate is pool_mod._pinned_bytes
     monkeypatch.setattr(pool_mod, "_DEFAULT_POOL", None)
     monkeypatch.setenv(pool_mod.HOST_MEMORY_ENV, "uncached")
-    with pytest.raises(ValueError, match="TEO_HOST_MEMORY must be one of \\('pinned', 'write-combined'\\), got 'uncached'"):
+    with pytest.raises(ValueError, match="TEO_HOST_MEMORY must be one of .*'write-combined'.*, got 'uncached'"):
         pool_mod.default_pool()

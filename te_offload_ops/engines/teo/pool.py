@@ -109,7 +109,9 @@ def write_combined_bytes(nbytes: int) -> torch.Tensor:
     rc = driver.cuMemHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes),
                                ctypes.c_uint(_CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_WRITECOMBINED))
     if rc != 0 or not ptr.value:
-        why = " (no CUDA context current on this thread: run a CUDA op first)" if rc == _CUDA_ERROR_INVALID_CONTEXT else ""
+        why = ""
+        if rc == _CUDA_ERROR_INVALID_CONTEXT:
+            why = " (no CUDA context current on this thread: run a CUDA op first)"
         raise RuntimeError(f"teo: cuMemHostAlloc of {nbytes} write-combined bytes failed (CUresult {rc}){why}")
     memory = _DriverHostMemory(driver, ptr)
     view = (ctypes.c_uint8 * nbytes).from_address(ptr.value)
