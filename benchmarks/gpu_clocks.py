@@ -15,6 +15,7 @@ empty and the timing runs as without it.
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 from statistics import median
 from typing import Optional
@@ -54,12 +55,13 @@ def summarize(samples: list[tuple[float, Optional[float]]]) -> dict:
 
 
 def nvidia_smi_id(device=None) -> Optional[str]:
-    """nvidia-smi's name for a torch CUDA device (its UUID: indices differ under
-    CUDA_VISIBLE_DEVICES), or None where torch does not give one."""
+    """nvidia-smi's name for a torch CUDA device (default: the current one) by its UUID (indices
+    differ under CUDA_VISIBLE_DEVICES), or None where torch does not give one."""
     try:
         import torch
 
-        uuid = getattr(torch.cuda.get_device_properties(device if device is not None else 0), "uuid", None)
+        index = device if device is not None else torch.cuda.current_device()
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
     except Exception:  # noqa: BLE001 (no GPU, no torch: no id)
         return None
     if uuid is None:
@@ -83,10 +85,11 @@ class GpuClocks:
         exe = shutil.which(self.command)
         if exe is None:
             return self
-        args = [exe, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", f"-lms={self.period_ms}"]
         gpu = nvidia_smi_id(self.device)
-        if gpu is not None:
-            args.insert(1, f"--id={gpu}")
+        if gpu is None:  # without the device's id every GPU would answer, their clocks mixed
+            return self
+        args = [exe, f"--id={gpu}", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                f"--loop-ms={self.period_ms}"]
         try:
             self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:
@@ -97,7 +100,7 @@ class GpuClocks:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        proc.terminate()
+        proc.send_signal(signal.SIGINT)  # nvidia-smi ends its loop and flushes what it sampled
         try:
             out, _ = proc.communicate(timeout=5)
         except subprocess.TimeoutExpired:

@@ -192,7 +192,8 @@ def weights_lines(rows: list) -> list:
     for ep in sorted({r.get("ep") for r in rows if "error" not in r and r.get("ep") is not None}):
         digests = {}
         for r in rows:
-            if r.get("ep") == ep and "error" not in r and r.get("weights_digest") is not None:
+            digest = r.get("weights_digest")
+            if r.get("ep") == ep and "error" not in r and digest is not None and digest != [None] * len(digest):
                 digests.setdefault(repr(r["weights_digest"]), []).append(r["variant"])
         if len(digests) > 1:
             groups = "; ".join(", ".join(names) for names in digests.values())

@@ -417,8 +417,10 @@ def test_clock_sampler_reads_what_its_command_prints_while_the_block_runs(tmp_pa
     summary holds them, and the stand-in was asked for the clock and power at the period given."""
     import time
 
+    import gpu_clocks
     from gpu_clocks import GpuClocks
 
+    monkeypatch.setattr(gpu_clocks, "nvidia_smi_id", lambda device=None: "GPU-0123")
     seen = tmp_path / "args.txt"
     fake = tmp_path / "fake-smi"
     fake.write_text(f"#!/bin/sh\necho \"$@\" > {seen}\necho '1500, 400.0'\necho '1400, 420.0'\nexec sleep 30\n")
@@ -432,7 +434,14 @@ def test_clock_sampler_reads_what_its_command_prints_while_the_block_runs(tmp_pa
         time.sleep(0.2)
     assert time.monotonic() - started < 15  # the sampler was stopped, not waited for
     assert clocks.summary() == {"sm_MHz": 1450.0, "sm_MHz_min": 1400.0, "clock_samples": 2, "power_W": 410.0}
-    assert "--query-gpu=clocks.sm,power.draw" in seen.read_text() and "-lms=20" in seen.read_text()
+    args = seen.read_text().split()
+    assert "--id=GPU-0123" in args and "--query-gpu=clocks.sm,power.draw" in args and "--loop-ms=20" in args
+    # without the device's id the sampler stays off (every GPU's clocks would be mixed)
+    monkeypatch.setattr(gpu_clocks, "nvidia_smi_id", lambda device=None: None)
+    seen.unlink()
+    with GpuClocks(command="fake-smi", period_ms=20) as clocks:
+        time.sleep(0.3)
+    assert clocks.summary() == {} and not seen.exists()
 
 
 def test_host_under_dma_names_the_copies_host_memory_in_its_page():

@@ -239,14 +239,14 @@ def test_main_grad_off_8_bytes_and_by_torch_add_what_aligned_buffers_get(accumul
     s = torch.tensor(splits, device="cuda")
     start = [torch.randn(256, 192, device="cuda", generator=g) for _ in splits]
     aligned = [b.clone() for b in start]
-    grouped_wgrad_main_grad(dy, x, s, aligned, accumulate=accumulate)
+    grouped_wgrad_main_grad(dy, x, s, aligned, accumulate=accumulate, backend="cute")
     odd = []
     for b in start:
         moved = torch.empty(b.numel() + 1, device="cuda")[1:]
         moved.copy_(b.reshape(-1))
         odd.append(moved.view(b.shape))
     assert all(b.data_ptr() % 8 == 4 for b in odd)
-    grouped_wgrad_main_grad(dy, x, s, odd, accumulate=accumulate)
+    grouped_wgrad_main_grad(dy, x, s, odd, accumulate=accumulate, backend="cute")
     by_torch = [b.clone() for b in start]
     grouped_wgrad_main_grad(dy, x, s, by_torch, accumulate=accumulate, backend="torch")
     for e, (a, b, c) in enumerate(zip(aligned, odd, by_torch)):

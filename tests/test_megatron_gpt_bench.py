@@ -861,3 +861,5 @@ def test_the_report_says_when_variants_started_from_different_weights():
     assert lines == ["", "Weights at EP=1: the variants' processes started from different weights (stock, ours; "
                          "ours+teo); the loss columns compare only variants that started alike."]
     assert mgr.weights_lines(rows[3:]) == []
+    unknown = [{**rows[0], "weights_digest": [None]}, rows[1]]  # a job that recorded no digest
+    assert mgr.weights_lines(unknown) == []

@@ -133,6 +133,20 @@ class _FakeDriver:
         self.freed.append(ptr.value)
         return 0
 
+    def cuCtxGetCurrent(self, pctx):
+        import ctypes
+
+        ctypes.cast(pctx, ctypes.POINTER(ctypes.c_void_p))[0] = 0xC0
+        return 0
+
+    def cuCtxPushCurrent(self, ctx):
+        self.pushed = getattr(self, "pushed", []) + [ctx.value]
+        return 0
+
+    def cuCtxPopCurrent(self, pctx):
+        self.popped = getattr(self, "popped", 0) + 1
+        return 0
+
 
 def test_write_combined_memory_is_freed_with_its_last_view_and_failures_say_so(monkeypatch):
     import gc
@@ -155,13 +169,15 @@ def test_write_combined_memory_is_freed_with_its_last_view_and_failures_say_so(m
     del view
     gc.collect()
     assert driver.freed == [address]
+    assert driver.pushed == [0xC0] and driver.popped == 1  # freed in the context it was made in
 
     monkeypatch.setattr(pool_mod, "_driver", lambda: _FakeDriver(rc=2))
     with pytest.raises(RuntimeError, match="cuMemHostAlloc of 4096 write-combined bytes failed \\(CUresult 2\\)"):
         pool_mod.write_combined_bytes(4096)
-    monkeypatch.setattr(pool_mod, "_driver", lambda: _FakeDriver(rc=201))
-    with pytest.raises(RuntimeError, match="no CUDA context current on this thread"):
-        pool_mod.write_combined_bytes(4096)
+    for rc in (3, 201):
+        monkeypatch.setattr(pool_mod, "_driver", lambda rc=rc: _FakeDriver(rc=rc))
+        with pytest.raises(RuntimeError, match="no CUDA context current on this thread"):
+            pool_mod.write_combined_bytes(4096)
     driver = _FakeDriver()
     monkeypatch.setattr(pool_mod, "_driver", lambda: driver)
     monkeypatch.setattr(pool_mod, "_is_pinned", lambda t: False)
@@ -184,3 +200,20 @@ def test_the_default_pools_host_memory_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(pool_mod.HOST_MEMORY_ENV, "uncached")
     with pytest.raises(ValueError, match="TEO_HOST_MEMORY must be one of .*'write-combined'.*, got 'uncached'"):
         pool_mod.default_pool()
+
+
+def test_clearing_the_pool_waits_for_each_free_buffers_last_copy():
+    class Event:
+        def __init__(self):
+            self.waited = 0
+
+        def synchronize(self):
+            self.waited += 1
+
+    pool, _ = fake_pool()
+    bufs = [pool.acquire(1 << 20), pool.acquire(3 << 20)]
+    events = [Event(), None]
+    for b, e in zip(bufs, events):
+        pool.release(b, ready=e)
+    pool.clear()
+    assert events[0].waited == 1 and pool.free_bytes == 0

@@ -50,7 +50,7 @@ def host_buffer(kind: str, numel: int):
     if kind == "pinned":
         return torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
     sys.path.insert(0, str(BENCH.parent))
-    from te_offload_ops.engines.teo.pool import write_combined_bytes  # what teo's pool allocates
+    from te_offload_ops.engines.teo.pool import write_combined_bytes  # what teo's pool allocates (needs TE)
 
     return write_combined_bytes(numel * 2).view(torch.bfloat16)
 
@@ -157,7 +157,10 @@ def main() -> int:
         return refuse("host_under_dma.py", "no CUDA GPU is visible (torch.cuda.is_available() is False)")
     numel = args.copy_mib * 2**20 // 2
     gpu = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
-    host = host_buffer(args.host_memory, numel)
+    try:
+        host = host_buffer(args.host_memory, numel)
+    except (ImportError, RuntimeError) as exc:
+        return refuse("host_under_dma.py", f"no {args.host_memory} host buffer: {exc}")
     streams = (torch.cuda.Stream(), torch.cuda.Stream())
     a = torch.randn(1024, device="cuda")
     b, out = torch.randn_like(a), torch.empty_like(a)

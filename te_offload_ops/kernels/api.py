@@ -910,6 +910,12 @@ def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool 
     e, n, k = split_sizes.numel(), dy.shape[1], x.shape[1]
     bufs = _check_main_grads(main_grads, e, n, k, dy.device)
     s = _splits_i32(split_sizes, dy.device)
+    t = dy.shape[0]
+    if t == 0:
+        if not accumulate:
+            for g in bufs:
+                g.zero_()
+        return
     if wgrad_backend(backend) == "torch":
         # torch's grouped GEMM writes its inputs' dtype on Hopper (no fp32 output): each expert's
         # wgrad is rounded to bf16/fp16 before the fp32 add, as a plain bf16 wgrad would be
@@ -926,12 +932,6 @@ def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool 
                                 schedule=schedule, add=add)
         for g, d in zip(bufs, staged.unbind(0)):
             g.copy_(d)
-        return
-    t = dy.shape[0]
-    if t == 0:
-        if not accumulate:
-            for g in bufs:
-                g.zero_()
         return
     if accumulate:
         add, schedule = main_grad_way(t, e, add, schedule)

@@ -77,7 +77,7 @@ def _pinned_bytes(nbytes: int) -> torch.Tensor:
 
 
 _CU_MEMHOSTALLOC_PORTABLE, _CU_MEMHOSTALLOC_WRITECOMBINED = 0x01, 0x04
-_CUDA_ERROR_INVALID_CONTEXT = 201
+_NO_CONTEXT = (3, 201)  # CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_INVALID_CONTEXT
 
 
 def _driver():
@@ -87,16 +87,29 @@ def _driver():
 
 
 class _DriverHostMemory:
-    """Owns one ``cuMemHostAlloc`` allocation: freed when the last tensor viewing it is gone."""
+    """Owns one ``cuMemHostAlloc`` allocation: freed when the last tensor viewing it is gone, in
+    the context it was made in (whichever thread lets it go). torch does not track this memory's
+    copies as it does its own pinned blocks: whoever drops a buffer waits for its last copy first
+    (:meth:`PinnedBufferPool.clear` does)."""
 
-    def __init__(self, driver, ptr):
-        self.driver, self.ptr = driver, ptr
+    def __init__(self, driver, ptr, context):
+        self.driver, self.ptr, self.context = driver, ptr, context
 
     def __del__(self):
+        import ctypes
+
         try:
-            self.driver.cuMemFreeHost(self.ptr)
+            pushed = self.context.value and self.driver.cuCtxPushCurrent(self.context) == 0
+            rc = self.driver.cuMemFreeHost(self.ptr)
+            if pushed:
+                self.driver.cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p()))
         except Exception:  # noqa: BLE001 (the driver may be gone at interpreter exit)
-            pass
+            return
+        if rc != 0:
+            import warnings
+
+            warnings.warn(f"teo: cuMemFreeHost of a write-combined buffer failed (CUresult {rc}): its pinned "
+                          "memory stays pinned", RuntimeWarning, stacklevel=1)
 
 
 def write_combined_bytes(nbytes: int) -> torch.Tensor:
@@ -105,15 +118,16 @@ def write_combined_bytes(nbytes: int) -> torch.Tensor:
     import ctypes
 
     driver = _driver()
-    ptr = ctypes.c_void_p()
+    ptr, context = ctypes.c_void_p(), ctypes.c_void_p()
     rc = driver.cuMemHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes),
                                ctypes.c_uint(_CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_WRITECOMBINED))
     if rc != 0 or not ptr.value:
         why = ""
-        if rc == _CUDA_ERROR_INVALID_CONTEXT:
+        if rc in _NO_CONTEXT:
             why = " (no CUDA context current on this thread: run a CUDA op first)"
         raise RuntimeError(f"teo: cuMemHostAlloc of {nbytes} write-combined bytes failed (CUresult {rc}){why}")
-    memory = _DriverHostMemory(driver, ptr)
+    driver.cuCtxGetCurrent(ctypes.byref(context))
+    memory = _DriverHostMemory(driver, ptr, context)
     view = (ctypes.c_uint8 * nbytes).from_address(ptr.value)
     view.owner = memory  # the tensor's storage keeps the view, the view its memory
     tensor = torch.frombuffer(view, dtype=torch.uint8)
@@ -194,7 +208,12 @@ class PinnedBufferPool:
         return sum(b.tensor.numel() for bucket in self._free.values() for b in bucket)
 
     def clear(self) -> None:
-        """Drop the free buffers (those in use come back later and stay until the next clear)."""
+        """Drop the free buffers (those in use come back later and stay until the next clear),
+        each after its last copy has ended (memory the pool did not get from torch is freed at once)."""
+        for bucket in self._free.values():
+            for buf in bucket:
+                if buf.ready is not None:
+                    buf.ready.synchronize()
         self._free.clear()
 
 
