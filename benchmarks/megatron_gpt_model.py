@@ -545,6 +545,7 @@ class CopyTraffic:
     the engines' counters count)."""
 
     def __init__(self, model, layers: int, bytes_per_layer: int):
+        from te_offload_ops.engines.teo.pool import host_bytes
         from te_offload_ops.megatron.teo_offload import find_offload_modules
 
         import torch
@@ -555,7 +556,7 @@ class CopyTraffic:
         device = torch.cuda.current_device()
         self._src = torch.empty(self._numel, dtype=torch.bfloat16, device=device)
         self._dst = torch.empty_like(self._src)
-        self._host = torch.empty(self._numel, dtype=torch.bfloat16, pin_memory=True)
+        self._host = host_bytes(self._numel * 2).view(torch.bfloat16)  # the host memory teo would use
         self._d2h, self._h2d = torch.cuda.Stream(), torch.cuda.Stream()
         self._handles = [m.register_forward_hook(self._after_forward) for m in modules]
 

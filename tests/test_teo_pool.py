@@ -196,6 +196,9 @@ def test_the_default_pools_host_memory_comes_from_the_environment(monkeypatch):
     monkeypatch.setattr(pool_mod, "_DEFAULT_POOL", None)
     monkeypatch.delenv(pool_mod.HOST_MEMORY_ENV)
     assert pool_mod.default_pool()._allocate is pool_mod._pinned_bytes
+    made = []
+    monkeypatch.setitem(pool_mod._HOST_MEMORY, "pinned", lambda n: made.append(n) or torch.empty(n, dtype=torch.uint8))
+    assert pool_mod.host_bytes(1000).numel() == 1000 and made == [1000]  # host_bytes takes the same memory
     monkeypatch.setattr(pool_mod, "_DEFAULT_POOL", None)
     monkeypatch.setenv(pool_mod.HOST_MEMORY_ENV, "uncached")
     with pytest.raises(ValueError, match="TEO_HOST_MEMORY must be one of .*'write-combined'.*, got 'uncached'"):

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 
 __all__ = ["HOST_MEMORY_ENV", "HostBuffer", "PinnedBufferPool", "allocation_class", "class_bytes", "default_pool",
-           "free_pinned_buffers", "size_class", "write_combined_bytes"]
+           "free_pinned_buffers", "host_bytes", "size_class", "write_combined_bytes"]
 
 _CLASSES_PER_OCTAVE = 8
 _MIN_CLASS_BYTES = 64 * 1024
@@ -149,6 +149,11 @@ def _default_allocator() -> Callable[[int], torch.Tensor]:
     if kind not in _HOST_MEMORY:
         raise ValueError(f"{HOST_MEMORY_ENV} must be one of {tuple(_HOST_MEMORY)}, got {kind!r}")
     return _HOST_MEMORY[kind]
+
+
+def host_bytes(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of the host memory teo's shared pool takes (as $TEO_HOST_MEMORY says), uint8."""
+    return _default_allocator()(nbytes)
 
 
 class PinnedBufferPool:
