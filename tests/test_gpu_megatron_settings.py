@@ -156,23 +156,30 @@ def test_megatron_settings_under_v1(path, tmp_path):
     assert sum(n for k, n in moved.items() if k.endswith("|weight")) == 0 and sum(moved.values()) > 0, moved
 
 
+def _wgrad_operands(seed: int):
+    """dy (T, 256) and x (T, 192) over experts of 300, 0, 1000 and 77 tokens, their split sizes,
+    and a starting fp32 main_grad per expert (skips where the fused path cannot run)."""
+    from mlp_steps import fused_path_problem
+
+    if (problem := fused_path_problem()):
+        pytest.skip(problem)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    splits = [300, 0, 1000, 77]
+    dy = torch.randn(sum(splits), 256, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(sum(splits), 192, device="cuda", dtype=torch.bfloat16, generator=g)
+    start = [torch.randn(256, 192, device="cuda", generator=g) for _ in splits]
+    return dy, x, torch.tensor(splits, device="cuda"), start
+
+
 @requires_gpu
 def test_main_grad_adds_by_loads_and_by_reductions_give_the_same_bits():
     """Each main_grad element gets exactly one fp32 addition either way (read-modify-write in the
     epilogue, or a reduction done in L2), so the results are equal bit for bit; experts' buffers
     allocated separately, in reverse order, and an empty expert."""
-    from mlp_steps import fused_path_problem
-
-    if (problem := fused_path_problem()):
-        pytest.skip(problem)
     from te_offload_ops.kernels import grouped_wgrad_main_grad
 
-    g = torch.Generator(device="cuda").manual_seed(5)
-    splits = [300, 0, 1000, 77]
-    dy = torch.randn(sum(splits), 256, device="cuda", dtype=torch.bfloat16, generator=g)
-    x = torch.randn(sum(splits), 192, device="cuda", dtype=torch.bfloat16, generator=g)
-    s = torch.tensor(splits, device="cuda")
-    start = [torch.randn(256, 192, device="cuda", generator=g) for _ in splits][::-1]
+    dy, x, s, start = _wgrad_operands(seed=5)
+    start = start[::-1]
     got = {}
     for add in ("rmw", "red", "tma"):  # separate buffers: "tma" uses "red" unless they happen to be evenly spaced
         bufs = [b.clone() for b in start]
@@ -226,18 +233,9 @@ def test_main_grad_off_8_bytes_and_by_torch_add_what_aligned_buffers_get(accumul
     """Buffers 4 bytes past an 8-byte boundary (the kernel adds fp32 pairs) get the aligned
     buffers' bits; the torch backend (bf16 grouped GEMM, fp32 add) gets them within bf16's
     rounding of each expert's wgrad."""
-    from mlp_steps import fused_path_problem
-
-    if (problem := fused_path_problem()):
-        pytest.skip(problem)
     from te_offload_ops.kernels import grouped_wgrad_main_grad
 
-    g = torch.Generator(device="cuda").manual_seed(7)
-    splits = [300, 0, 1000, 77]
-    dy = torch.randn(sum(splits), 256, device="cuda", dtype=torch.bfloat16, generator=g)
-    x = torch.randn(sum(splits), 192, device="cuda", dtype=torch.bfloat16, generator=g)
-    s = torch.tensor(splits, device="cuda")
-    start = [torch.randn(256, 192, device="cuda", generator=g) for _ in splits]
+    dy, x, s, start = _wgrad_operands(seed=7)
     aligned = [b.clone() for b in start]
     grouped_wgrad_main_grad(dy, x, s, aligned, accumulate=accumulate, backend="cute")
     odd = []
