@@ -111,10 +111,11 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
             p.data.copy_(q.data)
 
     from te_offload_ops.kernels import api as kernels_api
+    from te_offload_ops.kernels import api_wgrad
 
     # the library's own choice for this shape (kernels.main_grad_way), as the default variants get it
     preset = os.environ.pop("TEO_MAIN_GRAD_ADD", None)
-    way_add, way_schedule = kernels_api.main_grad_way(T, E, preset)
+    way_add, way_schedule = api_wgrad.main_grad_way(T, E, preset)
     default_schedule = kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"]
     default_way = (way_add, way_schedule or kernels_api.pick_schedule("acc_f32", True))
 

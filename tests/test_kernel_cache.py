@@ -432,9 +432,9 @@ def test_processes_starting_together_compile_a_variant_once(tmp_path):
 # -- warm-up ------------------------------------------------------------------------------------------
 
 def test_the_fused_mlp_variants(monkeypatch):
-    from te_offload_ops.kernels import api, mlp_variants
+    from te_offload_ops.kernels import api, api_wgrad, mlp_variants
 
-    for env in (api.WGRAD_BACKEND_ENV, api.MAIN_GRAD_ADD_ENV, api.SCHEDULE_ENV):
+    for env in (api_wgrad.WGRAD_BACKEND_ENV, api_wgrad.MAIN_GRAD_ADD_ENV, api.SCHEDULE_ENV):
         monkeypatch.delenv(env, raising=False)
     te = mlp_variants(8, 1024, 512)
     assert [v.label for v in te] == ["fc1 forward + SReLU", "fc2 forward", "fc2 dgrad + dSReLU", "fc1 dgrad",
@@ -454,7 +454,7 @@ def test_the_fused_mlp_variants(monkeypatch):
     assert padded[0].kwargs["b_layout"] == (1024 * 512 + 64, True) and padded[4].kwargs["slot_stride"] == 1024 * 512 + 64
     assert [v.kwargs["epilogue"] for v in mlp_variants(8, 1024, 512, main_grad=True, overwrite_main_grad=True)[4:]] \
         == ["store_f32", "store_f32"]
-    monkeypatch.setenv(api.WGRAD_BACKEND_ENV, "torch")
+    monkeypatch.setenv(api_wgrad.WGRAD_BACKEND_ENV, "torch")
     assert len(mlp_variants(8, 1024, 512)) == 4  # torch's grouped mm does the wgrads
     for bad, said in ((dict(hidden_size=1020), "multiples of 8"), (dict(weight_layout="fsdp"), "weight_layout"),
                       (dict(num_experts=0), "num_experts"), (dict(tokens=0), "tokens")):
@@ -520,9 +520,9 @@ def test_warm_up_command_refuses_bad_arguments_clearly(tmp_path, args, env, said
 
 
 def test_the_fp8_path_variants_are_the_fp8_gemms_and_the_same_wgrads(monkeypatch):
-    from te_offload_ops.kernels import api, mlp_variants
+    from te_offload_ops.kernels import api, api_wgrad, mlp_variants
 
-    for env in (api.WGRAD_BACKEND_ENV, api.MAIN_GRAD_ADD_ENV, api.SCHEDULE_ENV):
+    for env in (api_wgrad.WGRAD_BACKEND_ENV, api_wgrad.MAIN_GRAD_ADD_ENV, api.SCHEDULE_ENV):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv("TEO_FP8_ROWS", "triton")  # SReLU and its backward as row passes: the plain FP8 GEMMs
     fp8 = mlp_variants(8, 2688, 1856, fp8=True)

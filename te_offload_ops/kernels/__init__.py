@@ -18,19 +18,15 @@ from .api import (
     grouped_gemm,
     grouped_gemm_dsrelu_bwd,
     grouped_gemm_srelu_fwd,
-    grouped_wgrad,
-    grouped_wgrad_main_grad,
     kernel_call_convention,
     load_times,
     loaded_by,
     loads_without_dsl,
-    main_grad_add,
-    main_grad_way,
     pick_schedule,
     pick_tile,
     unavailable_reasons,
-    wgrad_backend,
 )
+from .api_wgrad import grouped_wgrad, grouped_wgrad_main_grad, main_grad_add, main_grad_way, wgrad_backend
 from .api_fp8 import (compile_variant_fp8, grouped_gemm_fp8_blockwise, grouped_gemm_fp8_dsrelu_quantize,
                       grouped_gemm_fp8_srelu_quantize, pick_tile_fp8)
 

@@ -15,7 +15,7 @@ import functools
 import torch
 
 from ..capture import GraphCaptureError, capturing
-from . import api, disk_cache
+from . import api, api_wgrad, disk_cache
 from .api_fp8 import OUT_DTYPES, SCALE_BLOCK
 from .gemm_plan import GemmPlan
 
@@ -181,13 +181,13 @@ def grouped_wgrad_fp8_main_grad(a_data, a_scale_inv, b_data, b_scale_inv, split_
     """Megatron's wgrad fusion in FP8: ``main_grads[e] += A_e^T B_e`` in fp32 (``=`` with
     ``accumulate=False``, Megatron's ``overwrite_main_grad``), operands as
     :func:`grouped_wgrad_fp8_blockwise` takes them; ``main_grads`` one (E, M, N) fp32 tensor or E
-    fp32 (M, N) tensors, each found through :mod:`.api`'s table of offsets (built once per set of
+    fp32 (M, N) tensors, each found through :mod:`.api_wgrad`'s table of offsets (built once per set of
     addresses). The kernel adds by 8-byte reductions in L2 (each element one addition, so the bits
     do not depend on the order of tiles); experts with no tokens add nothing, or store zeros."""
     _check(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, num_tokens)
     m, n, e = a_data.shape[0], b_data.shape[0], split_sizes.numel()
-    bufs = api._check_main_grads(main_grads, e, m, n, a_data.device)
-    if not api._vector_aligned(bufs):
+    bufs = api_wgrad._check_main_grads(main_grads, e, m, n, a_data.device)
+    if not api_wgrad._vector_aligned(bufs):
         raise ValueError("grouped_wgrad_fp8_main_grad: main_grad buffers must be 8-byte aligned (the kernel adds "
                          "fp32 pairs)")
     if a_data.shape[1] == 0:  # no tokens: nothing to add (TMA takes no empty tensor)
@@ -197,7 +197,7 @@ def grouped_wgrad_fp8_main_grad(a_data, a_scale_inv, b_data, b_scale_inv, split_
         return
     tile = tuple(tile) if tile is not None else pick_tile_fp8_wgrad(n)
     kern, compiled = _get_kernel(torch.bfloat16, m, n, e, tile, "red_f32" if accumulate else "store_f32")
-    base, offsets = api._main_grad_offsets(bufs, a_data.device)
+    base, offsets = api_wgrad._main_grad_offsets(bufs, a_data.device)
     _launch(kern, compiled, a_data, b_data, base, api._splits_i32(split_sizes, a_data.device), a_scale_inv,
             b_scale_inv, offsets, num_tokens)
 

@@ -6,7 +6,7 @@
 Each variant is loaded if the disk cache holds it and compiled (and written there) if not; the
 job's ranks then load every kernel in milliseconds. The variants are those the fused op launches
 for these shapes: fc1 forward with SReLU, fc2 forward, fc2 dgrad with dSReLU, fc1 dgrad, and both
-weight gradients (plain, or added into main_grad the way :func:`~.api.main_grad_way` picks for the
+weight gradients (plain, or added into main_grad the way :func:`~.api_wgrad.main_grad_way` picks for the
 tokens, or every way it can pick where ``tokens`` is not given); with ``--fp8``, those of the
 ``Float8BlockScaling`` path instead (the grouped FP8 GEMMs, the same wgrads, or the FP8 wgrad
 kernels where ``TEO_FP8_WGRAD=fp8``).
@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import settings
-from . import api, disk_cache
+from . import api, api_wgrad, disk_cache
 
 LAYOUTS = ("te", "megatron")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,10 +70,10 @@ def _b_layout(n: int, k: int, e: int, layout: str, stride: Optional[int]) -> tup
 
 def _slot_stride(n: int, k: int, e: int, stride: Optional[int]) -> Optional[int]:
     """The TMA add's main_grad slot stride for buffers laid out as the weights are, as
-    :func:`~.api.main_grad_slots` finds it from their addresses (None: not evenly spaced in 16 bytes)."""
+    :func:`~.api_wgrad.main_grad_slots` finds it from their addresses (None: not evenly spaced in 16 bytes)."""
     step = n * k if stride is None else stride
     base = 1 << 20
-    found = api.main_grad_slots([base + 4 * step * i for i in range(e)], n * k)
+    found = api_wgrad.main_grad_slots([base + 4 * step * i for i in range(e)], n * k)
     return None if found is None else found[0]
 
 
@@ -143,7 +143,7 @@ def mlp_variants(num_experts: int, hidden_size: int, ffn_hidden_size: int, param
                               dict(base, fp8_wgrad=True, m=rows, n=cols, k=0, epilogue=epilogue))
                       for label, rows, cols in wgrads]
     if not main_grad:
-        if api.wgrad_backend() == "cute":
+        if api_wgrad.wgrad_backend() == "cute":
             out += [Variant(label, dict(base, n=cols, k=0, b_n_major=True, epilogue="plain", wgrad_m=rows))
                     for label, rows, cols in wgrads]
         return out
@@ -151,17 +151,17 @@ def mlp_variants(num_experts: int, hidden_size: int, ffn_hidden_size: int, param
         ways = [("store_f32", None)]
     else:
         counts = [tokens] if tokens is not None else [
-            e * api.RMW_BELOW_TOKENS, e * api.COOPERATIVE_BELOW_TOKENS, e]  # one per way it can pick
+            e * api_wgrad.RMW_BELOW_TOKENS, e * api_wgrad.COOPERATIVE_BELOW_TOKENS, e]  # one per way it can pick
         ways = []
         for t in counts:
-            add, schedule = api.main_grad_way(t, e)
-            if (api.MAIN_GRAD_ADDS[add], schedule) not in ways:
-                ways.append((api.MAIN_GRAD_ADDS[add], schedule))
+            add, schedule = api_wgrad.main_grad_way(t, e)
+            if (api_wgrad.MAIN_GRAD_ADDS[add], schedule) not in ways:
+                ways.append((api_wgrad.MAIN_GRAD_ADDS[add], schedule))
     for label, rows, cols in wgrads:
         slot = _slot_stride(rows, cols, e, expert_stride)
         for epilogue, schedule in ways:
             if epilogue == "tma_f32" and slot is None:  # buffers TMA cannot address as one array
-                epilogue = api.MAIN_GRAD_ADDS["red"]
+                epilogue = api_wgrad.MAIN_GRAD_ADDS["red"]
             kw = dict(base, n=cols, k=0, b_n_major=True, epilogue=epilogue, wgrad_m=rows, schedule=schedule,
                       slot_stride=slot if epilogue == "tma_f32" else None)
             variant = Variant(f"{label} into main_grad", kw)
