@@ -456,3 +456,26 @@ def test_host_under_dma_names_the_copies_host_memory_in_its_page():
     assert "| python-large | 15.00 [14.00-15.00] | 16.50 [16.50-17.00] (x1.10) |" in text
     del result["host_memory"]  # a page without the field: torch's pinned memory
     assert "The copies' host memory: pinned." in hud.markdown(result)
+
+
+@pytest.mark.gpu
+def test_clock_sampler_reads_the_real_gpus_clock_while_it_works():
+    """nvidia-smi, sampling this process's GPU while it runs matmuls for about a second, gives
+    samples with a plausible SM clock (the sampler's flags and its stop by SIGINT work for real)."""
+    import shutil
+    import time
+
+    from gpu_clocks import GpuClocks, nvidia_smi_id
+
+    if shutil.which("nvidia-smi") is None or nvidia_smi_id() is None:
+        pytest.skip("nvidia-smi, or the GPU's UUID through torch, is not available here")
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    with GpuClocks(period_ms=50) as clocks:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            for _ in range(20):
+                a @ a
+            torch.cuda.synchronize()
+    got = clocks.summary()
+    assert got.get("clock_samples", 0) >= 3, got
+    assert 200 <= got["sm_MHz_min"] <= got["sm_MHz"] <= 3000, got
