@@ -33,6 +33,8 @@ so no variant's memory, hooks or global state reach another; each starts from th
   static shapes); the numerics and cap jobs run eager, the numerics job with every token kept;
 * a ``+kdtoh`` suffix on an offloading variant adds ``use_kernel_dtoh`` (the dispatcher's split
   sizes to the host by kernel, past the copy engine's queue of offload copies);
+* a ``+wc`` suffix on a teo or ``ours+copies`` variant puts teo's host buffers in write-combined
+  pinned memory (``TEO_HOST_MEMORY=write-combined`` in its processes), e.g. ``ours+teo-ahead+wc``;
 * a last suffix ``+fp8block``, ``+fp8current`` or ``+fp8delayed`` runs the variant under that FP8
   recipe (Megatron's ``fp8="e4m3", fp8_recipe="blockwise"``; ``"hybrid"`` with ``"tensorwise"`` or
   ``"delayed"``; the router pads each expert's tokens for them, unless ``moe_preprocess`` is
@@ -96,6 +98,7 @@ from megatron_gpt_report import (  # noqa: E402
 BASE_VARIANTS = ("stock", "ours", "ours+megatron", "ours+teo", "ours+teo-ahead", "ours+teo-layer", "stock+megatron",
                  "ours+copies")
 KERNEL_DTOH_SUFFIX = "+kdtoh"
+WRITE_COMBINED_SUFFIX = "+wc"  # teo's host buffers in write-combined pinned memory
 DEFAULT_VARIANTS = "stock,ours,ours+megatron,ours+teo"
 JOBS = ("time", "numerics", "cap")  # what one job of a worker does
 GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess", "moe")  # moe: the whole MoE layer, drop-and-pad only
@@ -107,6 +110,7 @@ def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=N
     per-layer CUDA graph modules every variant of the run takes; ``capacity_factor``: Megatron's
     drop-and-pad MoE for every variant (None: every routed token kept)."""
     plain, precision = split_precision(name)
+    plain, wc = (plain[:-len(WRITE_COMBINED_SUFFIX)], True) if plain.endswith(WRITE_COMBINED_SUFFIX) else (plain, False)
     base, kdtoh = (plain[:-len(KERNEL_DTOH_SUFFIX)], True) if plain.endswith(KERNEL_DTOH_SUFFIX) else (plain, False)
     teo = dict(teo_layers=layers - 1, teo_budget_gib=teo_budget_gib)
     table = {
@@ -121,13 +125,17 @@ def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=N
     }
     if base not in table:
         raise ValueError(f"unknown variant {name!r}; choose from {', '.join(BASE_VARIANTS)} "
-                         f"(an offloading one may end in {KERNEL_DTOH_SUFFIX}; any may then end in one of "
+                         f"(an offloading one may end in {KERNEL_DTOH_SUFFIX}, then a teo or copies one in "
+                         f"{WRITE_COMBINED_SUFFIX}; any may then end in one of "
                          f"{', '.join(PRECISIONS)})")
     found = table[base]
     if kdtoh and not (found.offload_modules or found.teo_scope or found.copy_traffic):
         raise ValueError(f"{name}: {KERNEL_DTOH_SUFFIX} is for variants that offload")
+    if wc and not (found.teo_scope or found.copy_traffic):
+        raise ValueError(f"{name}: {WRITE_COMBINED_SUFFIX} is for teo's variants and ours+copies (teo's host memory)")
     fp8, fp8_recipe = PRECISIONS.get(precision, (None, None))
-    return replace(found, kernel_dtoh=kdtoh, cuda_graph_modules=tuple(cuda_graphs), fp8=fp8, fp8_recipe=fp8_recipe,
+    return replace(found, kernel_dtoh=kdtoh, teo_host_memory="write-combined" if wc else "pinned",
+                   cuda_graph_modules=tuple(cuda_graphs), fp8=fp8, fp8_recipe=fp8_recipe,
                    capacity_factor=capacity_factor)
 
 

@@ -117,6 +117,7 @@ class Variant:
     teo_layers: Optional[int] = None  # use_teo_offload's num_layers (None: all)
     teo_budget_gib: Optional[float] = None  # use_teo_offload's memory_budget, GiB
     teo_reload_ahead: int = 0  # use_teo_offload's reload_ahead
+    teo_host_memory: str = "pinned"  # teo's host buffers: "pinned" | "write-combined" (TEO_HOST_MEMORY)
     kernel_dtoh: bool = False  # use_kernel_dtoh: the dispatcher's split sizes to the host by kernel
     copy_traffic: bool = False  # the offload copies' bytes moved with no engine (CopyTraffic)
     cuda_graph_modules: tuple = ()  # Megatron's per-layer CUDA graphs (TE's make_graphed_callables) of these
@@ -471,11 +472,21 @@ def experts_path(model) -> str:
     return "not run"
 
 
+def use_host_memory(variant: Variant) -> None:
+    """teo's host memory as ``variant`` asks: $TEO_HOST_MEMORY, read where teo's shared pool is
+    made (after this, in this process)."""
+    from te_offload_ops.engines.teo.pool import HOST_MEMORY_ENV
+
+    os.environ[HOST_MEMORY_ENV] = variant.teo_host_memory
+
+
 def apply_teo(model, variant: Variant):
     """use_teo_offload for ``variant`` (None where teo is off)."""
     if variant.teo_scope is None:
         return None
     from te_offload_ops.megatron import use_teo_offload
+
+    use_host_memory(variant)
 
     budget = None if variant.teo_budget_gib is None else int(variant.teo_budget_gib * 2**30)
     return use_teo_offload(model, scope=variant.teo_scope, num_layers=variant.teo_layers, memory_budget=budget,
@@ -588,5 +599,6 @@ def apply_copy_traffic(model, variant: Variant, shape: "GPTShape"):
     L - 1 layers moves each routed token's fc1 input and fc1 output, (H + F) bf16 values."""
     if not variant.copy_traffic:
         return None
+    use_host_memory(variant)
     routed = shape.micro_batch * shape.seq * shape.topk  # per rank at any EP, on average
     return CopyTraffic(model, shape.layers - 1, routed * (shape.hidden + shape.ffn) * 2)

@@ -127,7 +127,7 @@ def targets(rows: list[dict]) -> list[dict]:
                         "value": f"{row['first_loss']:.6f}", "met": row["loss_equal_to_ours"]})
     # the offloading choices at any precision (ours+copies is a diagnostic: copies with no engine)
     for name in [r["variant"] for r in rows if r.get("ep") == 2 and split_precision(r["variant"])[0]
-                 .removesuffix("+kdtoh") in OFFLOADING]:
+                 .removesuffix("+wc").removesuffix("+kdtoh") in OFFLOADING]:
         row = get(2, name)
         cost = row and row.get("step_vs_ours")  # None without ours' row at EP=2
         out.append({"target": f"{name} at EP=2 costs <= 3% over {_ours_of(name)}", "value": cost,

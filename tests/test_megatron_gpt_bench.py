@@ -47,6 +47,23 @@ def test_variant_names_map_to_what_each_runs():
         mg.variant_for("stock+kdtoh", 4, ())
 
 
+def test_write_combined_suffix_sets_teos_host_memory_in_the_worker(monkeypatch):
+    wc = mg.variant_for("ours+teo-ahead+kdtoh+wc+fp8block", 4, ())
+    assert (wc.teo_scope, wc.kernel_dtoh, wc.teo_host_memory, wc.fp8_recipe) == ("experts", True, "write-combined",
+                                                                                "blockwise")
+    assert mg.variant_for("ours+copies+wc", 4, ()).teo_host_memory == "write-combined"
+    assert mg.variant_for("ours+teo", 4, ()).teo_host_memory == "pinned"
+    for name in ("ours+wc", "ours+megatron+wc", "stock+wc"):
+        with pytest.raises(ValueError, match=r"\+wc is for teo's variants and ours\+copies"):
+            mg.variant_for(name, 4, ())
+    pool = pytest.importorskip("te_offload_ops.engines.teo.pool")
+    monkeypatch.setenv(pool.HOST_MEMORY_ENV, "pinned")
+    mgm.use_host_memory(wc)
+    assert pool._default_allocator() is pool.write_combined_bytes
+    mgm.use_host_memory(mg.variant_for("ours+copies", 4, ()))
+    assert pool._default_allocator() is not pool.write_combined_bytes
+
+
 @pytest.mark.parametrize("argv, said", [
     (["--layers", "1"], "--layers must be at least 2"),
     (["--warmup", "0"], "--warmup must be at least 1"),

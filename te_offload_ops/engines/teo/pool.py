@@ -14,9 +14,9 @@ event), so a steady sequence of steps allocates pinned memory in its first steps
 
 ``TEO_HOST_MEMORY=write-combined`` gives the default pool write-combined pinned memory (the
 driver's ``cuMemHostAlloc`` with ``CU_MEMHOSTALLOC_WRITECOMBINED``) instead of torch's pinned
-memory: the CPU never reads an offloaded tensor's bytes, and memory it does not cache keeps the
-copies out of its caches (``benchmarks/experiments/host_under_dma.py --host-memory`` measures
-what that does to the host's own work).
+memory, which the CPU does not cache (it never reads an offloaded tensor's bytes). It is an
+option, not the default: in Megatron's GPT step on an H200 the copies cost more from it than from
+pinned memory (docs/results.md).
 """
 
 from __future__ import annotations
