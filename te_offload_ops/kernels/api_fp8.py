@@ -12,6 +12,7 @@ importing the DSL.
 
 from __future__ import annotations
 
+import os
 
 import torch
 
@@ -22,6 +23,8 @@ from .gemm_plan import GemmPlan
 SCALE_BLOCK = 128  # gemm_fp8_sm90.SCALE_BLOCK, without the DSL import
 TILE_NS = (64, 128, 192)  # gemm_fp8_sm90.TILE_NS, likewise
 OUT_DTYPES = (torch.bfloat16, torch.float16)
+PROMOTION_ENV = "TEO_FP8_PROMOTION"  # "overlap": the next k-block's WGMMAs run during a promotion
+PROMOTIONS = ("serial", "overlap")  # gemm_fp8_sm90.PROMOTIONS, without the DSL import
 # the FP8 storage dtypes read as e4m3: TE keeps its FP8 data as uint8
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
@@ -32,6 +35,23 @@ def pick_tile_fp8(n: int) -> tuple[int, int]:
     return (128, 64) if n <= 64 else (128, 128)
 
 
+def fp8_promotion() -> str:
+    """How the forward FP8 kernels promote each k-block's partial sums, as $TEO_FP8_PROMOTION says:
+    "serial" (the default: after the k-block's WGMMAs, the tensor cores idle meanwhile unless the
+    other warpgroup's run) or "overlap" (the next k-block's WGMMAs run meanwhile; the k-blocks
+    unrolled, two partial-sum fragments in registers)."""
+    found = os.environ.get(PROMOTION_ENV, "") or "serial"
+    if found not in PROMOTIONS:
+        raise ValueError(f"{PROMOTION_ENV} must be one of {PROMOTIONS}, got {found!r}")
+    return found
+
+
+def _promotion_for(tile, epilogue) -> str:
+    """$TEO_FP8_PROMOTION's choice where the kernel takes it: BN=192 tiles and the dsrelu_q epilogue
+    promote serially (their registers hold no second partial-sum fragment)."""
+    return "serial" if tile[1] > 128 or epilogue == "dsrelu_q" else fp8_promotion()
+
+
 def _check_tile(tile) -> tuple[int, int]:
     tile = tuple(tile)
     if len(tile) != 2 or tile[0] != 128 or tile[1] not in TILE_NS:
@@ -40,13 +60,13 @@ def _check_tile(tile) -> tuple[int, int]:
 
 
 def _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call="python", options=None, epilogue="plain",
-                 pow2=False):
+                 pow2=False, promotion="serial"):
     cutlass, cute, make_ptr, make_fake_stream = api._cutlass()
     from .gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
     od = api._cutlass_dtype(out_dtype)
     kern = GroupedGemmFp8Sm90(od, n, k, e, tile_mn=tile, cluster_n=cluster_n, sb_cols=sb_cols, epilogue=epilogue,
-                              pow2=pow2)
+                              pow2=pow2, promotion=promotion)
     gmem = cute.AddressSpace.gmem
     fake = 1 << 20  # any aligned address: only the types matter at compile time
     f8 = cutlass.Float8E4M3FN
@@ -71,20 +91,24 @@ def _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call="python", op
 
 
 def compile_variant_fp8(n: int, k: int, e: int, *, out_dtype=torch.bfloat16, tile=None, cluster_n=None,
-                        sb_cols=None, options=None, call=None, epilogue="plain", pow2=False):
+                        sb_cols=None, options=None, call=None, epilogue="plain", pow2=False, promotion=None):
     """Compile one FP8 variant without caching; returns (kernel object, compiled, seconds).
 
     Works without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile tests); ``sb_cols`` is
     the row length of B's scales (default ``roundup(ceil(K / 128), 4)``, TE's padding);
-    ``epilogue``: "plain" (C) or "srelu_q" (z and act quantized; ``pow2`` its scale rounding)."""
+    ``epilogue``: "plain" (C) or "srelu_q" (z and act quantized; ``pow2`` its scale rounding);
+    ``promotion``: "overlap" or "serial" (default: :func:`fp8_promotion`'s; BN=192 tiles and the
+    dsrelu_q epilogue promote serially)."""
     tile = _check_tile(tile) if tile is not None else pick_tile_fp8(n)
     cluster_n = cluster_n or api.pick_cluster(n, tile)
     sb_cols = sb_cols if sb_cols is not None else -(-(-(-k // SCALE_BLOCK)) // 4) * 4
     call = call or api.kernel_call_convention()
-    return _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call, options, epilogue, pow2)
+    promotion = promotion or _promotion_for(tile, epilogue)
+    return _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call, options, epilogue, pow2, promotion)
 
 
-def launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue="plain", pow2=False) -> GemmPlan:
+def launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue="plain", pow2=False,
+                    promotion="serial") -> GemmPlan:
     """What launching a compiled FP8 variant reads (its tile walk: BM, N tiles, experts, cluster),
     as its kernel object derives it, without the DSL. Its parameters key the disk cache; what the
     FP8 kernel derives beyond them (stages, scale blocks) comes from its module's constants, which
@@ -94,21 +118,24 @@ def launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue="plai
     plan.sb_cols = sb_cols  # part of the disk cache's key, with the plan's own parameters
     if epilogue != "plain":  # the plain variants keep the keys they had
         plan.fp8_epilogue, plan.pow2 = epilogue, bool(pow2)
+    if promotion != "serial":  # the default's variants keep the keys they had
+        plan.fp8_promotion = promotion
     return plan
 
 
-def _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue="plain", pow2=False):
+def _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue="plain", pow2=False,
+                         promotion="serial"):
     """(kernel or launch plan, compiled) of one FP8 variant: from the disk cache where it holds it,
     else compiled (and written there), one process at a time per variant, as :mod:`.api` does."""
     if not disk_cache.enabled():
-        return _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue, pow2)
-    plan = launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue, pow2)
+        return _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue, pow2, promotion)
+    plan = launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue, pow2, promotion)
     entry = disk_cache.Entry(key, api._kernel_params(plan), call)
     with entry.claim():
         compiled = entry.load()
         if compiled is None:
             kern, compiled = _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue,
-                                              pow2)
+                                              pow2, promotion)
             # the key again, with the DSL's settings as it states them now that it is imported (those
             # recalled for this context may be stale), as api does
             disk_cache.Entry(key, api._kernel_params(plan), call).store(compiled)
@@ -120,7 +147,7 @@ def _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call
         from .gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
         kern = GroupedGemmFp8Sm90(api._cutlass_dtype(out_dtype), n, k, e, tile_mn=tile, cluster_n=cluster_n,
-                                  sb_cols=sb_cols, epilogue=epilogue, pow2=pow2)
+                                  sb_cols=sb_cols, epilogue=epilogue, pow2=pow2, promotion=promotion)
     kern.call = call
     api._LOAD_SECONDS[key] = disk_cache.LOADED[entry.name]
     api._LOADED_BY[key] = disk_cache.LOADED_BY[entry.name]
@@ -129,9 +156,10 @@ def _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call
     return kern, compiled
 
 
-def _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue="plain", pow2=False):
+def _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue="plain", pow2=False,
+                     promotion="serial"):
     kern, compiled, secs = _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue=epilogue,
-                                        pow2=pow2)
+                                        pow2=pow2, promotion=promotion)
     api._COMPILE_SECONDS[key] = secs
     api._log.info("compiled grouped FP8 GEMM %s in %.2f s", key, secs)
     return kern, compiled
@@ -143,9 +171,11 @@ def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None, epilogue="plain", pow
     cluster_n = api.pick_cluster(n, tile)
     call = api.kernel_call_convention()
     form = () if epilogue == "plain" else (epilogue, bool(pow2))
+    promotion = _promotion_for(tile, epilogue)
+    form += () if promotion == "serial" else (promotion,)
     key = ("fp8_blockwise", out_dtype, tile, cluster_n, n, k, e, sb_cols, *form, call)
     return api.cached_kernel(key, lambda key, call: _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n,
-                                                                         sb_cols, call, epilogue, pow2))
+                                                                         sb_cols, call, epilogue, pow2, promotion))
 
 
 def _shape(t) -> str:
@@ -378,5 +408,5 @@ def _launch_fp8(kern, compiled, a, b, c, s, sa, sb, num_tokens, q=None):
 
 
 __all__ = ["grouped_gemm_fp8_blockwise", "grouped_gemm_fp8_dsrelu_quantize", "grouped_gemm_fp8_srelu_quantize",
-           "compile_variant_fp8", "get_kernel_fp8", "launch_plan_fp8",
+           "compile_variant_fp8", "get_kernel_fp8", "launch_plan_fp8", "fp8_promotion", "PROMOTION_ENV",
            "pick_tile_fp8", "SCALE_BLOCK", "TILE_NS", "OUT_DTYPES"]

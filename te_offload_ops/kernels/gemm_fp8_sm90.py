@@ -34,7 +34,12 @@ not run long. Per 128-K block each consumer warpgroup runs its four ``m64nBNk32`
 fresh register tile ``tmp`` (the first with the accumulate flag off), waits for them, releases the
 stage, and adds ``tmp * (sa[kb, row] * sb[e, nblk, kb])`` into the fp32 accumulator: one FFMA per
 element per k-block. The two consumer warpgroups run independently, so one warpgroup's promotion
-overlaps the other's WGMMAs.
+overlaps the other's WGMMAs (``promotion="serial"``, the default). ``promotion="overlap"`` also
+overlaps a warpgroup's promotion with its own next WGMMAs: k-block ``kb + 1`` goes into a second
+register tile before ``kb``'s is promoted (a wait that leaves one group in flight). Its k-blocks
+are unrolled when compiling: in a loop, the registers the promotion reads become loop-carried
+values and ptxas serializes the WGMMAs (advisory C7514). Three BN-wide fp32 tiles a thread fit
+for BN <= 128 without the dsrelu_q epilogue's saved z.
 
 Scale loads
 -----------
@@ -105,6 +110,9 @@ _SA_ALIGN = 4
 _SA_STAGE_FLOATS = 32 * -(-(128 + _SA_ALIGN) // 32)
 # C in bf16/fp16; fc1's z and act quantized; fc2's dgrad with the SReLU backward (see the module's docstring)
 FP8_EPILOGUES = ("plain", "srelu_q", "dsrelu_q")
+# "serial": each k-block's WGMMAs, then its promotion (the other warpgroup's WGMMAs may run meanwhile);
+# "overlap": a k-block's WGMMAs run while the one before is promoted (two fp32 partial-sum fragments)
+PROMOTIONS = ("serial", "overlap")
 _Q_PAD = 16  # bytes past each staged FP8 row: rows 16-byte aligned, quads' stores spread over banks
 _E4M3_MAX = 448.0
 _F32_MAX = 3.4028234663852886e38
@@ -131,8 +139,11 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         sb_cols: int | None = None,
         epilogue: str = "plain",
         pow2: bool = False,
+        promotion: str = "serial",
     ):
         bm, bn = tile_mn
+        if promotion not in PROMOTIONS:
+            raise ValueError(f"FP8 promotions are {PROMOTIONS}, got {promotion!r}")
         if epilogue not in FP8_EPILOGUES:
             raise ValueError(f"FP8 epilogues are {FP8_EPILOGUES}, got {epilogue!r}")
         if epilogue != "plain":
@@ -159,6 +170,12 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         self.sb_cols = self.k_tiles if sb_cols is None else sb_cols
         self.fp8_epilogue = epilogue  # the base class's epilogue stays "plain" (its staging sizes C's)
         self.pow2 = bool(pow2)
+        if promotion == "overlap" and (bn > 128 or epilogue == "dsrelu_q"):
+            # three BN-wide fp32 fragments a thread: BN=192 does not fit, nor (spilling) with the
+            # dsrelu_q epilogue's saved z held through the mainloop
+            raise ValueError(f"the overlapped promotion takes BN <= 128 and not the dsrelu_q epilogue, got BN={bn}, "
+                             f"{epilogue} (promotion='serial' takes it)")
+        self.promotion = promotion
         self.q_row = bn + _Q_PAD  # bytes per staged FP8 row
         unit = out_dtype.width // 8
         self.epi_units = max(self.n_out * self.epi_elems, -(-(bm * self.q_row) // unit))
@@ -231,10 +248,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         m_part = cute.make_tensor(p_part, cute.make_layout((num_tokens, self.n_tiles), stride=(self.n_tiles, 1)))
 
         k_major = LayoutEnum.ROW_MAJOR
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            ab, ab, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(), cutlass.Float32,
-            (2, 1, 1), tiler_mn=(64, bn),
-        )
+        tiled_mma = self._tiled_mma()
         tile_mnk = (bm, bn, bk)
         sa_layout = sm90_utils.make_smem_layout_a(k_major, tile_mnk, ab, self.stages)
         sb_layout = sm90_utils.make_smem_layout_b(k_major, tile_mnk, ab, self.stages)
@@ -422,7 +436,9 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         c_id = thr_mma.partition_C(cute.make_identity_tensor((bm, bn)))
         acc = cute.make_rmem_tensor(c_id.shape, cutlass.Float32)  # promoted fp32 sums
         tmp = cute.make_rmem_tensor(c_id.shape, cutlass.Float32)  # one k-block's WGMMA sums
-        num_kb = cute.size(frag_a, mode=[2])
+        tmp2 = tmp  # the overlapped promotion's second buffer
+        if cutlass.const_expr(self.promotion == "overlap"):
+            tmp2 = cute.make_rmem_tensor(c_id.shape, cutlass.Float32)
         shp = acc.shape
         n_pair, n_half, n_grp, n_m = _fragment_dims(acc)
         if cutlass.const_expr(cute.size(shp[2]) != 1):
@@ -434,6 +450,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             for h in cutlass.range_constexpr(n_half):
                 rows[mm * n_half + h] = c_id[(0, h, 0), mm, 0][0]
         sa_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
+        sa_r2 = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
         thr_cp = self._staging_copy().get_slice(etid)
         cp_id = thr_cp.partition_S(cute.make_identity_tensor((bm, self.epi_cols)))
         prob_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)  # the plain epilogue reads none
@@ -441,7 +458,15 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         z_r = cute.make_rmem_tensor(c_id.shape, cutlass.Float8E4M3FN)  # dsrelu_q: the tile's saved z
         zs_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
 
+        mma_first = tiled_mma  # overlap: the k-block's first WGMMA, which overwrites its buffer
+        if cutlass.const_expr(self.promotion == "overlap"):
+            # two MMAs with their accumulate flags set here, outside every loop and branch: a flag
+            # changed inside the branches or loops that alternate the buffers cannot leave them
+            mma_first = self._tiled_mma()
+            mma_first.set(warpgroup.Field.ACCUMULATE, False)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)  # overlap: next to release
         tile = cluster
         while tile < n_work:
             expert, n_blk, _, _, k_tiles, _, row0, rows_here, _ = self._work(m_split, tile, rank, num_tokens)
@@ -468,50 +493,94 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 sb1 = m_sb[expert, sblk1, 0]
 
             acc.fill(0.0)
-            for kt in cutlass.range(k_tiles, unroll=1):
-                # next k-block's B scales, in flight during this k-block's WGMMAs
-                kn = kt + 1
-                if kn >= k_tiles:
-                    kn = k_tiles - 1
-                sb0_next = m_sb[expert, sblk0, kn]
-                sb1_next = sb0_next
-                if cutlass.const_expr(self.straddles):
-                    sb1_next = m_sb[expert, sblk1, kn]
+            if cutlass.const_expr(self.promotion == "serial"):
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    # next k-block's B scales, in flight during this k-block's WGMMAs
+                    kn = kt + 1
+                    if kn >= k_tiles:
+                        kn = k_tiles - 1
+                    sb0_next = m_sb[expert, sblk0, kn]
+                    sb1_next = sb0_next
+                    if cutlass.const_expr(self.straddles):
+                        sb1_next = m_sb[expert, sblk1, kn]
+                    pipe.consumer_wait(cons)
+                    self._read_a_scales(sa_r, ssa, rows, sa_shift, cons.index)
+                    # inline: the tracer carries tiled_mma's accumulate flag only where it is set
+                    # in the loop's own body
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(cute.size(frag_a, mode=[2])):
+                        # the first WGMMA of the k-block overwrites tmp, the rest add into it
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                        cute.gemm(tiled_mma, tmp, frag_a[None, None, kb, cons.index],
+                                  frag_b[None, None, kb, cons.index], tmp)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    pipe.consumer_release(cons)
+                    cons.advance()
+                    self._promote(acc, tmp, sa_r, sb0, sb1, split_col, c_id)
+                    sb0 = sb0_next
+                    sb1 = sb1_next
+            else:
+                # k-block kt sits in buffer (tmp, sa_r, sb0/sb1) for even kt, (tmp2, sa_r2, sb2/sb3)
+                # for odd: issue kt + 1 into the other buffer, wait for kt alone, promote it. The
+                # forward's k-block count is known when compiling: a loop over pairs of k-blocks
+                # with no branch inside, so that ptxas sees which group is in flight everywhere
+                # (with branches it serializes the WGMMAs)
+                nk = self.k_tiles
                 pipe.consumer_wait(cons)
-                # the stage is released before the promotion: read its A scales first
-                for i in cutlass.range_constexpr(n_rows):
-                    if cutlass.const_expr(self.LOAD_A_SCALES):
-                        sa_r[i] = ssa[rows[i] + sa_shift, 0, cons.index]
-                    else:
-                        sa_r[i] = cutlass.Float32(1.0)
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(num_kb):
-                    # the first WGMMA of the k-block overwrites tmp, the rest add into it
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(tiled_mma, tmp, frag_a[None, None, kb, cons.index],
-                              frag_b[None, None, kb, cons.index], tmp)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                pipe.consumer_release(cons)
+                self._read_a_scales(sa_r, ssa, rows, sa_shift, cons.index)
+                self._mma_kblock(mma_first, tiled_mma, tmp, frag_a, frag_b, cons.index)
                 cons.advance()
-                # promotion: acc += tmp * sa[row] * sb[column block]
-                for mm in cutlass.range_constexpr(n_m):
-                    for h in cutlass.range_constexpr(n_half):
-                        s0 = sa_r[mm * n_half + h] * sb0
-                        s1 = s0
-                        if cutlass.const_expr(self.straddles):
-                            s1 = sa_r[mm * n_half + h] * sb1
-                        for g in cutlass.range_constexpr(n_grp):
-                            s = s0
-                            if cutlass.const_expr(self.straddles):
-                                # a group of 8 columns lies in one scale block (split_col % 64 == 0)
-                                if c_id[(0, h, g), mm, 0][1] >= split_col:
-                                    s = s1
-                            for pr in cutlass.range_constexpr(n_pair):
-                                crd = ((pr, h, g), mm, 0)
-                                acc[crd] = acc[crd] + tmp[crd] * s
-                sb0 = sb0_next
-                sb1 = sb1_next
+                sb2 = sb0
+                sb3 = sb1
+                for kp in cutlass.range_constexpr((nk - 1) // 2):
+                    kt = 2 * kp
+                    sb2 = m_sb[expert, sblk0, kt + 1]
+                    sb3 = sb2
+                    if cutlass.const_expr(self.straddles):
+                        sb3 = m_sb[expert, sblk1, kt + 1]
+                    pipe.consumer_wait(cons)
+                    self._read_a_scales(sa_r2, ssa, rows, sa_shift, cons.index)
+                    self._mma_kblock(mma_first, tiled_mma, tmp2, frag_a, frag_b, cons.index)
+                    cons.advance()
+                    warpgroup.wait_group(1)
+                    pipe.consumer_release(rel)
+                    rel.advance()
+                    self._promote(acc, tmp, sa_r, sb0, sb1, split_col, c_id)
+                    sb0 = m_sb[expert, sblk0, kt + 2]
+                    sb1 = sb0
+                    if cutlass.const_expr(self.straddles):
+                        sb1 = m_sb[expert, sblk1, kt + 2]
+                    pipe.consumer_wait(cons)
+                    self._read_a_scales(sa_r, ssa, rows, sa_shift, cons.index)
+                    self._mma_kblock(mma_first, tiled_mma, tmp, frag_a, frag_b, cons.index)
+                    cons.advance()
+                    warpgroup.wait_group(1)
+                    pipe.consumer_release(rel)
+                    rel.advance()
+                    self._promote(acc, tmp2, sa_r2, sb2, sb3, split_col, c_id)
+                if cutlass.const_expr(nk % 2 == 0):  # one k-block left to issue, into the second buffer
+                    sb2 = m_sb[expert, sblk0, nk - 1]
+                    sb3 = sb2
+                    if cutlass.const_expr(self.straddles):
+                        sb3 = m_sb[expert, sblk1, nk - 1]
+                    pipe.consumer_wait(cons)
+                    self._read_a_scales(sa_r2, ssa, rows, sa_shift, cons.index)
+                    self._mma_kblock(mma_first, tiled_mma, tmp2, frag_a, frag_b, cons.index)
+                    cons.advance()
+                    warpgroup.wait_group(1)
+                    pipe.consumer_release(rel)
+                    rel.advance()
+                    self._promote(acc, tmp, sa_r, sb0, sb1, split_col, c_id)
+                    warpgroup.wait_group(0)
+                    pipe.consumer_release(rel)
+                    rel.advance()
+                    self._promote(acc, tmp2, sa_r2, sb2, sb3, split_col, c_id)
+                else:
+                    warpgroup.wait_group(0)
+                    pipe.consumer_release(rel)
+                    rel.advance()
+                    self._promote(acc, tmp, sa_r, sb0, sb1, split_col, c_id)
 
             if cutlass.const_expr(self.fp8_epilogue == "srelu_q"):
                 self._epilogue_srelu_q(etid, cwg, n_blk, row0, rows_here, cols_here, acc, tmp, prob_r, thr_mma,
@@ -523,6 +592,53 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 self._epilogue(etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, [], thr_mma, c_id,
                                thr_cp, cp_id, st, m_c, m_c, m_c, m_c)
             tile = tile + num_clusters
+
+    @cute.jit
+    def _read_a_scales(self, sa_r, ssa, rows, sa_shift, stage):
+        """This thread's rows' A scales of one stage (read before the stage is released)."""
+        for i in cutlass.range_constexpr(cute.size(sa_r)):
+            if cutlass.const_expr(self.LOAD_A_SCALES):
+                sa_r[i] = ssa[rows[i] + sa_shift, 0, stage]
+            else:
+                sa_r[i] = cutlass.Float32(1.0)
+
+    @cute.jit
+    def _mma_kblock(self, mma_first, tiled_mma, tmp, frag_a, frag_b, stage):
+        """Issue one k-block's WGMMAs into ``tmp`` as one group (the overlapped loop's): the first
+        overwrites tmp (``mma_first``), the rest add into it."""
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(frag_a, mode=[2])):
+            cute.gemm(mma_first if kb == 0 else tiled_mma, tmp, frag_a[None, None, kb, stage],
+                      frag_b[None, None, kb, stage], tmp)
+        warpgroup.commit_group()
+
+    def _tiled_mma(self):
+        """The kernel's MMA: 64 x BN e4m3 WGMMAs, K-major A and B, fp32 sums, two warpgroups."""
+        k_major = LayoutEnum.ROW_MAJOR
+        return sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(),
+            cutlass.Float32, (2, 1, 1), tiler_mn=(64, self.bn),
+        )
+
+    @cute.jit
+    def _promote(self, acc, tmp, sa_r, sb0, sb1, split_col, c_id):
+        """acc += tmp * sa[row] * sb[column block] (sb1: the second block a BN=192 tile straddles)."""
+        n_pair, n_half, n_grp, n_m = _fragment_dims(acc)
+        for mm in cutlass.range_constexpr(n_m):
+            for h in cutlass.range_constexpr(n_half):
+                s0 = sa_r[mm * n_half + h] * sb0
+                s1 = s0
+                if cutlass.const_expr(self.straddles):
+                    s1 = sa_r[mm * n_half + h] * sb1
+                for g in cutlass.range_constexpr(n_grp):
+                    s = s0
+                    if cutlass.const_expr(self.straddles):
+                        # a group of 8 columns lies in one scale block (split_col % 64 == 0)
+                        if c_id[(0, h, g), mm, 0][1] >= split_col:
+                            s = s1
+                    for pr in cutlass.range_constexpr(n_pair):
+                        crd = ((pr, h, g), mm, 0)
+                        acc[crd] = acc[crd] + tmp[crd] * s
 
     @cute.jit
     def _block_scale(self, amax, eps):
