@@ -521,66 +521,34 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                     sb0 = sb0_next
                     sb1 = sb1_next
             else:
-                # k-block kt sits in buffer (tmp, sa_r, sb0/sb1) for even kt, (tmp2, sa_r2, sb2/sb3)
-                # for odd: issue kt + 1 into the other buffer, wait for kt alone, promote it. The
-                # forward's k-block count is known when compiling: a loop over pairs of k-blocks
-                # with no branch inside, so that ptxas sees which group is in flight everywhere
-                # (with branches it serializes the WGMMAs)
+                # k-block kt sits in buffer kt % 2: issue kt + 1 into the other, wait for kt alone,
+                # promote it. Unrolled (the forward's k-block count is known when compiling): in a
+                # loop the buffers become loop-carried values and ptxas serializes the WGMMAs
                 nk = self.k_tiles
+                bufs = ((tmp, sa_r), (tmp2, sa_r2))
+                sbs = [(sb0, sb1), (sb0, sb1)]  # each buffer's B scales (sblk0's, sblk1's)
                 pipe.consumer_wait(cons)
                 self._read_a_scales(sa_r, ssa, rows, sa_shift, cons.index)
                 self._mma_kblock(mma_first, tiled_mma, tmp, frag_a, frag_b, cons.index)
                 cons.advance()
-                sb2 = sb0
-                sb3 = sb1
-                for kp in cutlass.range_constexpr((nk - 1) // 2):
-                    kt = 2 * kp
-                    sb2 = m_sb[expert, sblk0, kt + 1]
-                    sb3 = sb2
-                    if cutlass.const_expr(self.straddles):
-                        sb3 = m_sb[expert, sblk1, kt + 1]
-                    pipe.consumer_wait(cons)
-                    self._read_a_scales(sa_r2, ssa, rows, sa_shift, cons.index)
-                    self._mma_kblock(mma_first, tiled_mma, tmp2, frag_a, frag_b, cons.index)
-                    cons.advance()
-                    warpgroup.wait_group(1)
+                for kt in cutlass.range_constexpr(nk):
+                    cur, nxt = kt % 2, (kt + 1) % 2
+                    if cutlass.const_expr(kt + 1 < nk):
+                        nb0 = m_sb[expert, sblk0, kt + 1]
+                        nb1 = nb0
+                        if cutlass.const_expr(self.straddles):
+                            nb1 = m_sb[expert, sblk1, kt + 1]
+                        sbs[nxt] = (nb0, nb1)
+                        pipe.consumer_wait(cons)
+                        self._read_a_scales(bufs[nxt][1], ssa, rows, sa_shift, cons.index)
+                        self._mma_kblock(mma_first, tiled_mma, bufs[nxt][0], frag_a, frag_b, cons.index)
+                        cons.advance()
+                        warpgroup.wait_group(1)  # k-block kt done, kt + 1 in flight
+                    else:
+                        warpgroup.wait_group(0)
                     pipe.consumer_release(rel)
                     rel.advance()
-                    self._promote(acc, tmp, sa_r, sb0, sb1, split_col, c_id)
-                    sb0 = m_sb[expert, sblk0, kt + 2]
-                    sb1 = sb0
-                    if cutlass.const_expr(self.straddles):
-                        sb1 = m_sb[expert, sblk1, kt + 2]
-                    pipe.consumer_wait(cons)
-                    self._read_a_scales(sa_r, ssa, rows, sa_shift, cons.index)
-                    self._mma_kblock(mma_first, tiled_mma, tmp, frag_a, frag_b, cons.index)
-                    cons.advance()
-                    warpgroup.wait_group(1)
-                    pipe.consumer_release(rel)
-                    rel.advance()
-                    self._promote(acc, tmp2, sa_r2, sb2, sb3, split_col, c_id)
-                if cutlass.const_expr(nk % 2 == 0):  # one k-block left to issue, into the second buffer
-                    sb2 = m_sb[expert, sblk0, nk - 1]
-                    sb3 = sb2
-                    if cutlass.const_expr(self.straddles):
-                        sb3 = m_sb[expert, sblk1, nk - 1]
-                    pipe.consumer_wait(cons)
-                    self._read_a_scales(sa_r2, ssa, rows, sa_shift, cons.index)
-                    self._mma_kblock(mma_first, tiled_mma, tmp2, frag_a, frag_b, cons.index)
-                    cons.advance()
-                    warpgroup.wait_group(1)
-                    pipe.consumer_release(rel)
-                    rel.advance()
-                    self._promote(acc, tmp, sa_r, sb0, sb1, split_col, c_id)
-                    warpgroup.wait_group(0)
-                    pipe.consumer_release(rel)
-                    rel.advance()
-                    self._promote(acc, tmp2, sa_r2, sb2, sb3, split_col, c_id)
-                else:
-                    warpgroup.wait_group(0)
-                    pipe.consumer_release(rel)
-                    rel.advance()
-                    self._promote(acc, tmp, sa_r, sb0, sb1, split_col, c_id)
+                    self._promote(acc, bufs[cur][0], bufs[cur][1], sbs[cur][0], sbs[cur][1], split_col, c_id)
 
             if cutlass.const_expr(self.fp8_epilogue == "srelu_q"):
                 self._epilogue_srelu_q(etid, cwg, n_blk, row0, rows_here, cols_here, acc, tmp, prob_r, thr_mma,
