@@ -7,6 +7,8 @@ rounds of ``--inner`` calls):
 
 * ``fp8``: ``kernels.grouped_gemm_fp8_blockwise``, default tile (128 x 128), on operands quantized
   by TE's ``Float8BlockQuantizer`` (A 1x128 over all tokens, each expert's weight 128x128);
+* ``fp8 overlap``: the same with the overlapped promotion (``TEO_FP8_PROMOTION=overlap``: the next
+  128-K block's WGMMAs run while a block is promoted);
 * ``fp8 BN192``: the same with 128 x 192 tiles;
 * ``bf16``: ``kernels.grouped_gemm`` on the bf16 operands (its default schedule and tile);
 * ``te fp8``: TE's ``general_grouped_gemm`` as ``GroupedLinear`` calls it under
@@ -36,7 +38,7 @@ from gpu_clocks import GpuClocks  # noqa: E402
 
 TOKENS = (2048, 4096, 8192)
 SHAPES = ((2048, 4096), (4096, 2048), (1792, 2688))
-CONTENDERS = ("fp8", "fp8 BN192", "bf16", "te fp8")
+CONTENDERS = ("fp8", "fp8 overlap", "fp8 BN192", "bf16", "te fp8")
 
 
 def _problem() -> str | None:
@@ -79,9 +81,10 @@ def _case(e, tokens, n, k, torch):
     a, sa = xq._rowwise_data, xq._rowwise_scale_inv
     b = torch.stack([q._rowwise_data for q in wq])
     sb = torch.stack([q._rowwise_scale_inv for q in wq])
-    out8, out8w, out16 = (torch.empty(t, n, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    out8, out8o, out8w, out16 = (torch.empty(t, n, dtype=torch.bfloat16, device="cuda") for _ in range(4))
     fns = {
-        "fp8": lambda: K.grouped_gemm_fp8_blockwise(a, sa, b, sb, s, out=out8),
+        "fp8": lambda: K.grouped_gemm_fp8_blockwise(a, sa, b, sb, s, out=out8, promotion="serial"),
+        "fp8 overlap": lambda: K.grouped_gemm_fp8_blockwise(a, sa, b, sb, s, out=out8o, promotion="overlap"),
         "fp8 BN192": lambda: K.grouped_gemm_fp8_blockwise(a, sa, b, sb, s, tile=(128, 192), out=out8w),
         "bf16": lambda: K.grouped_gemm(x, w, s, out=out16),
     }
@@ -102,7 +105,7 @@ def _case(e, tokens, n, k, torch):
     except Exception as exc:  # noqa: BLE001 (any failure: reported, the others still run)
         fns["te fp8"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         out_te = None
-    for name in ("fp8", "fp8 BN192", "bf16"):
+    for name in ("fp8", "fp8 overlap", "fp8 BN192", "bf16"):
         fns[name]()
     torch.cuda.synchronize()
     # the bf16 GEMM of the dequantized operands: what the FP8 GEMM should give
@@ -110,6 +113,7 @@ def _case(e, tokens, n, k, torch):
     b_real = torch.stack([q.dequantize(dtype=torch.bfloat16) for q in wq])
     ref = K.grouped_gemm(a_real, b_real, s)
     errors = {"fp8_vs_dequant_bf16": _rel(out8, ref), "fp8_bn192_vs_fp8": _rel(out8w, out8),
+              "fp8_overlap_vs_fp8": _rel(out8o, out8),
               "fp8_vs_te_fp8": _rel(out8, out_te) if out_te is not None else None,
               "bf16_vs_dequant_bf16": _rel(out16, ref)}
     return fns, errors, 2.0 * t * n * k
@@ -169,7 +173,7 @@ def markdown(result: dict) -> str:
              "|---|---|---|" + "---|" * (len(CONTENDERS) + 6)]
     for r in result["rows"]:
         c = r["contenders"]
-        tf = {name: c[name].get("TFLOPs") for name in CONTENDERS}
+        tf = {name: c.get(name, {}).get("TFLOPs") for name in CONTENDERS}  # older files lack a contender
         cells = [f"{tf[name]:.0f}" if tf[name] else "n/a" for name in CONTENDERS]
         ratio_bf16 = f"{tf['fp8'] / tf['bf16']:.2f}" if tf["fp8"] and tf["bf16"] else "n/a"
         ratio_te = f"{tf['fp8'] / tf['te fp8']:.2f}" if tf["fp8"] and tf["te fp8"] else "n/a"
@@ -191,7 +195,7 @@ def chart(result: dict, path) -> bool:
     rows = result["rows"]
     return bar_chart(path, f"Grouped GEMM, E={result['experts']} x tokens/expert ({result['gpu']})",
                      [f"{r['tokens_per_expert']}\nN{r['n']} K{r['k']}" for r in rows],
-                     {name: [r["contenders"][name].get("TFLOPs", 0.0) for r in rows] for name in CONTENDERS},
+                     {name: [r["contenders"].get(name, {}).get("TFLOPs", 0.0) for r in rows] for name in CONTENDERS},
                      size=(11, 4.5), line=(1100, "1,100 TFLOP/s"))
 
 

@@ -334,6 +334,8 @@ def test_fp8_entry_point_takes_te_layouts_and_wants_a_gpu():
     args[1] = torch.ones(K // 128, 256)[:, :T]  # a view of a wider buffer: the row stride is 256
     with pytest.raises(ValueError, match="on one CUDA device"):
         _call(args)
+    with pytest.raises(ValueError, match=r"promotion must be one of \('serial', 'overlap'\), got 'eager'"):
+        kernels.grouped_gemm_fp8_blockwise(*_ok_args(), promotion="eager")
 
 
 def _ptxas_advisories(ptx: str) -> list[str] | None:

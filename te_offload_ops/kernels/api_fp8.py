@@ -165,13 +165,14 @@ def _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, ep
     return kern, compiled
 
 
-def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None, epilogue="plain", pow2=False):
-    """Compiled FP8 kernel for one variant (compiles and caches on first use)."""
+def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None, epilogue="plain", pow2=False, promotion=None):
+    """Compiled FP8 kernel for one variant (compiles and caches on first use); ``promotion``
+    default: $TEO_FP8_PROMOTION's where the kernel takes it."""
     tile = _check_tile(tile) if tile is not None else pick_tile_fp8(n)
     cluster_n = api.pick_cluster(n, tile)
     call = api.kernel_call_convention()
     form = () if epilogue == "plain" else (epilogue, bool(pow2))
-    promotion = _promotion_for(tile, epilogue)
+    promotion = promotion or _promotion_for(tile, epilogue)
     form += () if promotion == "serial" else (promotion,)
     key = ("fp8_blockwise", out_dtype, tile, cluster_n, n, k, e, sb_cols, *form, call)
     return api.cached_kernel(key, lambda key, call: _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n,
@@ -253,7 +254,7 @@ def _as_e4m3(t: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_gemm_fp8_blockwise(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes,
-                               out_dtype=torch.bfloat16, *, tile=None, out=None):
+                               out_dtype=torch.bfloat16, *, tile=None, out=None, promotion=None):
     """``out[rows of e] = dequant(a)[rows of e] @ dequant(b[e])^T`` under ``Float8BlockScaling``.
 
     ``a_data`` (T, K) e4m3 tokens concatenated by expert with ``a_scale_inv`` TE's 1x128 rowwise
@@ -265,15 +266,18 @@ def grouped_gemm_fp8_blockwise(a_data, a_scale_inv, b_data, b_scale_inv, split_s
     Returns (T, N) in ``out_dtype`` (bf16 or fp16), written into ``out`` if given; rows past
     ``sum(split_sizes)`` are left unwritten. K must be a multiple of 16 and N of 8; a partial
     128-block at the end of K or N takes its own scale, as TE quantizes it. ``tile``: (128, BN)
-    with BN in 64, 128, 192 (default :func:`pick_tile_fp8`)."""
+    with BN in 64, 128, 192 (default :func:`pick_tile_fp8`); ``promotion``: "serial" or "overlap"
+    (default :func:`fp8_promotion`'s)."""
     if tile is not None:
         tile = _check_tile(tile)
+    if promotion is not None and promotion not in PROMOTIONS:
+        raise ValueError(f"promotion must be one of {PROMOTIONS}, got {promotion!r}")
     e, n, k, sb = _check_fp8(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, out_dtype)
     t = a_data.shape[0]
     c = api._out(out, t, n, torch.empty(0, dtype=out_dtype, device=a_data.device), "out")
     if t == 0:
         return c
-    kern, compiled = get_kernel_fp8(out_dtype, n, k, e, sb.shape[2], tile)
+    kern, compiled = get_kernel_fp8(out_dtype, n, k, e, sb.shape[2], tile, promotion=promotion)
     a, b = _as_e4m3(a_data), _as_e4m3(b_data)
     s = api._splits_i32(split_sizes, a.device)
     _launch_fp8(kern, compiled, a, b, c, s, a_scale_inv, sb, t)
