@@ -340,18 +340,26 @@ def test_fp8_entry_point_takes_te_layouts_and_wants_a_gpu():
 
 def _ptxas_advisories(ptx: str) -> list[str] | None:
     """ptxas's performance advisories (C75xx) for ``ptx``, from a ptxas on the PATH or in
-    $CUDA_HOME that reads its PTX version; None where there is none."""
+    $CUDA_HOME; None where there is none that assembles it. An older ptxas gets the PTX with its
+    ``.version`` lowered to the newest it reads (the kernels use nothing newer)."""
     for tool in filter(None, [shutil.which("ptxas"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"),
                                                                    "bin", "ptxas")]):
         if not os.path.exists(tool):
             continue
-        with tempfile.TemporaryDirectory() as tmp:
-            src = Path(tmp) / "k.ptx"
-            src.write_text(ptx)
-            run = subprocess.run([tool, "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                                 capture_output=True, text=True)
-        if run.returncode == 0:
-            return re.findall(r"\((C75\d\d)\)", run.stdout + run.stderr)
+        text = ptx
+        for _ in range(2):
+            with tempfile.TemporaryDirectory() as tmp:
+                src = Path(tmp) / "k.ptx"
+                src.write_text(text)
+                run = subprocess.run([tool, "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                                     capture_output=True, text=True)
+            said = run.stdout + run.stderr
+            if run.returncode == 0:
+                return re.findall(r"\((C75\d\d)\)", said)
+            newest = re.search(r"Unsupported \.version \S+; current version is '(\d+\.\d+)'", said)
+            if not newest:
+                break
+            text = re.sub(r"^\.version \S+", f".version {newest.group(1)}", ptx, count=1, flags=re.M)
     return None
 
 
