@@ -5,7 +5,8 @@ Forward form ``C_e = A_e @ B_e^T`` at E experts x {2048, 4096, 8192} tokens per 
 ``bench_kernels.py`` times them (GPU time per call with the host ahead, medians over ``--reps``
 rounds of ``--inner`` calls):
 
-* ``fp8``: ``kernels.grouped_gemm_fp8_blockwise``, default tile (128 x 128), on operands quantized
+* ``fp8``: ``kernels.grouped_gemm_fp8_blockwise``, default tile (128 x 128), serial promotion
+  (whatever $TEO_FP8_PROMOTION says), on operands quantized
   by TE's ``Float8BlockQuantizer`` (A 1x128 over all tokens, each expert's weight 128x128);
 * ``fp8 overlap``: the same with the overlapped promotion (``TEO_FP8_PROMOTION=overlap``: the next
   128-K block's WGMMAs run while a block is promoted);

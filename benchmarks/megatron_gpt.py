@@ -35,6 +35,7 @@ so no variant's memory, hooks or global state reach another; each starts from th
   sizes to the host by kernel, past the copy engine's queue of offload copies);
 * a ``+wc`` suffix on a teo or ``ours+copies`` variant puts teo's host buffers in write-combined
   pinned memory (``TEO_HOST_MEMORY=write-combined`` in its processes), e.g. ``ours+teo-ahead+wc``;
+  without it they take pinned memory, whatever $TEO_HOST_MEMORY says;
 * a last suffix ``+fp8block``, ``+fp8current`` or ``+fp8delayed`` runs the variant under that FP8
   recipe (Megatron's ``fp8="e4m3", fp8_recipe="blockwise"``; ``"hybrid"`` with ``"tensorwise"`` or
   ``"delayed"``; the router pads each expert's tokens for them, unless ``moe_preprocess`` is
