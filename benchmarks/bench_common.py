@@ -48,7 +48,8 @@ def mlp_path(mlp) -> str:
 # are kept): a results page's command names those set, so that it reruns the same code
 SETTINGS_SHOWN = ("TEO_FUSED_SRELU_MLP", "TEO_FUSED_ACT_CHUNK_MIB", "TEO_CHECK_SPLIT_SIZES", "TEO_KERNEL_CALL",
                   "TEO_GEMM_SCHEDULE", "TEO_GEMM_CLUSTER_N", "TEO_GEMM_CLUSTER_M", "TEO_WGRAD_BACKEND",
-                  "TEO_MAIN_GRAD_ADD", "TEO_FP8_ROWS", "TEO_FP8_WGRAD", "TEO_HOST_MEMORY")
+                  "TEO_MAIN_GRAD_ADD", "TEO_FP8_ROWS", "TEO_FP8_WGRAD", "TEO_FP8_PROMOTION",
+                  "TEO_HOST_MEMORY")
 
 
 def command_line(script: str, argv: list, paths: tuple = ("--out",), env=None) -> str:

@@ -8,7 +8,7 @@ rounds of ``--inner`` calls):
 * ``fp8``: ``kernels.grouped_gemm_fp8_blockwise``, default tile (128 x 128), serial promotion
   (whatever $TEO_FP8_PROMOTION says), on operands quantized
   by TE's ``Float8BlockQuantizer`` (A 1x128 over all tokens, each expert's weight 128x128);
-* ``fp8 overlap``: the same with the overlapped promotion (``TEO_FP8_PROMOTION=overlap``: the next
+* ``fp8 overlap``: the same with the overlapped promotion (the entry points' default: the next
   128-K block's WGMMAs run while a block is promoted);
 * ``fp8 BN192``: the same with 128 x 192 tiles;
 * ``bf16``: ``kernels.grouped_gemm`` on the bf16 operands (its default schedule and tile);

@@ -108,7 +108,7 @@ def test_fp8_variant_compiles_for_sm90a(n, k, e, tile, cluster_n, out_dtype):
     assert bn == (tile[1] if tile else (64 if n <= 64 else 128))
     assert kern.bk == 128 and kern.k_tiles == -(-k // 128) and kern.stages >= 4
     assert ".target sm_90a" in ptx
-    assert kern.promotion == "serial"
+    assert kern.promotion == ("serial" if bn > 128 else "overlap")  # the default where it fits
     _check_promotion(ptx, bn, kern.promotion, kern.k_tiles)
     # promotion: one fma per accumulator element a thread holds (64 x BN per 128 threads)
     assert len(re.findall(r"\bfma\.rn\.f32\b", ptx)) >= bn // 2
@@ -384,18 +384,21 @@ def test_fp8_promotion_comes_from_the_environment_and_keys_the_cache(monkeypatch
     from te_offload_ops.kernels import api_fp8
 
     monkeypatch.delenv(api_fp8.PROMOTION_ENV, raising=False)
-    assert api_fp8.fp8_promotion() == "serial"
-    monkeypatch.setenv(api_fp8.PROMOTION_ENV, "overlap")
     assert api_fp8.fp8_promotion() == "overlap"
+    assert api_fp8._promotion_for((128, 192), "plain") == "serial"
+    assert api_fp8._promotion_for((128, 128), "dsrelu_q") == "serial"
+    assert api_fp8._promotion_for((128, 128), "srelu_q") == "overlap"
+    monkeypatch.setenv(api_fp8.PROMOTION_ENV, "serial")
+    assert api_fp8.fp8_promotion() == "serial" and api_fp8._promotion_for((128, 128), "srelu_q") == "serial"
     monkeypatch.setenv(api_fp8.PROMOTION_ENV, "sometimes")
     with pytest.raises(ValueError, match="TEO_FP8_PROMOTION must be one of"):
         api_fp8.fp8_promotion()
-    # the disk cache's key: the overlapped plan differs from the default one, the default keeps its key
+    # the disk cache's key: the overlapped plan differs from the serial one
     args = (torch.bfloat16, 1856, 2688, 8, (128, 128), 2, 24)
-    default, overlap = api_fp8.launch_plan_fp8(*args), api_fp8.launch_plan_fp8(*args, promotion="overlap")
+    serial, overlap = (api_fp8.launch_plan_fp8(*args, promotion=p) for p in ("serial", "overlap"))
     from te_offload_ops.kernels import api
 
-    assert not hasattr(default, "fp8_promotion") and api._kernel_params(default) != api._kernel_params(overlap)
+    assert not hasattr(serial, "fp8_promotion") and api._kernel_params(serial) != api._kernel_params(overlap)
 
 @needs_dsl
 def test_fp8_kernel_refuses_unknown_promotions_and_overlap_on_wide_tiles():

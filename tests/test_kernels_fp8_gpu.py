@@ -108,6 +108,17 @@ def test_fp8_grouped_gemm_matches_both_oracles(n, k):
     print(f"N={n} K={k}: rel err vs fp64 {errs[0]:.2e}, vs emulation {errs[1]:.2e}")
 
 
+@pytest.mark.parametrize("n,k", [(1856, 2688), (2688, 1856), (64, 128)], ids=["fc1", "fc2", "one-k-block"])
+def test_fp8_promotions_give_the_same_bits(n, k):
+    """The overlapped promotion (the default) adds the same fp32 products in the same order as the
+    serial one: outputs equal bit for bit, both within the oracles' tolerance."""
+    a, sa, b, sb, a_real, b_real = make_operands(SPLITS, n, k, seed=3)
+    outs = {p: _run(a, sa, b, sb, SPLITS, promotion=p) for p in ("serial", "overlap")}
+    _check(outs["overlap"], a, sa, b, sb, a_real, b_real, SPLITS)
+    rows = sum(SPLITS)
+    assert torch.equal(outs["serial"][:rows], outs["overlap"][:rows])
+
+
 @pytest.mark.parametrize("tile,cluster", [((128, 64), "auto"), ((128, 192), "auto"), ((128, 128), "1")],
                          ids=["BN64", "BN192", "BN128-no-cluster"])
 def test_fp8_tiles_and_cluster_choice(tile, cluster, monkeypatch):

@@ -23,7 +23,7 @@ from .gemm_plan import GemmPlan
 SCALE_BLOCK = 128  # gemm_fp8_sm90.SCALE_BLOCK, without the DSL import
 TILE_NS = (64, 128, 192)  # gemm_fp8_sm90.TILE_NS, likewise
 OUT_DTYPES = (torch.bfloat16, torch.float16)
-PROMOTION_ENV = "TEO_FP8_PROMOTION"  # "overlap": the next k-block's WGMMAs run during a promotion
+PROMOTION_ENV = "TEO_FP8_PROMOTION"  # "serial": a k-block's promotion waits for its own WGMMAs
 PROMOTIONS = ("serial", "overlap")  # gemm_fp8_sm90.PROMOTIONS, without the DSL import
 # the FP8 storage dtypes read as e4m3: TE keeps its FP8 data as uint8
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
@@ -37,10 +37,10 @@ def pick_tile_fp8(n: int) -> tuple[int, int]:
 
 def fp8_promotion() -> str:
     """How the forward FP8 kernels promote each k-block's partial sums, as $TEO_FP8_PROMOTION says:
-    "serial" (the default: after the k-block's WGMMAs, the tensor cores idle meanwhile unless the
-    other warpgroup's run) or "overlap" (the next k-block's WGMMAs run meanwhile; the k-blocks
-    unrolled, two partial-sum fragments in registers)."""
-    found = os.environ.get(PROMOTION_ENV, "") or "serial"
+    "overlap" (the default: the next k-block's WGMMAs run meanwhile; the k-blocks unrolled, two
+    partial-sum fragments in registers; the same bits, faster, longer to compile)
+    or "serial" (after the k-block's WGMMAs; a warpgroup's tensor-core work waits meanwhile)."""
+    found = os.environ.get(PROMOTION_ENV, "") or "overlap"
     if found not in PROMOTIONS:
         raise ValueError(f"{PROMOTION_ENV} must be one of {PROMOTIONS}, got {found!r}")
     return found
@@ -118,7 +118,7 @@ def launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue="plai
     plan.sb_cols = sb_cols  # part of the disk cache's key, with the plan's own parameters
     if epilogue != "plain":  # the plain variants keep the keys they had
         plan.fp8_epilogue, plan.pow2 = epilogue, bool(pow2)
-    if promotion != "serial":  # the default's variants keep the keys they had
+    if promotion != "serial":  # a serial plan has no such attribute: its key is the plain FP8 plan's
         plan.fp8_promotion = promotion
     return plan
 

@@ -34,12 +34,13 @@ not run long. Per 128-K block each consumer warpgroup runs its four ``m64nBNk32`
 fresh register tile ``tmp`` (the first with the accumulate flag off), waits for them, releases the
 stage, and adds ``tmp * (sa[kb, row] * sb[e, nblk, kb])`` into the fp32 accumulator: one FFMA per
 element per k-block. The two consumer warpgroups run independently, so one warpgroup's promotion
-overlaps the other's WGMMAs (``promotion="serial"``, the default). ``promotion="overlap"`` also
-overlaps a warpgroup's promotion with its own next WGMMAs: k-block ``kb + 1`` goes into a second
-register tile before ``kb``'s is promoted (a wait that leaves one group in flight). Its k-blocks
-are unrolled when compiling: in a loop, the registers the promotion reads become loop-carried
-values and ptxas serializes the WGMMAs (advisory C7514). Three BN-wide fp32 tiles a thread fit
-for BN <= 128 without the dsrelu_q epilogue's saved z.
+overlaps the other's WGMMAs (``promotion="serial"``). ``promotion="overlap"`` also overlaps a
+warpgroup's promotion with its own next WGMMAs: k-block ``kb + 1`` goes into a second register
+tile before ``kb``'s is promoted (a wait that leaves one group in flight); the sums are the same
+bits. Its k-blocks are unrolled when compiling: in a loop, the registers the promotion reads
+become loop-carried values and ptxas serializes the WGMMAs (advisory C7514). Three BN-wide fp32
+tiles a thread fit for BN <= 128 without the dsrelu_q epilogue's saved z; the entry points
+(:mod:`.api_fp8`) take "overlap" wherever it fits and "serial" elsewhere.
 
 Scale loads
 -----------
