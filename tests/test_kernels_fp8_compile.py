@@ -385,11 +385,14 @@ def test_fp8_promotion_comes_from_the_environment_and_keys_the_cache(monkeypatch
 
     monkeypatch.delenv(api_fp8.PROMOTION_ENV, raising=False)
     assert api_fp8.fp8_promotion() == "overlap"
-    assert api_fp8._promotion_for((128, 192), "plain") == "serial"
-    assert api_fp8._promotion_for((128, 128), "dsrelu_q") == "serial"
-    assert api_fp8._promotion_for((128, 128), "srelu_q") == "overlap"
+    assert api_fp8._promotion_for((128, 128), "srelu_q", 2688) == "overlap"
+    assert api_fp8._promotion_for((128, 64), "plain", api_fp8.OVERLAP_MAX_K) == "overlap"
+    # where it does not fit or is not timed: wide tiles, the dsrelu_q epilogue, long K
+    assert api_fp8._promotion_for((128, 192), "plain", 2688) == "serial"
+    assert api_fp8._promotion_for((128, 128), "dsrelu_q", 2688) == "serial"
+    assert api_fp8._promotion_for((128, 128), "plain", api_fp8.OVERLAP_MAX_K + 128) == "serial"
     monkeypatch.setenv(api_fp8.PROMOTION_ENV, "serial")
-    assert api_fp8.fp8_promotion() == "serial" and api_fp8._promotion_for((128, 128), "srelu_q") == "serial"
+    assert api_fp8.fp8_promotion() == "serial" and api_fp8._promotion_for((128, 128), "srelu_q", 2688) == "serial"
     monkeypatch.setenv(api_fp8.PROMOTION_ENV, "sometimes")
     with pytest.raises(ValueError, match="TEO_FP8_PROMOTION must be one of"):
         api_fp8.fp8_promotion()

@@ -46,10 +46,19 @@ def fp8_promotion() -> str:
     return found
 
 
-def _promotion_for(tile, epilogue) -> str:
+# the overlapped promotion unrolls every k-block: the longest K it is timed at (docs/results.md);
+# longer K's grow the code and its compile time with it, and at K=16384 ptxas serializes the
+# WGMMAs again (advisory C7514)
+OVERLAP_MAX_K = 4096
+
+
+def _promotion_for(tile, epilogue, k: int) -> str:
     """$TEO_FP8_PROMOTION's choice where the kernel takes it: BN=192 tiles and the dsrelu_q epilogue
-    promote serially (their registers hold no second partial-sum fragment)."""
-    return "serial" if tile[1] > 128 or epilogue == "dsrelu_q" else fp8_promotion()
+    promote serially (their registers hold no second partial-sum fragment), as does K beyond
+    :data:`OVERLAP_MAX_K`."""
+    if tile[1] > 128 or epilogue == "dsrelu_q" or k > OVERLAP_MAX_K:
+        return "serial"
+    return fp8_promotion()
 
 
 def _check_tile(tile) -> tuple[int, int]:
@@ -97,13 +106,13 @@ def compile_variant_fp8(n: int, k: int, e: int, *, out_dtype=torch.bfloat16, til
     Works without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile tests); ``sb_cols`` is
     the row length of B's scales (default ``roundup(ceil(K / 128), 4)``, TE's padding);
     ``epilogue``: "plain" (C) or "srelu_q" (z and act quantized; ``pow2`` its scale rounding);
-    ``promotion``: "overlap" or "serial" (default: :func:`fp8_promotion`'s; BN=192 tiles and the
-    dsrelu_q epilogue promote serially)."""
+    ``promotion``: "overlap" or "serial" (default: :func:`fp8_promotion`'s; BN=192 tiles, the
+    dsrelu_q epilogue and K > :data:`OVERLAP_MAX_K` promote serially)."""
     tile = _check_tile(tile) if tile is not None else pick_tile_fp8(n)
     cluster_n = cluster_n or api.pick_cluster(n, tile)
     sb_cols = sb_cols if sb_cols is not None else -(-(-(-k // SCALE_BLOCK)) // 4) * 4
     call = call or api.kernel_call_convention()
-    promotion = promotion or _promotion_for(tile, epilogue)
+    promotion = promotion or _promotion_for(tile, epilogue, k)
     return _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call, options, epilogue, pow2, promotion)
 
 
@@ -172,7 +181,7 @@ def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None, epilogue="plain", pow
     cluster_n = api.pick_cluster(n, tile)
     call = api.kernel_call_convention()
     form = () if epilogue == "plain" else (epilogue, bool(pow2))
-    promotion = promotion or _promotion_for(tile, epilogue)
+    promotion = promotion or _promotion_for(tile, epilogue, k)
     form += () if promotion == "serial" else (promotion,)
     key = ("fp8_blockwise", out_dtype, tile, cluster_n, n, k, e, sb_cols, *form, call)
     return api.cached_kernel(key, lambda key, call: _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n,
@@ -413,4 +422,5 @@ def _launch_fp8(kern, compiled, a, b, c, s, sa, sb, num_tokens, q=None):
 
 __all__ = ["grouped_gemm_fp8_blockwise", "grouped_gemm_fp8_dsrelu_quantize", "grouped_gemm_fp8_srelu_quantize",
            "compile_variant_fp8", "get_kernel_fp8", "launch_plan_fp8", "fp8_promotion", "PROMOTION_ENV",
+           "OVERLAP_MAX_K",
            "pick_tile_fp8", "SCALE_BLOCK", "TILE_NS", "OUT_DTYPES"]
