@@ -171,12 +171,17 @@ def test_fp8_gemm_report_gives_ratios_and_names_contenders_that_did_not_run(tmp_
     for key in ("sm_MHz", "sm_MHz_min", "power_W"):  # a row without clock samples (no nvidia-smi)
         del rows[1][key]
     result = {"gpu": "GPU", "date": "today", "experts": 8, "reps": 10, "inner": 10, "rows": rows,
-              "fp8_compile_seconds": {"k": 1.5}}
+              "fp8_compile_seconds": [{"n": 2048, "k": 4096, "bn": 128, "promotion": "overlap", "seconds": 8.9}]}
     text = markdown(result)
-    assert "| 4096 | 2048 | 4096 | 1100 | 1150 | 1050 | 550 | n/a | 2.00 | n/a | 2.3e-03 | n/a | 1755 (1620) | 688 |" in text
-    assert "| 8192 | 2048 | 4096 | 1100 | 1150 | 1050 | 550 | n/a | 2.00 | n/a | 2.3e-03 | n/a | - | - |" in text
-    del rows[1]["contenders"]["fp8 overlap"]  # a file from before that contender: n/a
-    assert "| 8192 | 2048 | 4096 | 1100 | n/a | 1050 | 550 | n/a |" in markdown(result)
+    # ours: the default (overlapped) promotion
+    assert "| 4096 | 2048 | 4096 | 1100 | 1150 | 1050 | 550 | n/a | 2.09 | n/a | 2.3e-03 | n/a | 1755 (1620) | 688 |" in text
+    assert "| 8192 | 2048 | 4096 | 1100 | 1150 | 1050 | 550 | n/a | 2.09 | n/a | 2.3e-03 | n/a | - | - |" in text
+    assert "compile seconds (first call): N=2048 K=4096 BN=128 overlap 8.9" in text
+    del rows[1]["contenders"]["fp8 overlap"]  # a file without that contender: ours is the serial fp8
+    result["fp8_compile_seconds"] = {"('fp8_blockwise', 'a key')": 1.5}  # a file keyed by the cache's key
+    text2 = markdown(result)
+    assert "| 8192 | 2048 | 4096 | 1100 | n/a | 1050 | 550 | n/a | 2.00 |" in text2
+    assert "compile seconds (first call): 1.5" in text2
     assert "Not run: RuntimeError: no cuBLAS block scaling" in text
     if chart(result, tmp_path / "c.png"):
         assert (tmp_path / "c.png").stat().st_size > 0
