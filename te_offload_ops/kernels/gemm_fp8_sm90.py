@@ -9,7 +9,7 @@ cumulative sum of ``split_sizes``, an int32 tensor read on the GPU)::
 
 with ``A`` (T, K) and ``B`` (E, N, K) FP8 e4m3, both K-major (the only operand majorness FP8
 WGMMA takes), ``kb`` the 128-wide blocks of K and ``C`` (T, N) row-major in bf16 or fp16. This is
-``dequant(A_e) @ dequant(B_e)^T`` under ``Float8BlockScaling``:
+``dequant(A_e) @ dequant(B_e)^T`` under ``Float8BlockScaling``, with the scales laid out as below.
 
 Scale layouts (Transformer Engine 2.x, ``Float8BlockQuantizer``, ``Float8BlockwiseQTensor``)
 --------------------------------------------------------------------------------------------
@@ -40,7 +40,7 @@ tile before ``kb``'s is promoted (a wait that leaves one group in flight); the s
 bits. Its k-blocks are unrolled when compiling: in a loop, the registers the promotion reads
 become loop-carried values and ptxas serializes the WGMMAs (advisory C7514). Three BN-wide fp32
 tiles a thread fit for BN <= 128 without the dsrelu_q epilogue's saved z; the entry points
-(:mod:`.api_fp8`) take "overlap" wherever it fits and "serial" elsewhere.
+(:mod:`.api_fp8`) take "overlap" wherever it fits and K <= ``OVERLAP_MAX_K``, "serial" elsewhere.
 
 Scale loads
 -----------
