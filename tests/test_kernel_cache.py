@@ -501,7 +501,35 @@ def test_warm_up_command_compiles_then_loads_every_variant(tmp_path):
     assert "0 compiled and written, 6 already in" in second.stdout
 
 
+@needs_dsl
+def test_warm_up_command_compiles_in_parallel_processes_then_loads(tmp_path):
+    cache = tmp_path / "cache"
+    args = ("--num-experts", "2", "--hidden-size", "128", "--ffn-hidden-size", "64")
+    first = _warmup(cache, *args, "--jobs", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "; 2 processes" in first.stdout
+    lines = [ln for ln in first.stdout.splitlines() if ln.startswith("[")]
+    assert sorted(ln.split("]")[0] for ln in lines) == [f"[{i}/6" for i in range(1, 7)], first.stdout
+    assert all(": compiled in " in ln for ln in lines) and "6 compiled and written" in first.stdout
+    assert len(_entries(cache)) == 6
+    second = _warmup(cache, *args, "--jobs", "1")
+    assert second.returncode == 0 and "; 1 process" in second.stdout, second.stderr[-3000:]
+    assert "0 compiled and written, 6 already in" in second.stdout, second.stdout
+
+
+def test_warm_up_takes_a_positive_number_of_jobs():
+    from te_offload_ops.kernels import warm_up
+    from te_offload_ops.kernels.warmup import default_jobs
+
+    assert 1 <= default_jobs() <= 8
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="jobs must be a positive integer"):
+            warm_up(2, 128, 64, jobs=bad)
+
+
 @pytest.mark.parametrize("args, env, said", [
+    (["--num-experts", "4", "--hidden-size", "128", "--ffn-hidden-size", "64", "--jobs", "0"], {},
+     "--jobs must be positive"),
     (["--num-experts", "6", "--hidden-size", "128", "--ffn-hidden-size", "64", "--expert-model-parallel-size", "4"],
      {}, "is not a multiple of --expert-model-parallel-size=4"),
     (["--num-experts", "4", "--hidden-size", "0", "--ffn-hidden-size", "64"], {}, "--hidden-size must be positive"),

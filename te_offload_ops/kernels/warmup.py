@@ -1,7 +1,7 @@
 """Compile ahead of a job the kernels the fused SReLU grouped MLP will use, into the disk cache.
 
     python -m te_offload_ops.kernels.warmup --num-experts 16 --hidden-size 2048 \\
-        --ffn-hidden-size 1024 [--expert-model-parallel-size 2] [--megatron] [--tokens 8192] [--fp8]
+        --ffn-hidden-size 1024 [--expert-model-parallel-size 2] [--megatron] [--tokens 8192] [--fp8] [--jobs 4]
 
 Each variant is loaded if the disk cache holds it and compiled (and written there) if not; the
 job's ranks then load every kernel in milliseconds. The variants are those the fused op launches
@@ -185,30 +185,60 @@ def _get(kwargs: dict):
     return api.get_kernel(kw.pop("dtype"), kw.pop("n"), kw.pop("k"), kw.pop("e"), **kw)
 
 
+def _warm_one(variant: Variant) -> tuple[dict, str]:
+    """(record, progress line's text) of one variant, loaded or compiled in this process."""
+    t0 = time.perf_counter()
+    kern, _ = _get(variant.kwargs)
+    secs = time.perf_counter() - t0
+    key = kern.cache_key
+    how = "compiled" if key in api._COMPILE_SECONDS else "loaded" if key in api._LOAD_SECONDS else "in memory"
+    took = api._COMPILE_SECONDS.get(key, api._LOAD_SECONDS.get(key, secs))
+    said = f"{variant.describe(kern)}: {how} in " + (f"{took:.2f} s" if took >= 0.1 else f"{took * 1e3:.1f} ms")
+    return {"label": variant.label, "key": key, "how": how, "seconds": took}, said
+
+
+def default_jobs() -> int:
+    """Processes :func:`warm_up` compiles in by default: half the CPUs this process may use, at
+    most 8 (each compile is one busy core and about a GiB of memory)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cpus // 2))
+
+
 def warm_up(num_experts: int, hidden_size: int, ffn_hidden_size: int, params_dtype=torch.bfloat16, *,
             tokens: Optional[int] = None, main_grad: bool = False, overwrite_main_grad: bool = False,
             weight_layout: str = "te", expert_stride: Optional[int] = None, fp8: bool = False,
-            progress: Optional[Callable[[str], None]] = print) -> list[dict]:
+            jobs: int = 1, progress: Optional[Callable[[str], None]] = print) -> list[dict]:
     """Load or compile (and write to the disk cache) every kernel :func:`mlp_variants` lists for
-    these shapes and settings; ``progress`` gets one line per kernel. Returns one record per
-    kernel: its label, cache key, how it was had ("compiled", "loaded", or "in memory": this
-    process had it already) and the seconds that took."""
+    these shapes and settings; ``progress`` gets one line per kernel. ``jobs`` > 1 compiles the
+    variants in that many fresh processes at once (the disk cache lets one process at a time
+    compile a variant; this process then holds none of them in memory). Returns one record per
+    kernel, in :func:`mlp_variants`' order: its label, cache key, how it was had ("compiled",
+    "loaded", or "in memory": the process had it already) and the seconds that took."""
     variants = mlp_variants(num_experts, hidden_size, ffn_hidden_size, params_dtype, tokens=tokens,
                             main_grad=main_grad, overwrite_main_grad=overwrite_main_grad,
                             weight_layout=weight_layout, expert_stride=expert_stride, fp8=fp8)
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
     say = progress or (lambda line: None)
-    records = []
-    for i, variant in enumerate(variants, 1):
-        t0 = time.perf_counter()
-        kern, _ = _get(variant.kwargs)
-        secs = time.perf_counter() - t0
-        key = kern.cache_key
-        how = ("compiled" if key in api._COMPILE_SECONDS else "loaded" if key in api._LOAD_SECONDS
-               else "in memory")
-        took = api._COMPILE_SECONDS.get(key, api._LOAD_SECONDS.get(key, secs))
-        records.append({"label": variant.label, "key": key, "how": how, "seconds": took})
-        say(f"[{i}/{len(variants)}] {variant.describe(kern)}: {how} in "
-            + (f"{took:.2f} s" if took >= 0.1 else f"{took * 1e3:.1f} ms"))
+    n = len(variants)
+    if jobs == 1 or n < 2:
+        records = []
+        for i, variant in enumerate(variants, 1):
+            record, said = _warm_one(variant)
+            records.append(record)
+            say(f"[{i}/{n}] {said}")
+        return records
+    import concurrent.futures
+    import multiprocessing
+
+    # fresh interpreters: a fork would copy this process's CUDA and DSL state
+    context = multiprocessing.get_context("spawn")
+    records = [None] * n
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, n), mp_context=context) as pool:
+        pending = {pool.submit(_warm_one, variant): i for i, variant in enumerate(variants)}
+        for done, future in enumerate(concurrent.futures.as_completed(pending), 1):
+            records[pending[future]], said = future.result()
+            say(f"[{done}/{n}] {said}")
     return records
 
 
@@ -236,6 +266,8 @@ def _parse(argv):
                    help="te: TE's own parameters (default); megatron: Megatron's DDP buffer, experts last first")
     p.add_argument("--expert-stride", type=int, default=None,
                    help="elements between consecutive experts' weights where a buffer pads them apart")
+    p.add_argument("--jobs", "-j", type=int, default=None,
+                   help="processes compiling at once (default: half the CPUs, at most 8)")
     p.add_argument("--fp8", action="store_true",
                    help="the kernels of the Float8BlockScaling path (Megatron's --fp8-recipe blockwise): the "
                         "grouped FP8 GEMMs and the wgrads")
@@ -246,6 +278,10 @@ def _parse(argv):
     if args.num_experts % args.expert_model_parallel_size:
         p.error(f"--num-experts={args.num_experts} is not a multiple of "
                 f"--expert-model-parallel-size={args.expert_model_parallel_size}")
+    if args.jobs is None:
+        args.jobs = default_jobs()
+    elif args.jobs < 1:
+        p.error(f"--jobs must be positive, got {args.jobs}")
     if args.main_grad is None:
         args.main_grad = args.megatron
     if args.weight_layout is None:
@@ -286,10 +322,10 @@ def main(argv=None) -> int:
           f"ffn {args.ffn_hidden_size}, {args.dtype}, weights {args.weight_layout}, "
           f"main_grad {'overwrite' if args.overwrite_main_grad else 'add' if args.main_grad else 'off'}"
           f"{', FP8 block scaling' if args.fp8 else ''}; "
-          f"cache {where}", flush=True)
+          f"cache {where}; {args.jobs} process{'es' if args.jobs > 1 else ''}", flush=True)
     t0 = time.perf_counter()
     records = warm_up(local, args.hidden_size, args.ffn_hidden_size, DTYPES[args.dtype], **settings,
-                      progress=lambda line: print(line, flush=True))
+                      jobs=args.jobs, progress=lambda line: print(line, flush=True))
     counts = {how: sum(r["how"] == how for r in records) for how in ("compiled", "loaded")}
     print(f"{len(records)} kernels in {time.perf_counter() - t0:.1f} s: {counts['compiled']} compiled and written, "
           f"{counts['loaded']} already in {where}")
