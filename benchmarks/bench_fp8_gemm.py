@@ -1,7 +1,7 @@
 """The grouped FP8 GEMM (TE's block scaling) against the bf16 grouped GEMM and TE's FP8 grouped GEMM.
 
 Forward form ``C_e = A_e @ B_e^T`` at E experts x {2048, 4096, 8192} tokens per expert and
-(N, K) in {(2048, 4096), (4096, 2048), (1792, 2688)}. Contenders, timed interleaved as
+(N, K) in {(2048, 4096), (4096, 2048), (1792, 2688)} (``--tokens``, ``--shapes`` choose others). Contenders, timed interleaved as
 ``bench_kernels.py`` times them (GPU time per call with the host ahead, medians over ``--reps``
 rounds of ``--inner`` calls):
 
@@ -18,9 +18,12 @@ rounds of ``--inner`` calls):
 Quantization is outside every timed call. Each case also reports the FP8 output's relative error
 (Frobenius norm) against the bf16 GEMM of TE's dequantized operands and against TE's FP8 output,
 and the SM clock and power the GPU held while it was timed (``gpu_clocks.py``).
-Writes ``fp8_gemm_<GPU>.{json,md,png}`` to ``--out``; exits 2 where it cannot run.
+Writes ``fp8_gemm_<GPU>.{json,md,png}`` to ``--out`` (``fp8_gemm_<GPU>_N<n>K<k>...`` for other
+``--shapes``); exits 2 where it cannot run. The overlapped contender takes the overlapped promotion
+at every K, past the entry points' default limit (``kernels.api_fp8.OVERLAP_MAX_K``) too.
 
     python3 benchmarks/bench_fp8_gemm.py --out "$OUT/results"
+    python3 benchmarks/bench_fp8_gemm.py --shapes 2048x7168 7168x2048 --tokens 4096 8192
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_common import (add_gemm_timing_args, bar_chart, check_gemm_timing_args, cuda_problem, file_stem,  # noqa: E402
+from bench_common import (add_gemm_timing_args, bar_chart, check_gemm_timing_args, command_line,  # noqa: E402
+                          cuda_problem, file_stem,
                           refuse, utc_now, write_reports)
 from gpu_clocks import GpuClocks  # noqa: E402
 
@@ -128,7 +132,7 @@ def measure(args) -> dict:
     from te_offload_ops.kernels import api
 
     rows = []
-    cases = [(tok, n, k) for (n, k) in SHAPES for tok in args.tokens]
+    cases = [(tok, n, k) for (n, k) in args.shapes for tok in args.tokens]
     for i, (tok, n, k) in enumerate(cases, 1):
         faulthandler.dump_traceback_later(args.watchdog, exit=True)
         fns, errors, flops = _case(args.experts, tok, n, k, torch)
@@ -171,7 +175,8 @@ def markdown(result: dict) -> str:
              f"with the host ahead, medians of {result['reps']} interleaved rounds of {result['inner']} calls. "
              "fp8: A 1x128 and B 128x128 scales, fp32 promotion per 128-K block, bf16 output. "
              "Errors: relative Frobenius norm against the bf16 GEMM of TE's dequantized operands. "
-             "SM MHz: the clock nvidia-smi read while the row's contenders ran (median, lowest).", "",
+             "SM MHz: the clock nvidia-smi read while the row's contenders ran (median, lowest)."
+             + (f" Command: `{result['command']}`" if result.get("command") else ""), "",
              "ours: fp8 overlap, the default promotion (fp8, the serial one, where a file lacks it).", "",
              "| tokens/expert | N | K | " + " | ".join(f"{c} TFLOP/s" for c in CONTENDERS)
              + " | ours / bf16 | ours / te fp8 | fp8 err | fp8 vs te fp8 | SM MHz (lowest) | W |",
@@ -208,15 +213,37 @@ def chart(result: dict, path) -> bool:
                      size=(11, 4.5), line=(1100, "1,100 TFLOP/s"))
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """``NxK`` -> (N, K): N a multiple of 8, K of 16 (the FP8 kernel's operand rows)."""
+    try:
+        n, k = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is NxK, e.g. 2048x7168, got {text!r}") from None
+    if n < 8 or k < 16 or n % 8 or k % 16:
+        raise argparse.ArgumentTypeError(f"N must be a positive multiple of 8 and K of 16, got {text!r}")
+    return n, k
+
+
+def shapes_suffix(shapes) -> str:
+    """The results stem's suffix for shapes other than the default set ("" for the default)."""
+    shapes = [tuple(s) for s in shapes]
+    return "" if shapes == list(SHAPES) else "_".join(f"N{n}K{k}" for n, k in shapes)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_gemm_timing_args(ap, TOKENS)
+    ap.add_argument("--shapes", type=_shape, nargs="+", default=list(SHAPES), metavar="NxK",
+                    help="(N, K) of the weights, e.g. 2048x7168 (default: "
+                         + " ".join(f"{n}x{k}" for n, k in SHAPES) + "; others name the results files)")
     args = ap.parse_args(argv)
     check_gemm_timing_args(ap, args)
     if (problem := _problem()):
         return refuse("bench_fp8_gemm.py", problem)
     result = measure(args)
-    write_reports(Path(args.out), file_stem("fp8_gemm", result["gpu"]), result, markdown, chart)
+    result["command"] = command_line("benchmarks/bench_fp8_gemm.py", sys.argv[1:] if argv is None else argv)
+    write_reports(Path(args.out), file_stem("fp8_gemm", result["gpu"], shapes_suffix(args.shapes)), result,
+                  markdown, chart)
     return 0
 
 

@@ -187,6 +187,18 @@ def test_fp8_gemm_report_gives_ratios_and_names_contenders_that_did_not_run(tmp_
         assert (tmp_path / "c.png").stat().st_size > 0
 
 
+def test_fp8_gemm_shapes_option_checks_shapes_and_names_the_files():
+    import argparse
+
+    from bench_fp8_gemm import SHAPES, _shape, shapes_suffix
+
+    assert _shape("2048x7168") == (2048, 7168) and _shape("7168X2048") == (7168, 2048)
+    for bad in ("2048", "2048x7170", "0x128", "ax128"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _shape(bad)
+    assert shapes_suffix(SHAPES) == "" and shapes_suffix([(2048, 7168), (7168, 2048)]) == "N2048K7168_N7168K2048"
+
+
 def test_fp8_wgrad_report_gives_tflops_ratios_and_the_command_without_paths(tmp_path):
     from bench_common import command_line
     from bench_fp8_wgrad import chart, markdown
