@@ -23,7 +23,7 @@ from .gemm_plan import GemmPlan
 SCALE_BLOCK = 128  # gemm_fp8_sm90.SCALE_BLOCK, without the DSL import
 TILE_NS = (64, 128, 192)  # gemm_fp8_sm90.TILE_NS, likewise
 OUT_DTYPES = (torch.bfloat16, torch.float16)
-PROMOTION_ENV = "TEO_FP8_PROMOTION"  # "serial": a k-block's promotion waits for its own WGMMAs
+PROMOTION_ENV = "TEO_FP8_PROMOTION"  # "overlap" (the default) or "serial": fp8_promotion()
 PROMOTIONS = ("serial", "overlap")  # gemm_fp8_sm90.PROMOTIONS, without the DSL import
 # the FP8 storage dtypes read as e4m3: TE keeps its FP8 data as uint8
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
@@ -36,7 +36,8 @@ def pick_tile_fp8(n: int) -> tuple[int, int]:
 
 
 def fp8_promotion() -> str:
-    """How the forward FP8 kernels promote each k-block's partial sums, as $TEO_FP8_PROMOTION says:
+    """How the FP8 GEMMs (forward and dgrads) promote each k-block's partial sums, as
+    $TEO_FP8_PROMOTION says:
     "overlap" (the default: the next k-block's WGMMAs run meanwhile; the k-blocks unrolled, two
     partial-sum fragments in registers; the same bits, faster, longer to compile)
     or "serial" (after the k-block's WGMMAs; a warpgroup's tensor-core work waits meanwhile)."""
@@ -125,7 +126,7 @@ def launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue="plai
     plan = GemmPlan(out_dtype.itemsize, n, k, e, b_n_major=False, epilogue="plain", tile_mn=tile,
                     cluster_n=cluster_n, schedule="cooperative")
     plan.sb_cols = sb_cols  # part of the disk cache's key, with the plan's own parameters
-    if epilogue != "plain":  # the plain variants keep the keys they had
+    if epilogue != "plain":  # a plain plan has no such attributes: its key is the plain FP8 plan's
         plan.fp8_epilogue, plan.pow2 = epilogue, bool(pow2)
     if promotion != "serial":  # a serial plan has no such attribute: its key is the plain FP8 plan's
         plan.fp8_promotion = promotion
