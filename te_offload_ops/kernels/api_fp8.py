@@ -126,9 +126,9 @@ def launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue="plai
     plan = GemmPlan(out_dtype.itemsize, n, k, e, b_n_major=False, epilogue="plain", tile_mn=tile,
                     cluster_n=cluster_n, schedule="cooperative")
     plan.sb_cols = sb_cols  # part of the disk cache's key, with the plan's own parameters
-    if epilogue != "plain":  # a plain plan has no such attributes: its key is the plain FP8 plan's
+    if epilogue != "plain":  # set only off the defaults: a plain, serial plan keys as the bare FP8 GEMM
         plan.fp8_epilogue, plan.pow2 = epilogue, bool(pow2)
-    if promotion != "serial":  # a serial plan has no such attribute: its key is the plain FP8 plan's
+    if promotion != "serial":  # likewise
         plan.fp8_promotion = promotion
     return plan
 
