@@ -380,6 +380,23 @@ def test_overlapped_promotion_unrolls_the_k_blocks_without_spills(epilogue):
         assert not advisories, advisories
 
 
+@needs_dsl
+def test_the_longest_k_with_the_overlapped_promotion_compiles_it_clean():
+    """At ``OVERLAP_MAX_K`` (fc1 of an H=7168 expert) the default plan overlaps the promotion, and its
+    56 unrolled k-blocks compile without spills or a serialization advisory from ptxas."""
+    from te_offload_ops.kernels import api_fp8
+
+    kern, compiled, _ = kernels.compile_variant_fp8(2048, api_fp8.OVERLAP_MAX_K, 8, epilogue="srelu_q",
+                                                    options="--keep-ptx --keep-cubin")
+    assert kern.promotion == "overlap" and kern.k_tiles == api_fp8.OVERLAP_MAX_K // 128
+    ptx = str(compiled.artifacts.PTX)
+    _check_promotion(ptx, kern.bn, "overlap", kern.k_tiles)
+    _resource_usage(compiled)
+    advisories = _ptxas_advisories(ptx)
+    if advisories is not None:
+        assert not advisories, advisories
+
+
 def test_fp8_promotion_comes_from_the_environment_and_keys_the_cache(monkeypatch):
     from te_offload_ops.kernels import api_fp8
 

@@ -60,10 +60,74 @@ def _host_time(step, steps: int) -> dict:
     return {"host_ms": host_ms, "top": rows[:60]}
 
 
+def back_to_back_ms(step, steps: int) -> dict:
+    """Wall time per step back to back (host clock, GPU synchronized before and after), with the
+    deferred split-size check on (the default) and off: where they differ, the check's wait at
+    the backward's end holds the host."""
+    from timing import wall_ms
+
+    on = min(wall_ms(step, steps) for _ in range(3))
+    with split_check_off():
+        off = min(wall_ms(step, steps) for _ in range(3))
+    return {"check_on_ms": on, "check_off_ms": off}
+
+
+def runtime_calls(prof, steps: int) -> list:
+    """CUDA runtime and driver calls the host made per step (launches, syncs, copies): count and
+    host microseconds, from a torch profiler run."""
+    rows = []
+    for ev in prof.key_averages():
+        if ev.device_type.name == "CPU" and ev.key.startswith(("cuda", "cu")) and ev.count:
+            rows.append({"call": ev.key, "calls": ev.count / steps, "host_us": ev.cpu_time_total / steps})
+    rows.sort(key=lambda r: -r["host_us"])
+    return rows
+
+
+def launch_costs(args, calls: int = 50) -> list:
+    """Host microseconds to queue one call of each kernel the FP8 step launches (behind a sleeping
+    GPU, so no call waits for the GPU), at the step's shapes."""
+    import time
+
+    import torch
+
+    from te_offload_ops import kernels
+    from te_offload_ops.kernels import fp8_rows
+
+    t, h, f, e = args.experts * args.tokens, args.hidden, args.ffn, args.experts
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(e, f, h, device="cuda", dtype=torch.bfloat16)
+    splits = torch.full((e,), args.tokens, device="cuda", dtype=torch.int32)
+    probs = torch.rand(t, device="cuda", dtype=torch.float32)
+    xd, xs = fp8_rows.quantize(x, 0.0, False)
+    wr, wrs, _, _ = fp8_rows.quantize_weights(w, False, 0.0, False)
+    cases = {
+        "fp8_rows.quantize": lambda: fp8_rows.quantize(x, 0.0, False),
+        "fp8_rows.dequantize": lambda: fp8_rows.dequantize(xd, xs, torch.bfloat16),
+        "fp8_rows.quantize_weights": lambda: fp8_rows.quantize_weights(w, False, 0.0, False),
+        "grouped_gemm_fp8_blockwise": lambda: kernels.grouped_gemm_fp8_blockwise(xd, xs, wr, wrs, splits,
+                                                                                 torch.bfloat16),
+        "grouped_gemm_fp8_srelu_quantize": lambda: kernels.grouped_gemm_fp8_srelu_quantize(
+            xd, xs, wr, wrs, splits, probs, eps=0.0, pow2=False, out_dtype=torch.bfloat16),
+        "torch.empty": lambda: torch.empty((t, h), device="cuda", dtype=torch.uint8),
+    }
+    rows = []
+    for name, fn in cases.items():
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(5e8))
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rows.append({"call": name, "host_us": (time.perf_counter() - t0) * 1e6 / calls})
+        torch.cuda.synchronize()
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_mlp_shape_args(ap)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--main-grad", action="store_true", help="wgrads added into fp32 main_grad (Megatron's)")
     ap.add_argument("--out", type=Path, default=Path("profile_fp8_mlp.json"))
     argv = sys.argv[1:]
     args = ap.parse_args(argv)
@@ -100,11 +164,21 @@ def main() -> int:
     print(f"step: {wall_ms:.2f} ms wall (host ahead), {gpu_ms:.2f} ms of kernels")
     for r in rows[:40]:
         print(f"{r['us_per_step']:9.1f} us  x{r['calls']:<3d} {r['kernel']}")
+    runtime = runtime_calls(prof, args.steps)
+    print("CUDA runtime/driver calls per step:")
+    for r in runtime[:15]:
+        print(f"{r['host_us']:9.1f} us  x{r['calls']:<5.1f} {r['call']}")
+    b2b = back_to_back_ms(lambda: fr.step(mlp, inputs, "Float8BlockScaling"), args.steps)
+    print(f"back to back: {b2b['check_on_ms']:.3f} ms (split-size check on), {b2b['check_off_ms']:.3f} ms (off)")
+    launches = launch_costs(args)
+    for r in launches:
+        print(f"{r['host_us']:8.1f} us to queue {r['call']}")
     host = host_time(lambda: fr.step(mlp, inputs, "Float8BlockScaling"), args.steps)
     print(f"host: {host['host_ms']:.2f} ms per step to queue it (no profiler); under cProfile, by cumulative time:")
     for r in host["top"][:30]:
         print(f"{r['cum_ms']:8.3f} ms cum {r['self_ms']:8.3f} ms self  x{r['calls']:<4.0f} {r['function']}")
     args.out.write_text(json.dumps({"wall_ms": wall_ms, "gpu_ms": gpu_ms, "kernels": rows, "host": host,
+                                    "runtime_calls": runtime, "back_to_back": b2b, "launch_host_us": launches,
                                     "gpu": torch.cuda.get_device_name(), "date": utc_now(),
                                     "command": command_line("benchmarks/experiments/profile_fp8_mlp.py", argv)},
                                    indent=1))

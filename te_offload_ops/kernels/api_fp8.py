@@ -47,10 +47,10 @@ def fp8_promotion() -> str:
     return found
 
 
-# the overlapped promotion unrolls every k-block: the longest K it is timed at (docs/results.md);
-# longer K's grow the code and its compile time with it, and at K=16384 ptxas serializes the
-# WGMMAs again (advisory C7514)
-OVERLAP_MAX_K = 4096
+# the overlapped promotion unrolls every k-block: the longest K it is timed at (docs/results.md,
+# 1.11x the serial promotion at K=7168); longer K's grow the code and its compile time with it,
+# and at K=16384 ptxas serializes the WGMMAs again (advisory C7514)
+OVERLAP_MAX_K = 7168
 
 
 def _promotion_for(tile, epilogue, k: int) -> str:
