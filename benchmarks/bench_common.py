@@ -96,10 +96,21 @@ def utc_now() -> str:
 def add_mlp_shape_args(parser, tokens_help: str = "tokens per expert") -> None:
     """The expert MLP's shape options the benchmarks share: E experts x tokens, H, F (default the
     shape every results page compares at: E=8 x 2048 tokens, H=2688, F=1856)."""
-    parser.add_argument("--experts", "-E", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=2048, help=tokens_help)
-    parser.add_argument("--hidden", "-H", type=int, default=2688)
-    parser.add_argument("--ffn", "-F", type=int, default=1856)
+    parser.add_argument("--experts", "-E", type=int, default=MLP_SHAPE_DEFAULTS["experts"][1])
+    parser.add_argument("--tokens", type=int, default=MLP_SHAPE_DEFAULTS["tokens"][1], help=tokens_help)
+    parser.add_argument("--hidden", "-H", type=int, default=MLP_SHAPE_DEFAULTS["hidden"][1])
+    parser.add_argument("--ffn", "-F", type=int, default=MLP_SHAPE_DEFAULTS["ffn"][1])
+
+
+MLP_SHAPE_DEFAULTS = {"experts": ("E", 8), "tokens": ("T", 2048), "hidden": ("H", 2688),
+                      "ffn": ("F", 1856)}
+
+
+def mlp_shape_suffix(args) -> str:
+    """A results-file suffix naming the MLP shape options that differ from the defaults, e.g.
+    ``T4096_H7168_F2048`` (empty at the default shape)."""
+    return "_".join(f"{letter}{getattr(args, name)}" for name, (letter, default) in MLP_SHAPE_DEFAULTS.items()
+                    if getattr(args, name) != default)
 
 
 def attach_main_grads(mlp) -> list:

@@ -15,7 +15,8 @@ implementation:
 
 Where an implementation fails under a recipe (TE raises), its row holds the error; the other is
 still measured. Writes JSON, markdown and a
-PNG into ``--out``.
+PNG into ``--out`` (``fp8_recipes_<GPU>[_<shape>][_main_grad]``, the shape named where it is not
+the default, e.g. ``_T4096_H7168_F2048``).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from bench_common import (  # noqa: E402
-    add_mlp_shape_args, attach_main_grads, cuda_problem, file_stem, pyplot, refuse, save_png, split_check_off, utc_now,
-    write_reports,
+    add_mlp_shape_args, attach_main_grads, cuda_problem, file_stem, mlp_shape_suffix, pyplot, refuse, save_png,
+    split_check_off, utc_now, write_reports,
 )
 from timing import event_ms, interleaved, median  # noqa: E402
 
@@ -290,8 +291,8 @@ def main(argv=None) -> int:
               if k in ("experts", "tokens", "hidden", "ffn", "iters", "main_grad")},
               "command": command_line(argv if argv is not None else sys.argv[1:]),
               "torch": torch.__version__, "rows": rows}
-    paths = write_reports(args.out, file_stem("fp8_recipes", gpu, "main_grad" if args.main_grad else ""), result,
-                          markdown, plot)
+    paths = write_reports(args.out, file_stem("fp8_recipes", gpu, mlp_shape_suffix(args),
+                                              "main_grad" if args.main_grad else ""), result, markdown, plot)
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 
