@@ -430,6 +430,20 @@ def test_fp8_kernel_refuses_unknown_promotions_and_overlap_on_wide_tiles():
         kernels.compile_variant_fp8(4096, 2048, 4, tile=(128, 192), promotion="overlap")
 
 
+def test_an_overlap_that_does_not_fit_is_refused_before_the_kernel_cache(monkeypatch):
+    """The entry points' kernel lookup refuses it up front: no cache entry claimed, nothing compiled."""
+    from te_offload_ops.kernels import api, api_fp8
+
+    def untouched(*args, **kwargs):
+        raise AssertionError("the kernel cache was reached")
+
+    monkeypatch.setattr(api, "cached_kernel", untouched)
+    with pytest.raises(ValueError, match="not the dsrelu_q epilogue, got BN=128, dsrelu_q"):
+        api_fp8.get_kernel_fp8(torch.bfloat16, 1856, 2688, 8, 24, epilogue="dsrelu_q", promotion="overlap")
+    with pytest.raises(ValueError, match="got BN=192"):
+        api_fp8.get_kernel_fp8(torch.bfloat16, 4096, 2048, 4, 16, tile=(128, 192), promotion="overlap")
+
+
 def test_fp8_tile_choice():
     assert kernels.pick_tile_fp8(1856) == (128, 128)
     assert kernels.pick_tile_fp8(64) == (128, 64)

@@ -182,6 +182,9 @@ def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None, epilogue="plain", pow
     cluster_n = api.pick_cluster(n, tile)
     call = api.kernel_call_convention()
     form = () if epilogue == "plain" else (epilogue, bool(pow2))
+    if promotion == "overlap" and (tile[1] > 128 or epilogue == "dsrelu_q"):  # before any cache is touched
+        raise ValueError(f"the overlapped promotion takes BN <= 128 and not the dsrelu_q epilogue, got BN={tile[1]}, "
+                         f"{epilogue} (promotion='serial' takes it)")
     promotion = promotion or _promotion_for(tile, epilogue, k)
     form += () if promotion == "serial" else (promotion,)
     key = ("fp8_blockwise", out_dtype, tile, cluster_n, n, k, e, sb_cols, *form, call)
