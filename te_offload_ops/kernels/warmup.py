@@ -197,13 +197,6 @@ def _warm_one(variant: Variant) -> tuple[dict, str]:
     return {"label": variant.label, "key": key, "how": how, "seconds": took}, said
 
 
-def default_jobs() -> int:
-    """Processes :func:`warm_up` compiles in by default: half the CPUs this process may use, at
-    most 8 (each compile is one busy core and about a GiB of memory)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(8, cpus // 2))
-
-
 def warm_up(num_experts: int, hidden_size: int, ffn_hidden_size: int, params_dtype=torch.bfloat16, *,
             tokens: Optional[int] = None, main_grad: bool = False, overwrite_main_grad: bool = False,
             weight_layout: str = "te", expert_stride: Optional[int] = None, fp8: bool = False,
@@ -266,8 +259,10 @@ def _parse(argv):
                    help="te: TE's own parameters (default); megatron: Megatron's DDP buffer, experts last first")
     p.add_argument("--expert-stride", type=int, default=None,
                    help="elements between consecutive experts' weights where a buffer pads them apart")
-    p.add_argument("--jobs", "-j", type=int, default=None,
-                   help="processes compiling at once (default: half the CPUs, at most 8)")
+    p.add_argument("--jobs", "-j", type=int, default=1,
+                   help="processes compiling at once (default 1: a fresh process takes seconds to import torch, "
+                        "TE and the DSL and to start CUDA, which at most shapes is more than the compiles it "
+                        "runs beside the others save)")
     p.add_argument("--fp8", action="store_true",
                    help="the kernels of the Float8BlockScaling path (Megatron's --fp8-recipe blockwise): the "
                         "grouped FP8 GEMMs and the wgrads")
@@ -278,9 +273,7 @@ def _parse(argv):
     if args.num_experts % args.expert_model_parallel_size:
         p.error(f"--num-experts={args.num_experts} is not a multiple of "
                 f"--expert-model-parallel-size={args.expert_model_parallel_size}")
-    if args.jobs is None:
-        args.jobs = default_jobs()
-    elif args.jobs < 1:
+    if args.jobs < 1:
         p.error(f"--jobs must be positive, got {args.jobs}")
     if args.main_grad is None:
         args.main_grad = args.megatron
