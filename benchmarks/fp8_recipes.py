@@ -15,7 +15,7 @@ implementation:
 
 Where an implementation fails under a recipe (TE raises), its row holds the error; the other is
 still measured. Writes JSON, markdown and a
-PNG into ``--out`` (``fp8_recipes_<GPU>[_<shape>][_main_grad]``, the shape named where it is not
+PNG into ``--out`` (``fp8_recipes_<GPU>[_<shape>][_main_grad][_later_micro_batch]``, the shape named where it is not
 the default, e.g. ``_T4096_H7168_F2048``).
 """
 
@@ -49,6 +49,11 @@ def parse_args(argv=None):
     p.add_argument("--main-grad", action="store_true",
                    help="Megatron's wgrad fusion on both implementations: accumulate_into_main_grad=True, wgrads "
                         "added into fp32 main_grad buffers, .grad dropped (results stem gets _main_grad)")
+    p.add_argument("--later-micro-batch", action="store_true",
+                   help="time this package's ops as a later micro-batch of an optimizer step: FP8 weights "
+                        "quantized at the first call and reused (is_first_microbatch=False, as Megatron sets it "
+                        "after a step's first micro-batch; TE's ops unchanged; results stem gets "
+                        "_later_micro_batch)")
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args(argv)
     for name in ("experts", "tokens", "hidden", "ffn", "iters"):
@@ -80,6 +85,9 @@ def make_mlp(impl: str, args, seed: int = 0):
                             ns.GroupedLinear(args.experts, args.ffn, args.hidden, **kw))
     if main_grad:
         attach_main_grads(mlp)
+    if impl == "ours" and getattr(args, "later_micro_batch", False):
+        for op in (mlp[0], mlp[2]):
+            op.is_first_microbatch = False  # the first call quantizes and keeps the weights; later calls reuse them
     return mlp
 
 
@@ -221,7 +229,9 @@ def markdown(result: dict) -> str:
     a = result["args"]
     lines = [f"# Grouped MLP under TE's quantization recipes ({result['gpu']}, {result['date']})", "",
              f"E={a['experts']} x {a['tokens']} tokens, H={a['hidden']}, F={a['ffn']}, bf16 weights, fwd+bwd"
-             + (", wgrads added into fp32 main_grad (Megatron's wgrad fusion)" if a.get("main_grad") else "") + ". "
+             + (", wgrads added into fp32 main_grad (Megatron's wgrad fusion)" if a.get("main_grad") else "")
+             + (", this package's ops timed as a later micro-batch of a step (FP8 weights quantized once, reused)"
+                if a.get("later_micro_batch") else "") + ". "
              f"Command: `{result['command']}`", "",
              "Host ahead: the GPU time of a step queued behind a sleeping GPU (no host time in it; `-`: the "
              "step waits for the GPU on the host); host queue: the host's time to queue that step. Back to back "
@@ -288,11 +298,13 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"[fp8_recipes]   {json.dumps(row)}", flush=True)
     result = {"gpu": gpu, "date": utc_now(), "args": {k: v for k, v in vars(args).items()
-              if k in ("experts", "tokens", "hidden", "ffn", "iters", "main_grad")},
+              if k in ("experts", "tokens", "hidden", "ffn", "iters", "main_grad", "later_micro_batch")},
               "command": command_line(argv if argv is not None else sys.argv[1:]),
               "torch": torch.__version__, "rows": rows}
     paths = write_reports(args.out, file_stem("fp8_recipes", gpu, mlp_shape_suffix(args),
-                                              "main_grad" if args.main_grad else ""), result, markdown, plot)
+                                              "main_grad" if args.main_grad else "",
+                                              "later_micro_batch" if args.later_micro_batch else ""), result, markdown,
+                          plot)
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 
