@@ -369,9 +369,15 @@ def test_overlapped_promotion_unrolls_the_k_blocks_without_spills(epilogue):
     """TEO_FP8_PROMOTION=overlap's kernels: every k-block's WGMMAs issued before the previous one's
     promotion, with one group left in flight; no register spills; where a ptxas that reads the
     DSL's PTX is at hand, no advisory that it serialized the WGMMAs or injected waits."""
-    kern, compiled, _ = kernels.compile_variant_fp8(1856, 2688, 8, epilogue=epilogue, promotion="overlap",
+    _check_overlapped_compile(1856, 2688, epilogue, promotion="overlap")
+
+
+def _check_overlapped_compile(n: int, k: int, epilogue: str, promotion=None) -> None:
+    """Compile (N, K) with ``promotion`` (None: the default plan's), which must overlap: the unrolled
+    k-blocks' PTX, no spills, and no serialization advisory where a ptxas is at hand."""
+    kern, compiled, _ = kernels.compile_variant_fp8(n, k, 8, epilogue=epilogue, promotion=promotion,
                                                     options="--keep-ptx --keep-cubin")
-    assert kern.promotion == "overlap" and kern.k_tiles == 21
+    assert kern.promotion == "overlap" and kern.k_tiles == -(-k // 128)
     ptx = str(compiled.artifacts.PTX)
     _check_promotion(ptx, kern.bn, "overlap", kern.k_tiles)
     _resource_usage(compiled)
@@ -386,15 +392,7 @@ def test_the_longest_k_with_the_overlapped_promotion_compiles_it_clean():
     56 unrolled k-blocks compile without spills or a serialization advisory from ptxas."""
     from te_offload_ops.kernels import api_fp8
 
-    kern, compiled, _ = kernels.compile_variant_fp8(2048, api_fp8.OVERLAP_MAX_K, 8, epilogue="srelu_q",
-                                                    options="--keep-ptx --keep-cubin")
-    assert kern.promotion == "overlap" and kern.k_tiles == api_fp8.OVERLAP_MAX_K // 128
-    ptx = str(compiled.artifacts.PTX)
-    _check_promotion(ptx, kern.bn, "overlap", kern.k_tiles)
-    _resource_usage(compiled)
-    advisories = _ptxas_advisories(ptx)
-    if advisories is not None:
-        assert not advisories, advisories
+    _check_overlapped_compile(2048, api_fp8.OVERLAP_MAX_K, "srelu_q")
 
 
 def test_fp8_promotion_comes_from_the_environment_and_keys_the_cache(monkeypatch):
