@@ -93,24 +93,29 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def add_mlp_shape_args(parser, tokens_help: str = "tokens per expert") -> None:
-    """The expert MLP's shape options the benchmarks share: E experts x tokens, H, F (default the
-    shape every results page compares at: E=8 x 2048 tokens, H=2688, F=1856)."""
-    parser.add_argument("--experts", "-E", type=int, default=MLP_SHAPE_DEFAULTS["experts"][1])
-    parser.add_argument("--tokens", type=int, default=MLP_SHAPE_DEFAULTS["tokens"][1], help=tokens_help)
-    parser.add_argument("--hidden", "-H", type=int, default=MLP_SHAPE_DEFAULTS["hidden"][1])
-    parser.add_argument("--ffn", "-F", type=int, default=MLP_SHAPE_DEFAULTS["ffn"][1])
-
-
-MLP_SHAPE_DEFAULTS = {"experts": ("E", 8), "tokens": ("T", 2048), "hidden": ("H", 2688),
-                      "ffn": ("F", 1856)}
+# the shape every results page compares at: E=8 experts x 2048 tokens each, H=2688, F=1856
+MLP_SHAPE = {"experts": 8, "tokens": 2048, "hidden": 2688, "ffn": 1856}
 
 
 def mlp_shape_suffix(args) -> str:
-    """A results-file suffix naming the MLP shape options that differ from the defaults, e.g.
-    ``T4096_H7168_F2048`` (empty at the default shape)."""
-    return "_".join(f"{letter}{getattr(args, name)}" for name, (letter, default) in MLP_SHAPE_DEFAULTS.items()
-                    if getattr(args, name) != default)
+    """A results-file suffix naming the shape where it is not :data:`MLP_SHAPE`:
+    ``E<experts>x<tokens per expert>`` where either differs, ``H<hidden>``, ``F<ffn>``, e.g.
+    ``E8x4096_H7168_F2048`` (empty at the default shape)."""
+    parts = []
+    if (args.experts, args.tokens) != (MLP_SHAPE["experts"], MLP_SHAPE["tokens"]):
+        parts.append(f"E{args.experts}x{args.tokens}")
+    parts += [f"{letter}{getattr(args, name)}" for name, letter in (("hidden", "H"), ("ffn", "F"))
+              if getattr(args, name) != MLP_SHAPE[name]]
+    return "_".join(parts)
+
+
+def add_mlp_shape_args(parser, tokens_help: str = "tokens per expert") -> None:
+    """The expert MLP's shape options the benchmarks share: E experts x tokens, H, F (default the
+    shape every results page compares at: E=8 x 2048 tokens, H=2688, F=1856)."""
+    parser.add_argument("--experts", "-E", type=int, default=MLP_SHAPE["experts"])
+    parser.add_argument("--tokens", type=int, default=MLP_SHAPE["tokens"], help=tokens_help)
+    parser.add_argument("--hidden", "-H", type=int, default=MLP_SHAPE["hidden"])
+    parser.add_argument("--ffn", "-F", type=int, default=MLP_SHAPE["ffn"])
 
 
 def attach_main_grads(mlp) -> list:

@@ -15,8 +15,9 @@ implementation:
 
 Where an implementation fails under a recipe (TE raises), its row holds the error; the other is
 still measured. Writes JSON, markdown and a
-PNG into ``--out`` (``fp8_recipes_<GPU>[_<shape>][_main_grad][_later_micro_batch]``, the shape named where it is not
-the default, e.g. ``_T4096_H7168_F2048``).
+PNG into ``--out`` as ``fp8_recipes_<GPU>[_<shape>][_<recipes>][_main_grad][_later_micro_batch]``:
+the shape where it is not the default (e.g. ``_E8x4096_H7168_F2048``), the recipes where not all ran
+(e.g. ``_bf16_and_block``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,19 @@ from bench_common import (  # noqa: E402
 from timing import event_ms, interleaved, median  # noqa: E402
 
 RECIPES = ("none", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
+RECIPE_NAMES = {"none": "bf16", "DelayedScaling": "delayed", "Float8CurrentScaling": "current",
+                "Float8BlockScaling": "block"}  # in file stems
+
+
+def recipes_suffix(recipes: list) -> str:
+    """A results-file suffix naming the recipes where not all ran, e.g. ``bf16_and_block``."""
+    return "" if sorted(recipes) == sorted(RECIPES) else "_and_".join(RECIPE_NAMES[r] for r in RECIPES
+                                                                       if r in recipes)
+
+
+def results_stem(gpu: str, args) -> str:
+    return file_stem("fp8_recipes", gpu, mlp_shape_suffix(args), recipes_suffix(args.recipes),
+                     "main_grad" if args.main_grad else "", "later_micro_batch" if args.later_micro_batch else "")
 IMPLS = ("te", "ours")
 MiB = 2**20
 
@@ -301,10 +315,7 @@ def main(argv=None) -> int:
               if k in ("experts", "tokens", "hidden", "ffn", "iters", "main_grad", "later_micro_batch")},
               "command": command_line(argv if argv is not None else sys.argv[1:]),
               "torch": torch.__version__, "rows": rows}
-    paths = write_reports(args.out, file_stem("fp8_recipes", gpu, mlp_shape_suffix(args),
-                                              "main_grad" if args.main_grad else "",
-                                              "later_micro_batch" if args.later_micro_batch else ""), result, markdown,
-                          plot)
+    paths = write_reports(args.out, results_stem(gpu, args), result, markdown, plot)
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 

@@ -336,6 +336,24 @@ def test_fp8_recipes_main_grad_option_is_recorded_in_its_args_and_header():
     assert "main_grad" not in fp8_recipes.markdown(result)
 
 
+def test_fp8_recipes_file_stem_names_the_shape_recipes_and_settings_that_differ():
+    import fp8_recipes
+
+    assert fp8_recipes.results_stem("NVIDIA H200", fp8_recipes.parse_args([])) == "fp8_recipes_NVIDIA_H200"
+    args = fp8_recipes.parse_args(["--recipes", "none,Float8BlockScaling", "--main-grad", "--later-micro-batch"])
+    assert args.later_micro_batch is True
+    assert (fp8_recipes.results_stem("NVIDIA H200", args)
+            == "fp8_recipes_NVIDIA_H200_bf16_and_block_main_grad_later_micro_batch")
+    args = fp8_recipes.parse_args(["--recipes", "Float8BlockScaling,none", "--tokens", "4096", "-H", "7168", "-F", "2048"])
+    assert fp8_recipes.results_stem("NVIDIA H200", args) == "fp8_recipes_NVIDIA_H200_E8x4096_H7168_F2048_bf16_and_block"
+    args = fp8_recipes.parse_args(["--experts", "16", "--ffn", "1024"])
+    assert fp8_recipes.results_stem("G", args) == "fp8_recipes_G_E16x2048_F1024"
+    result = {"gpu": "GPU", "date": "2026-11-25 00:00 UTC", "command": "python benchmarks/fp8_recipes.py",
+              "args": {"experts": 8, "tokens": 2048, "hidden": 2688, "ffn": 1856, "iters": 20,
+                       "later_micro_batch": True}, "rows": []}
+    assert "later micro-batch of a step" in fp8_recipes.markdown(result)
+
+
 def test_attach_main_grads_lays_out_megatrons_buffer_and_drops_grad():
     from bench_common import attach_main_grads
 

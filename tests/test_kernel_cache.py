@@ -519,7 +519,9 @@ def test_warm_up_command_compiles_in_parallel_processes_then_loads(tmp_path):
 
 def test_warm_up_takes_a_positive_number_of_jobs():
     from te_offload_ops.kernels import warm_up
+    from te_offload_ops.kernels.warmup import _parse
 
+    assert _parse(["--num-experts", "4", "--hidden-size", "128", "--ffn-hidden-size", "64"])[1].jobs == 1
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="jobs must be a positive integer"):
             warm_up(2, 128, 64, jobs=bad)

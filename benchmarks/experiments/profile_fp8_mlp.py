@@ -1,11 +1,12 @@
-"""Where the fused MLP's step under Float8BlockScaling spends its time: GPU time per kernel family,
-the step's wall time against its GPU time (host-bound or not), and the host's time to queue it
-by Python function.
+"""Where the fused MLP's step under Float8BlockScaling spends its time: GPU time per kernel family;
+the step back to back (CUDA events, and on the host clock with the deferred split-size check on
+and off); the host's time to queue it, by Python function (cProfile) and by CUDA runtime call;
+and the host's cost of queueing one call of each row pass and FP8 GEMM entry point it uses.
 
-    python3 benchmarks/experiments/profile_fp8_mlp.py [--experts 8 --tokens 2048 --hidden 2688 --ffn 1856]
+    python3 benchmarks/experiments/profile_fp8_mlp.py [--experts 8 --tokens 2048 --hidden 2688 --ffn 1856] [--main-grad]
 
-Prints a table of CUDA kernels by total time over ``--steps`` profiled steps and writes it as JSON
-to ``--out`` (default ``profile_fp8_mlp.json``).
+``--main-grad``: the wgrads added into fp32 ``main_grad`` (Megatron's wgrad fusion). Prints the
+tables and writes them as JSON to ``--out`` (default ``profile_fp8_mlp.json``).
 """
 
 from __future__ import annotations
@@ -62,14 +63,16 @@ def _host_time(step, steps: int) -> dict:
 
 def back_to_back_ms(step, steps: int) -> dict:
     """Wall time per step back to back (host clock, GPU synchronized before and after), with the
-    deferred split-size check on (the default) and off: where they differ, the check's wait at
-    the backward's end holds the host."""
+    deferred split-size check as the environment sets it (on by default) and off."""
     from timing import wall_ms
 
-    on = min(wall_ms(step, steps) for _ in range(3))
+    from te_offload_ops.fused.split_check import check_mode
+
+    mode = check_mode()
+    as_set = min(wall_ms(step, steps) for _ in range(3))
     with split_check_off():
         off = min(wall_ms(step, steps) for _ in range(3))
-    return {"check_on_ms": on, "check_off_ms": off}
+    return {"check_mode": mode, "check_on_ms": as_set, "check_off_ms": off}
 
 
 def runtime_calls(prof, steps: int) -> list:
@@ -77,15 +80,16 @@ def runtime_calls(prof, steps: int) -> list:
     host microseconds, from a torch profiler run."""
     rows = []
     for ev in prof.key_averages():
-        if ev.device_type.name == "CPU" and ev.key.startswith(("cuda", "cu")) and ev.count:
+        if ev.device_type.name == "CPU" and ev.key.startswith("cu") and ev.count:
             rows.append({"call": ev.key, "calls": ev.count / steps, "host_us": ev.cpu_time_total / steps})
     rows.sort(key=lambda r: -r["host_us"])
     return rows
 
 
 def launch_costs(args, calls: int = 50) -> list:
-    """Host microseconds to queue one call of each kernel the FP8 step launches (behind a sleeping
-    GPU, so no call waits for the GPU), at the step's shapes."""
+    """Host microseconds to queue one call of the FP8 step's row passes, weight quantization and
+    forward FP8 GEMM entry points, and of a GPU allocation (behind a sleeping GPU, so no call waits
+    for it), at the step's shapes."""
     import time
 
     import torch
@@ -161,7 +165,7 @@ def main() -> int:
             rows.append({"kernel": ev.key[:110], "calls": ev.count // args.steps, "us_per_step": gpu / args.steps})
     rows.sort(key=lambda r: -r["us_per_step"])
     gpu_ms = sum(r["us_per_step"] for r in rows) / 1e3
-    print(f"step: {wall_ms:.2f} ms wall (host ahead), {gpu_ms:.2f} ms of kernels")
+    print(f"step: {wall_ms:.2f} ms back to back (CUDA events), {gpu_ms:.2f} ms of kernels")
     for r in rows[:40]:
         print(f"{r['us_per_step']:9.1f} us  x{r['calls']:<3d} {r['kernel']}")
     runtime = runtime_calls(prof, args.steps)
@@ -169,7 +173,8 @@ def main() -> int:
     for r in runtime[:15]:
         print(f"{r['host_us']:9.1f} us  x{r['calls']:<5.1f} {r['call']}")
     b2b = back_to_back_ms(lambda: fr.step(mlp, inputs, "Float8BlockScaling"), args.steps)
-    print(f"back to back: {b2b['check_on_ms']:.3f} ms (split-size check on), {b2b['check_off_ms']:.3f} ms (off)")
+    print(f"back to back: {b2b['check_on_ms']:.3f} ms (split-size check {b2b['check_mode']}), "
+          f"{b2b['check_off_ms']:.3f} ms (off)")
     launches = launch_costs(args)
     for r in launches:
         print(f"{r['host_us']:8.1f} us to queue {r['call']}")

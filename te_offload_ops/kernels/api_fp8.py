@@ -18,13 +18,12 @@ import torch
 
 from ..capture import GraphCaptureError, capturing
 from . import api, disk_cache
-from .gemm_plan import GemmPlan
+from .gemm_plan import PROMOTIONS, GemmPlan, check_overlap_fits, overlap_fits
 
 SCALE_BLOCK = 128  # gemm_fp8_sm90.SCALE_BLOCK, without the DSL import
 TILE_NS = (64, 128, 192)  # gemm_fp8_sm90.TILE_NS, likewise
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 PROMOTION_ENV = "TEO_FP8_PROMOTION"  # "overlap" (the default) or "serial": fp8_promotion()
-PROMOTIONS = ("serial", "overlap")  # gemm_fp8_sm90.PROMOTIONS, without the DSL import
 # the FP8 storage dtypes read as e4m3: TE keeps its FP8 data as uint8
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
@@ -54,10 +53,9 @@ OVERLAP_MAX_K = 7168
 
 
 def _promotion_for(tile, epilogue, k: int) -> str:
-    """$TEO_FP8_PROMOTION's choice where the kernel takes it: BN=192 tiles and the dsrelu_q epilogue
-    promote serially (their registers hold no second partial-sum fragment), as does K beyond
-    :data:`OVERLAP_MAX_K`."""
-    if tile[1] > 128 or epilogue == "dsrelu_q" or k > OVERLAP_MAX_K:
+    """$TEO_FP8_PROMOTION's choice where the kernel takes it (:func:`.gemm_plan.overlap_fits`),
+    serial elsewhere and for K beyond :data:`OVERLAP_MAX_K`."""
+    if not overlap_fits(tile[1], epilogue) or k > OVERLAP_MAX_K:
         return "serial"
     return fp8_promotion()
 
@@ -179,12 +177,11 @@ def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None, epilogue="plain", pow
     """Compiled FP8 kernel for one variant (compiles and caches on first use); ``promotion``
     default: $TEO_FP8_PROMOTION's where the kernel takes it."""
     tile = _check_tile(tile) if tile is not None else pick_tile_fp8(n)
+    if promotion == "overlap":  # refused before any cache is touched
+        check_overlap_fits(tile[1], epilogue)
     cluster_n = api.pick_cluster(n, tile)
     call = api.kernel_call_convention()
     form = () if epilogue == "plain" else (epilogue, bool(pow2))
-    if promotion == "overlap" and (tile[1] > 128 or epilogue == "dsrelu_q"):  # before any cache is touched
-        raise ValueError(f"the overlapped promotion takes BN <= 128 and not the dsrelu_q epilogue, got BN={tile[1]}, "
-                         f"{epilogue} (promotion='serial' takes it)")
     promotion = promotion or _promotion_for(tile, epilogue, k)
     form += () if promotion == "serial" else (promotion,)
     key = ("fp8_blockwise", out_dtype, tile, cluster_n, n, k, e, sb_cols, *form, call)

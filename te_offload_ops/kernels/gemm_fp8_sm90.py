@@ -100,6 +100,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from .gemm_plan import PROMOTIONS, check_overlap_fits
 from .gemm_sm90 import _CONSUMER_REGS, _EPI_BARRIER, _PRODUCER_REGS, _THREADS, _WG, GroupedGemmSm90
 
 SCALE_BLOCK = 128  # Float8BlockScaling's block length (1 x 128 and 128 x 128)
@@ -111,9 +112,6 @@ _SA_ALIGN = 4
 _SA_STAGE_FLOATS = 32 * -(-(128 + _SA_ALIGN) // 32)
 # C in bf16/fp16; fc1's z and act quantized; fc2's dgrad with the SReLU backward (see the module's docstring)
 FP8_EPILOGUES = ("plain", "srelu_q", "dsrelu_q")
-# "serial": each k-block's WGMMAs, then its promotion (the other warpgroup's WGMMAs may run meanwhile);
-# "overlap": a k-block's WGMMAs run while the one before is promoted (two fp32 partial-sum fragments)
-PROMOTIONS = ("serial", "overlap")
 _Q_PAD = 16  # bytes past each staged FP8 row: rows 16-byte aligned, quads' stores spread over banks
 _E4M3_MAX = 448.0
 _F32_MAX = 3.4028234663852886e38
@@ -171,11 +169,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         self.sb_cols = self.k_tiles if sb_cols is None else sb_cols
         self.fp8_epilogue = epilogue  # the base class's epilogue stays "plain" (its staging sizes C's)
         self.pow2 = bool(pow2)
-        if promotion == "overlap" and (bn > 128 or epilogue == "dsrelu_q"):
-            # three BN-wide fp32 fragments a thread: BN=192 does not fit, nor (spilling) with the
-            # dsrelu_q epilogue's saved z held through the mainloop
-            raise ValueError(f"the overlapped promotion takes BN <= 128 and not the dsrelu_q epilogue, got BN={bn}, "
-                             f"{epilogue} (promotion='serial' takes it)")
+        if promotion == "overlap":
+            check_overlap_fits(bn, epilogue)
         self.promotion = promotion
         self.q_row = bn + _Q_PAD  # bytes per staged FP8 row
         unit = out_dtype.width // 8

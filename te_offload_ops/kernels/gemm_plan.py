@@ -19,6 +19,23 @@ MAIN_GRAD_EPILOGUES = ("acc_f32", "red_f32", "tma_f32", "store_f32")
 _TMA_COLS = 32  # a tma_f32 box is 128 bytes wide: one 128-byte swizzle atom
 SCHEDULES = ("cooperative", "pingpong")
 
+# how the grouped FP8 kernel (gemm_fp8_sm90) promotes each 128-K block's partial sums to fp32:
+# "serial", each k-block's WGMMAs, then its promotion (the other warpgroup's WGMMAs may run meanwhile);
+# "overlap", a k-block's WGMMAs run while the one before is promoted (two fp32 partial-sum fragments)
+PROMOTIONS = ("serial", "overlap")
+
+
+def overlap_fits(bn: int, fp8_epilogue: str) -> bool:
+    """Whether the overlapped promotion fits a tile: three BN-wide fp32 fragments a thread fit for
+    BN <= 128, and not beside the dsrelu_q epilogue's saved z held through the mainloop (spills)."""
+    return bn <= 128 and fp8_epilogue != "dsrelu_q"
+
+
+def check_overlap_fits(bn: int, fp8_epilogue: str) -> None:
+    if not overlap_fits(bn, fp8_epilogue):
+        raise ValueError(f"the overlapped promotion takes BN <= 128 and not the dsrelu_q epilogue, got BN={bn}, "
+                         f"{fp8_epilogue} (promotion='serial' takes it)")
+
 _WG = 128  # threads per warpgroup
 _BK = 64
 # The epilogue stages the tile 64 columns at a time, 32 for the two-output epilogues: their

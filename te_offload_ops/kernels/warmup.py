@@ -93,7 +93,8 @@ def mlp_variants(num_experts: int, hidden_size: int, ffn_hidden_size: int, param
     the next where the buffer pads them apart (default: packed). ``tokens``: rows the MLP sees per
     call on a rank (picks the main_grad add; None: every add it could pick). ``fp8``: under TE's
     ``Float8BlockScaling`` (:mod:`..fused.block_fp8`): the forward and dgrad GEMMs are the grouped
-    FP8 kernel (two variants: fc1's forward and fc2's dgrad share one), the wgrads as in bf16."""
+    FP8 kernel (three variants: fc1's forward with the quantizing SReLU epilogue, fc2's dgrad with
+    the SReLU backward, and the plain one fc2's forward and fc1's dgrad share), the wgrads as in bf16."""
     if weight_layout not in LAYOUTS:
         raise ValueError(f"weight_layout must be one of {LAYOUTS}, got {weight_layout!r}")
     if params_dtype not in DTYPES.values():
@@ -260,9 +261,9 @@ def _parse(argv):
     p.add_argument("--expert-stride", type=int, default=None,
                    help="elements between consecutive experts' weights where a buffer pads them apart")
     p.add_argument("--jobs", "-j", type=int, default=1,
-                   help="processes compiling at once (default 1: a fresh process takes seconds to import torch, "
-                        "TE and the DSL and to start CUDA, which at most shapes is more than the compiles it "
-                        "runs beside the others save)")
+                   help="processes compiling at once (default 1: each extra process spends seconds importing "
+                        "torch, TE and the DSL and starting CUDA; at E=8, H=2688, F=1856 --fp8 on an H200 "
+                        "machine five processes took longer than one)")
     p.add_argument("--fp8", action="store_true",
                    help="the kernels of the Float8BlockScaling path (Megatron's --fp8-recipe blockwise): the "
                         "grouped FP8 GEMMs and the wgrads")
@@ -290,7 +291,8 @@ def main(argv=None) -> int:
     settings = dict(tokens=args.tokens, main_grad=args.main_grad, overwrite_main_grad=args.overwrite_main_grad,
                     weight_layout=args.weight_layout, expert_stride=args.expert_stride, fp8=args.fp8)
     try:
-        mlp_variants(local, args.hidden_size, args.ffn_hidden_size, DTYPES[args.dtype], **settings)  # checks them
+        n_kernels = len(mlp_variants(local, args.hidden_size, args.ffn_hidden_size, DTYPES[args.dtype],
+                                     **settings))  # checks them
         if not disk_cache.enabled():
             print(f"{disk_cache.CACHE_ENV}=0: the disk cache is off, so nothing compiled here would be kept; "
                   f"unset it (or set it to 1) to warm up", file=sys.stderr)
@@ -315,7 +317,8 @@ def main(argv=None) -> int:
           f"ffn {args.ffn_hidden_size}, {args.dtype}, weights {args.weight_layout}, "
           f"main_grad {'overwrite' if args.overwrite_main_grad else 'add' if args.main_grad else 'off'}"
           f"{', FP8 block scaling' if args.fp8 else ''}; "
-          f"cache {where}; {args.jobs} process{'es' if args.jobs > 1 else ''}", flush=True)
+          f"cache {where}; {min(args.jobs, n_kernels)} process{'es' if min(args.jobs, n_kernels) > 1 else ''}",
+          flush=True)
     t0 = time.perf_counter()
     records = warm_up(local, args.hidden_size, args.ffn_hidden_size, DTYPES[args.dtype], **settings,
                       jobs=args.jobs, progress=lambda line: print(line, flush=True))
