@@ -38,6 +38,8 @@ from bench_common import (  # noqa: E402
 from timing import event_ms, interleaved, median  # noqa: E402
 
 RECIPES = ("none", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
+IMPLS = ("te", "ours")
+MiB = 2**20
 RECIPE_NAMES = {"none": "bf16", "DelayedScaling": "delayed", "Float8CurrentScaling": "current",
                 "Float8BlockScaling": "block"}  # in file stems
 
@@ -51,8 +53,6 @@ def recipes_suffix(recipes: list) -> str:
 def results_stem(gpu: str, args) -> str:
     return file_stem("fp8_recipes", gpu, mlp_shape_suffix(args), recipes_suffix(args.recipes),
                      "main_grad" if args.main_grad else "", "later_micro_batch" if args.later_micro_batch else "")
-IMPLS = ("te", "ours")
-MiB = 2**20
 
 
 def parse_args(argv=None):

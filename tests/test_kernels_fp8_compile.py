@@ -99,7 +99,10 @@ def _vid(v):
 
 @needs_dsl
 @pytest.mark.parametrize("n,k,e,tile,cluster_n,out_dtype", VARIANTS, ids=map(_vid, VARIANTS))
-def test_fp8_variant_compiles_for_sm90a(n, k, e, tile, cluster_n, out_dtype):
+def test_fp8_variant_compiles_for_sm90a(n, k, e, tile, cluster_n, out_dtype, monkeypatch):
+    from te_offload_ops.kernels import api_fp8
+
+    monkeypatch.delenv(api_fp8.PROMOTION_ENV, raising=False)  # the default promotion is asserted below
     kern, compiled, secs = kernels.compile_variant_fp8(
         n, k, e, out_dtype=out_dtype, tile=tile, cluster_n=cluster_n, options="--keep-ptx --keep-cubin",
     )
@@ -108,7 +111,7 @@ def test_fp8_variant_compiles_for_sm90a(n, k, e, tile, cluster_n, out_dtype):
     assert bn == (tile[1] if tile else (64 if n <= 64 else 128))
     assert kern.bk == 128 and kern.k_tiles == -(-k // 128) and kern.stages >= 4
     assert ".target sm_90a" in ptx
-    assert kern.promotion == ("serial" if bn > 128 else "overlap")  # the default where it fits
+    assert kern.promotion == ("serial" if bn > 128 or k > api_fp8.OVERLAP_MAX_K else "overlap")  # the default
     _check_promotion(ptx, bn, kern.promotion, kern.k_tiles)
     # promotion: one fma per accumulator element a thread holds (64 x BN per 128 threads)
     assert len(re.findall(r"\bfma\.rn\.f32\b", ptx)) >= bn // 2

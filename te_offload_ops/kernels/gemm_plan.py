@@ -36,6 +36,7 @@ def check_overlap_fits(bn: int, fp8_epilogue: str) -> None:
         raise ValueError(f"the overlapped promotion takes BN <= 128 and not the dsrelu_q epilogue, got BN={bn}, "
                          f"{fp8_epilogue} (promotion='serial' takes it)")
 
+
 _WG = 128  # threads per warpgroup
 _BK = 64
 # The epilogue stages the tile 64 columns at a time, 32 for the two-output epilogues: their
