@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from bench_common import pyplot, save_png
-from megatron_gpt_model import split_precision
+from megatron_gpt_model import PRECISIONS, split_precision
 
 OFFLOADING = ("ours+megatron", "ours+teo", "ours+teo-ahead", "ours+teo-layer")  # variants (at any precision) that offload
 
@@ -202,6 +202,17 @@ def weights_lines(rows: list) -> list:
     return ["", *out] if out else []
 
 
+def precision_phrase(variants) -> str:
+    """How the variants compute: bf16, FP8 under the recipes their names end in, or both."""
+    suffixes = sorted({split_precision(v)[1] for v in variants} - {""})
+    if not suffixes:
+        return "bf16"
+    named = "; ".join(f"`{s}`: Megatron's fp8={PRECISIONS[s][0]!r}, fp8_recipe={PRECISIONS[s][1]!r}" for s in suffixes)
+    if all(split_precision(v)[1] for v in variants):
+        return f"FP8 ({named})"
+    return f"bf16, and FP8 in the variants that name a recipe ({named})"
+
+
 def markdown(result: dict) -> str:
     c = result["config"]
     lines = [
@@ -209,7 +220,8 @@ def markdown(result: dict) -> str:
         f"megatron-core {result['versions']['megatron-core']}, TE {result['versions']['transformer-engine']}, "
         f"torch {result['versions']['torch']}. GPTModel (TE layer spec), {c['layers']} MoE layers, H={c['hidden']}, "
         f"{c['heads']} heads, E={c['experts']} top-{c['topk']}, F={c['ffn']}, vocab {c['vocab']}, "
-        f"{c['microbatches']} x {c['micro_batch']} x {c['seq']} tokens per rank per step, bf16, alltoall dispatcher, "
+        f"{c['microbatches']} x {c['micro_batch']} x {c['seq']} tokens per rank per step, "
+        f"{precision_phrase(c.get('variants', []))}, alltoall dispatcher, "
         "Megatron DDP + distributed Adam; median of "
         f"{c['iters']} steps after {c['warmup']} (the slowest rank's); each variant at each EP in processes of its "
         "own. Peak: memory allocated; floor: allocated between steps; freed vs ours: ours' peak above its floor "

@@ -23,7 +23,7 @@ sys.path.insert(0, str(BENCH / "experiments"))
                                     "megatron_loss.py", "bench_fp8_wgrad.py", "experiments/ablate_epilogue.py", "experiments/profile_fp8_mlp.py",
                                     "experiments/bench_copy_interference.py", "experiments/bench_cluster2x2.py",
                                     "experiments/profile_gemm.py", "experiments/diagnose_fp8_gemm.py",
-                                    "experiments/tune_fp8_rows.py"])
+                                    "experiments/tune_fp8_rows.py", "experiments/ablate_fp8_epilogue.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
     proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2

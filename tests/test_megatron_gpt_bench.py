@@ -385,6 +385,15 @@ def test_fp8_variants_compare_with_ours_at_their_precision_and_with_their_bf16_v
     assert "| 2 | ours+fp8block | 80.0 | 110.0 | 1.375 | 2.00 | 3.00 | x1.50 |" in mgr.precision_lines(rows)
 
 
+def test_the_reports_header_names_the_precision_the_variants_ran_in():
+    assert mgr.precision_phrase(["ours", "ours+teo-ahead"]) == "bf16"
+    fp8 = mgr.precision_phrase(["ours+fp8block", "ours+teo-ahead+fp8block"])
+    assert fp8.startswith("FP8 (") and "fp8_recipe='blockwise'" in fp8 and "bf16" not in fp8
+    mixed = mgr.precision_phrase(["ours", "ours+fp8block", "stock+fp8current"])
+    assert mixed.startswith("bf16, and FP8 in the variants that name a recipe")
+    assert "fp8_recipe='blockwise'" in mixed and "fp8_recipe='tensorwise'" in mixed
+
+
 def test_fp8_variants_configure_megatrons_recipe_with_the_router_padding_the_tokens():
     pytest.importorskip("megatron.core", reason="Megatron-Core validates the configs (not installed here)")
     shape = mgm.GPTShape()
