@@ -496,6 +496,21 @@ def test_host_under_dma_names_the_copies_host_memory_in_its_page():
     assert "The copies' host memory: pinned." in hud.markdown(result)
 
 
+def test_fp8_epilogue_page_sets_each_variant_against_the_shipped_kernel_and_flags_other_bits():
+    import ablate_fp8_epilogue as afe
+
+    row = {"tokens_per_expert": 2048, "n": 7168, "k": 2048, "promotion": "overlap", "sm_MHz": 1500.0,
+           "sm_MHz_min": 1400.0, "tflops": {"shipped": 1000.0, "direct": 1100.0, "no stores": 1200.0},
+           "same_bits": {"direct": True}}
+    result = {"gpu": "GPU", "date": "today", "experts": 8, "reps": 10, "command": "python ablate_fp8_epilogue.py",
+              "variants": ["shipped", "direct", "no stores"], "rows": [row]}
+    text = afe.markdown(result)
+    assert "| 2048 | 7168 | 2048 | overlap | 1000 | 1100 | 1200 | 1.100 | 1.200 | yes | 1500 (1400) | - |" in text
+    row["same_bits"] = {"direct": False}
+    assert "| NO: direct |" in afe.markdown(result)
+    assert afe.EPILOGUES["shipped"] is None and set(afe.EPILOGUES) == {"shipped", "direct", "no stores"}
+
+
 @pytest.mark.gpu
 def test_clock_sampler_reads_the_real_gpus_clock_while_it_works():
     """nvidia-smi, sampling this process's GPU while it runs matmuls for about a second, gives
