@@ -28,6 +28,22 @@ def cuda_problem() -> str | None:
     return None
 
 
+def sm90_kernel_problem() -> str | None:
+    """Why this machine cannot run this package's Hopper kernels: :func:`cuda_problem`'s reasons, a
+    GPU other than sm_90, no CuTe DSL; or None."""
+    import importlib.util
+
+    if (problem := cuda_problem()):
+        return problem
+    import torch
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"the kernels need an sm_90 GPU (H100/H200), found {torch.cuda.get_device_name()}"
+    if importlib.util.find_spec("cutlass") is None:
+        return "the CuTe DSL (nvidia-cutlass-dsl) is not installed"
+    return None
+
+
 def refuse(script: str, problem: str) -> int:
     """Says on stderr why ``script`` cannot run here; returns the exit status for it (2)."""
     import sys

@@ -37,27 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_common import (add_gemm_timing_args, bar_chart, check_gemm_timing_args, command_line,  # noqa: E402
-                          cuda_problem, file_stem,
+                          file_stem, sm90_kernel_problem,
                           refuse, utc_now, write_reports)
 from gpu_clocks import GpuClocks  # noqa: E402
 
 TOKENS = (2048, 4096, 8192)
 SHAPES = ((2048, 4096), (4096, 2048), (1792, 2688))
 CONTENDERS = ("fp8", "fp8 overlap", "fp8 BN192", "bf16", "te fp8")
-
-
-def _problem() -> str | None:
-    import importlib.util
-
-    import torch
-
-    if (problem := cuda_problem()):
-        return problem
-    if torch.cuda.get_device_capability() != (9, 0):
-        return f"the kernels need an sm_90 GPU (H100/H200), found {torch.cuda.get_device_name()}"
-    if importlib.util.find_spec("cutlass") is None:
-        return "the CuTe DSL (nvidia-cutlass-dsl) is not installed"
-    return None
 
 
 def _quantizer(dim):
@@ -238,7 +224,7 @@ def main(argv=None) -> int:
                          + " ".join(f"{n}x{k}" for n, k in SHAPES) + "; others name the results files)")
     args = ap.parse_args(argv)
     check_gemm_timing_args(ap, args)
-    if (problem := _problem()):
+    if (problem := sm90_kernel_problem()):
         return refuse("bench_fp8_gemm.py", problem)
     result = measure(args)
     result["command"] = command_line("benchmarks/bench_fp8_gemm.py", sys.argv[1:] if argv is None else argv)

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_common import (add_gemm_timing_args, bar_chart, check_gemm_timing_args, command_line, file_stem,  # noqa: E402
-                          refuse, utc_now, write_reports)
-from bench_fp8_gemm import _problem, _rel  # noqa: E402
+                          refuse, sm90_kernel_problem, utc_now, write_reports)
+from bench_fp8_gemm import _rel  # noqa: E402
 
 TOKENS = (2048, 4096, 8192)
 SHAPES = ((2688, 1856), (1856, 2688))  # (M, N): fc2's dW (H x F), fc1's dW (F x H)
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.argv = argv
     check_gemm_timing_args(ap, args)
-    if (problem := _problem()):
+    if (problem := sm90_kernel_problem()):
         return refuse("bench_fp8_wgrad.py", problem)
     result = measure(args)
     write_reports(Path(args.out), file_stem("fp8_wgrad", result["gpu"]), result, markdown, chart)

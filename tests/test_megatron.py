@@ -288,12 +288,12 @@ def _python_block_with(path: Path, marker: str) -> str:
 @requires_megatron
 @pytest.mark.parametrize("page", ["README.md", "docs/megatron.md"])
 def test_the_megatron_snippet_of_the_docs_builds_experts_that_fuse(page):
-    """The snippet as a reader copies it, ``...`` filled with a model's sizes: its config gives the
+    """The snippet as a reader copies it, a ``...`` filled with a model's sizes: its config gives the
     experts a scaled TE op the fused path takes (squared ReLU, no bias) and its spec our experts."""
     from te_offload_ops.megatron.experts import scaled_activation_name
 
     code = _python_block_with(ROOT / page, "config = TransformerConfig(")
-    assert code.count("...") == 1
+    assert code.count("...") <= 1  # a page may leave the model's sizes to the reader
     code = code.replace("...", "num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128")
     scope: dict = {}
     exec(compile(code, page, "exec"), scope)  # noqa: S102 (the docs' own code)

@@ -31,24 +31,10 @@ BENCH = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-from bench_common import cuda_problem, refuse, utc_now  # noqa: E402
+from bench_common import refuse, sm90_kernel_problem, utc_now  # noqa: E402
 
 SHAPES = ((7168, 2048), (2048, 7168), (2688, 1856), (1856, 2688))
 TOKENS = (2048, 8192)
-
-
-def _problem() -> str | None:
-    import importlib.util
-
-    import torch
-
-    if (problem := cuda_problem()):
-        return problem
-    if torch.cuda.get_device_capability() != (9, 0):
-        return f"the kernels need an sm_90 GPU (H100/H200), found {torch.cuda.get_device_name()}"
-    if importlib.util.find_spec("cutlass") is None:
-        return "the CuTe DSL (nvidia-cutlass-dsl) is not installed"
-    return None
 
 
 def _no_store_epilogue():
@@ -234,7 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args(argv)
     args.variants = ["shipped"] + [v for v in args.variants if v != "shipped"]
-    if (problem := _problem()):
+    if (problem := sm90_kernel_problem()):
         return refuse("ablate_fp8_epilogue.py", problem)
     os.environ["TEO_KERNEL_CACHE"] = "0"
     result = measure(args)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
 from bench_common import (  # noqa: E402
-    add_mlp_shape_args, bar_chart, cuda_problem, file_stem, refuse, utc_now, write_reports,
+    add_mlp_shape_args, bar_chart, file_stem, refuse, sm90_kernel_problem, utc_now, write_reports,
 )
 
 ENV = "TEO_GEMM_CLUSTER_M"
@@ -61,22 +61,6 @@ def _gemms(e, tokens, h, f, skew, torch):
         "fc1 wgrad into main_grad": (mm, lambda: K.grouped_wgrad_main_grad(dz, x, s, main_grad, backend="cute"),
                                      main_grad),
     }
-
-
-def _problem() -> str | None:
-    """Why this machine cannot run it: a GPU and TE (the package imports it), an sm_90 GPU and the
-    CuTe DSL (the kernels)."""
-    import importlib.util
-
-    import torch
-
-    if (problem := cuda_problem()):
-        return problem
-    if torch.cuda.get_device_capability() != (9, 0):
-        return f"the kernels need an sm_90 GPU (H100/H200), found {torch.cuda.get_device_name()}"
-    if importlib.util.find_spec("cutlass") is None:
-        return "the CuTe DSL (nvidia-cutlass-dsl) is not installed"
-    return None
 
 
 def _with(cluster_m: str, fn):
@@ -164,7 +148,7 @@ def main(argv=None) -> int:
     for name in ("experts", "tokens", "hidden", "ffn", "reps", "inner"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if (problem := _problem()):
+    if (problem := sm90_kernel_problem()):
         return refuse("bench_cluster2x2.py", problem)
     result = measure(args)
     write_reports(Path(args.out), file_stem("cluster2x2", result["gpu"], "skewed" if args.skew else ""), result,
