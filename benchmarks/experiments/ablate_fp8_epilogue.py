@@ -6,6 +6,9 @@
 * ``direct``: the same kernel storing each thread's column pairs straight from the accumulator
   layout (4-byte stores, a quad's lanes covering 16 bytes of a row), predicated, with no staging
   and no barrier; its output is checked bit for bit against the shipped kernel's on uneven splits;
+* ``per warpgroup``: the shipped staging and 16-byte stores, each math warpgroup on its own 64
+  rows with barriers of its own 128 threads (neither waits for the other at a tile's end); its
+  output checked as ``direct``'s;
 * ``no stores``: the tile's sums computed and nothing written (wrong output: the time without
   the epilogue's rounding, staging, stores and barriers), a bound on what any faster epilogue
   could buy at each K, not a kernel.
@@ -87,8 +90,67 @@ def _direct_epilogue():
     return _epilogue
 
 
+def _warpgroup_epilogue():
+    """The shipped epilogue's staging and 16-byte stores, each math warpgroup on its own 64 rows
+    with barriers of its own 128 threads: neither waits for the other at a tile's end."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from te_offload_ops.kernels.gemm_sm90 import _EPI_BARRIER, _WG
+
+    @cute.jit
+    def _epilogue(self, etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r, thr_mma, c_id, thr_cp,
+                  cp_id, st, m_c, m_z, m_act, m_part):
+        bm, bn, cols = self.bm, self.bn, self.epi_cols
+        half = bm // 2  # a warpgroup's rows: its 64-row WGMMA slab
+        n_chunks = bn // cols
+        base = st.epi.data_ptr()
+        # column c of the tile lands in staged column c % cols (stride 0 across the chunks)
+        c_s = thr_mma.partition_C(cute.make_tensor(base, cute.make_layout((bm, (cols, n_chunks)),
+                                                                          stride=(self.epi_row, (1, 0)))))
+        vec = 128 // self.dtype.width
+        per_row = cols // vec
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        copy = cute.make_tiled_copy_tv(atom, cute.make_layout((_WG // per_row, per_row), stride=(per_row, 1)),
+                                       cute.make_layout((1, vec)))
+        thr = copy.get_slice(etid - cwg * _WG)
+        cp_s = thr.partition_S(cute.make_tensor(base + cwg * half * self.epi_row,
+                                                cute.make_layout((half, cols), stride=(self.epi_row, 1))))
+        ids = thr.partition_S(cute.make_identity_tensor((half, cols)))
+        bar_id = _EPI_BARRIER + cwg
+        shp = acc.shape
+        n_pair, n_half = cute.size(shp[0][0]), cute.size(shp[0][1])
+        grp_per_chunk = cols // 8
+        for ch in cutlass.range_constexpr(n_chunks):
+            for mm in cutlass.range_constexpr(cute.size(shp[1])):
+                for h in cutlass.range_constexpr(n_half):
+                    for g in cutlass.range_constexpr(ch * grp_per_chunk, (ch + 1) * grp_per_chunk):
+                        for pr in cutlass.range_constexpr(n_pair):
+                            crd = ((pr, h, g), mm, 0)
+                            c_s[crd] = acc[crd].to(self.dtype)
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=_WG)
+            col0 = n_blk * bn + ch * cols
+            cp_g = thr.partition_D(self._chunk_rows(m_c, row0 + cwg * half, col0, half))
+            for i in cutlass.range_constexpr(cute.size(ids, mode=[1])):
+                for j in cutlass.range_constexpr(cute.size(ids, mode=[2])):
+                    crd = ids[0, i, j]
+                    if crd[0] + cwg * half < rows_here:
+                        if crd[1] + ch * cols < cols_here:
+                            cute.autovec_copy(cp_s[None, i, j], cp_g[None, i, j])
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=_WG)
+
+    @cute.jit
+    def _chunk_rows(self, t, row0, col0, rows):
+        """(rows, epi_cols) global tile at (row0, col0), 16-byte aligned as ``_chunk``'s."""
+        ptr = (t.iterator + (cutlass.Int64(row0) * self.n + col0)).align(16)
+        return cute.make_tensor(ptr, cute.make_layout((rows, self.epi_cols), stride=(self.n, 1)))
+
+    return _epilogue, _chunk_rows
+
+
 # the epilogue each variant compiles with (None: the kernel's own); "no stores" is a bound
-EPILOGUES = {"shipped": None, "direct": _direct_epilogue, "no stores": _no_store_epilogue}
+EPILOGUES = {"shipped": None, "direct": _direct_epilogue, "per warpgroup": _warpgroup_epilogue,
+             "no stores": _no_store_epilogue}
 
 
 def _kernels(n: int, k: int, e: int, names):
@@ -96,14 +158,22 @@ def _kernels(n: int, k: int, e: int, names):
     from te_offload_ops.kernels.gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
     original = GroupedGemmFp8Sm90._epilogue
+    added = []
     out = {}
     try:
         for name in names:
             make = EPILOGUES[name]
-            GroupedGemmFp8Sm90._epilogue = original if make is None else make()
+            made = (original,) if make is None else make()
+            made = made if isinstance(made, tuple) else (made,)
+            GroupedGemmFp8Sm90._epilogue = made[0]
+            for helper in made[1:]:  # the variant's own helpers, by their names
+                setattr(GroupedGemmFp8Sm90, helper.__name__, helper)
+                added.append(helper.__name__)
             out[name] = api_fp8.compile_variant_fp8(n, k, e)
     finally:
         GroupedGemmFp8Sm90._epilogue = original
+        for helper in set(added):
+            delattr(GroupedGemmFp8Sm90, helper)
     return out
 
 
@@ -184,7 +254,7 @@ def markdown(result: dict) -> str:
     lines = [f"# Grouped FP8 GEMM: what its epilogue costs, {result['gpu']} ({result['date']})", "",
              f"E={result['experts']}, even splits; TFLOP/s from GPU time per call with the host ahead, medians of "
              f"{result['reps']} interleaved rounds. shipped: the kernel's own epilogue (staged through shared "
-             "memory); direct: stores from the accumulator layout, no staging; no stores: the sums computed, "
+             "memory); direct: stores from the accumulator layout, no staging; per warpgroup: the shipped staging with each warpgroup's own barriers; no stores: the sums computed, "
              "nothing written (a bound, not a kernel). Same bits: the storing variants' outputs against the "
              f"shipped one's on uneven splits. Command: `{result['command']}`", "",
              "| tokens/expert | N | K | promotion | " + " | ".join(f"{n} TFLOP/s" for n in names) + " | "
