@@ -27,7 +27,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
 import torch
-from transformer_engine.pytorch import cpu_offload
 from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage
 from transformer_engine.pytorch.tensor import GroupedTensorStorage
 
@@ -44,10 +43,9 @@ __all__ = [
     "save_for_backward",
 ]
 
-# Attribute names are TE's protocol with the engines (transformer_engine/pytorch/cpu_offload*.py).
-KEEP_ATTR = "_TE_do_not_offload"
-V1_OFFLOAD_ATTR = "activation_offloading"
-_V1_FORCE_CLEAR_ATTR = "needs_force_clear"
+# TE's marks on saved tensors (its protocol with its engines), named for the tests and diagnostics
+KEEP_ATTR = te_internals.KEEP_MARK
+V1_OFFLOAD_ATTR = te_internals.V1_MARKS[0]
 # The forward an op's offload=False kept an activation in. Each op saves once a forward, so a
 # forward ends where an op saves a second time in it; the mark is spent after that.
 _KEPT_IN_ATTR = "_teo_kept_in"
@@ -69,7 +67,7 @@ def keep_reason(t: torch.Tensor) -> Optional[str]:
         return f"fewer than {MIN_OFFLOAD_NUMEL} elements ({t.numel()})"
     if isinstance(t, torch.nn.Parameter):
         return "an nn.Parameter (a weight)"
-    if getattr(t, KEEP_ATTR, False):
+    if te_internals.has_keep_mark(t):
         return f"marked {KEEP_ATTR} (a weight, or an op with offload=False)"
     if isinstance(t, torch._subclasses.FakeTensor):
         return "a fake tensor"
@@ -133,33 +131,23 @@ def _is_weight(obj: Any, weight_ids: set[int]) -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # exactly these types: no storage, no subclass
 
 
-def _has_v1_marks(t: torch.Tensor) -> bool:
-    return hasattr(t, V1_OFFLOAD_ATTR) or hasattr(t, _V1_FORCE_CLEAR_ATTR)
-
-
-def _clear_v1_marks(t: torch.Tensor) -> None:
-    for attr in (V1_OFFLOAD_ATTR, _V1_FORCE_CLEAR_ATTR):
-        if hasattr(t, attr):
-            delattr(t, attr)
-
-
 def _keep_resident(obj: Any, owner: Any = None) -> None:
     """``owner``: the op whose offload=False keeps this activation (None: a weight, kept for good)."""
     carriers = _mark_carriers(obj)
     if owner is not None:
         for t in carriers:
             setattr(t, _KEPT_IN_ATTR, _forward)
-    elif type(obj) in _PLAIN and getattr(obj, KEEP_ATTR, False) and not _has_v1_marks(obj):
+    elif type(obj) in _PLAIN and te_internals.has_keep_mark(obj) and not te_internals.has_v1_marks(obj):
         _mark_for_good(carriers)
         return  # marked by an earlier step (a weight is saved every step): nothing would change
     else:
         _mark_for_good(carriers)
-    cpu_offload.mark_not_offload(obj)
+    te_internals.mark_not_offload(obj)
     for t in carriers:
-        setattr(t, KEEP_ATTR, True)
+        te_internals.set_keep_mark(t)
         # mark_not_offload cannot undo a V1 mark set earlier (TE's own ops mark their inputs
         # when offload is enabled), and V1 offloads whatever carries it: take it off.
-        _clear_v1_marks(t)
+        te_internals.clear_v1_marks(t)
 
 
 def _mark_for_good(carriers) -> None:
@@ -170,12 +158,12 @@ def _mark_for_good(carriers) -> None:
 
 def _kept_now(t: torch.Tensor) -> bool:
     """Whether ``t``'s keep mark holds: for good, or set in this forward."""
-    if not getattr(t, KEEP_ATTR, False):
+    if not te_internals.has_keep_mark(t):
         return False
     kept_in = getattr(t, _KEPT_IN_ATTR, None)
     if kept_in is None or kept_in == _forward:
         return True
-    delattr(t, KEEP_ATTR)  # kept by an op in an earlier forward: the mark is spent
+    te_internals.clear_keep_mark(t)  # kept by an op in an earlier forward: the mark is spent
     delattr(t, _KEPT_IN_ATTR)
     return False
 
@@ -192,9 +180,9 @@ def _offload(obj: Any) -> None:
         capture.check_offload_layer_ready()
     te_internals.mark_activation_offload(obj)
     for t in kept:
-        _clear_v1_marks(t)
+        te_internals.clear_v1_marks(t)
     if te_internals.is_cpu_offload_enabled():
-        cpu_offload.start_offload(obj)
+        te_internals.start_offload(obj)
 
 
 def mark_saved_tensors(
@@ -276,5 +264,5 @@ def _saved_tensors_hooks_on() -> bool:
     except TypeError:
         try:
             return top() is not None
-        except Exception:  # noqa: BLE001 (an unknown signature: mark, as before)
+        except Exception:  # noqa: BLE001 (an unknown signature: mark, as where the hook is missing)
             return True

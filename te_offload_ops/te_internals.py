@@ -1,8 +1,10 @@
 """The one module that reaches into Transformer Engine's private state.
 
-Everything here is TE's own implementation, not its API: the CPU-offload module's globals and its
-synchronizer's and handler's internals, private attributes of TE's ``GroupedLinear`` op, and the
-private module ``transformer_engine.pytorch.ops._common``. The rest of the package calls these
+Everything here is TE's own implementation, not its API: the CPU-offload module's globals, the
+marks its engines read on saved tensors and its synchronizer's and handler's internals, private
+attributes of TE's ``GroupedLinear`` and scaled-activation ops, and the private module
+``transformer_engine.pytorch.ops._common``; with them the few public calls of TE's offload module
+the package makes, so that one module speaks to TE's engines. The rest of the package calls these
 accessors, so a TE release that changes them breaks here, in one place, with a clear message.
 
 The accessors are written against TE :data:`SUPPORTED_TE` (2.20.x). Importing this module checks
@@ -23,18 +25,30 @@ from transformer_engine.pytorch.ops import _common as te_ops_common
 
 __all__ = [
     "SUPPORTED_TE",
+    "KEEP_MARK",
+    "V1_MARKS",
     "accumulates_into_main_grad",
+    "clear_keep_mark",
+    "clear_v1_marks",
     "count_v1_offloads",
     "count_v2_offloads",
     "get_accumulate_flag_in_param",
     "get_main_grad_from_param",
     "grouped_tensor_path_supported",
+    "has_keep_mark",
+    "has_v1_marks",
     "installed_te_version",
     "is_cpu_offload_enabled",
     "is_distributed_weight",
     "mark_activation_offload",
+    "mark_not_offload",
+    "offload_ready_event",
     "release_offload_synchronizers",
     "registered_parameters",
+    "same_scaled_activation",
+    "scales_bias",
+    "set_keep_mark",
+    "start_offload",
     "swap_offload_synchronizer",
     "te_supported_problem",
     "uses_te_v1_offload",
@@ -92,6 +106,51 @@ def is_cpu_offload_enabled() -> bool:
 def mark_activation_offload(obj: Any) -> None:
     """TE's V1 mark on an activation (a no-op under V2)."""
     cpu_offload.mark_activation_offload(obj)
+
+
+def mark_not_offload(obj: Any) -> None:
+    """TE's call that tells its engines to leave ``obj`` where it is."""
+    cpu_offload.mark_not_offload(obj)
+
+
+def start_offload(obj: Any) -> None:
+    """TE's call that hands ``obj`` to the engine on (its copy may start now)."""
+    cpu_offload.start_offload(obj)
+
+
+def offload_ready_event(t: Any) -> Optional[torch.cuda.Event]:
+    """The event TE's ``start_offload`` recorded on ``t`` (its producer's work done), or None."""
+    return getattr(t, "start_reload_event", None)
+
+
+# TE's marks on saved tensors, its protocol with its engines (cpu_offload*.py): V2 leaves a tensor
+# that carries KEEP_MARK where it is; V1 offloads one that carries a V1 mark
+KEEP_MARK = "_TE_do_not_offload"
+V1_MARKS = ("activation_offloading", "needs_force_clear")
+
+
+def has_keep_mark(t: Any) -> bool:
+    return bool(getattr(t, KEEP_MARK, False))
+
+
+def set_keep_mark(t: Any) -> None:
+    setattr(t, KEEP_MARK, True)
+
+
+def clear_keep_mark(t: Any) -> None:
+    if hasattr(t, KEEP_MARK):
+        delattr(t, KEEP_MARK)
+
+
+def has_v1_marks(t: Any) -> bool:
+    return any(hasattr(t, attr) for attr in V1_MARKS)
+
+
+def clear_v1_marks(t: Any) -> None:
+    """Takes V1's marks off ``t`` (``mark_not_offload`` does not undo them)."""
+    for attr in V1_MARKS:
+        if hasattr(t, attr):
+            delattr(t, attr)
 
 
 def swap_offload_synchronizer(synchronizer: Any) -> Any:
@@ -190,6 +249,11 @@ def is_distributed_weight(op: Any) -> bool:
     return bool(op._is_distributed_weight())
 
 
+def scales_bias(op: Any) -> bool:
+    """Whether TE's op scales its bias per token (it then saves one more tensor)."""
+    return bool(op._scale_bias)
+
+
 def accumulates_into_main_grad(op: Any) -> bool:
     """Whether TE's op adds its weight grads into each weight's ``main_grad``."""
     return bool(op._accumulate_into_main_grad)
@@ -198,6 +262,12 @@ def accumulates_into_main_grad(op: Any) -> bool:
 def weight_tensors(op: Any) -> list:
     """TE's op's weight tensors, as its forward reads them."""
     return op._get_weight_tensors()
+
+
+def same_scaled_activation(op: Any, reference: type) -> bool:
+    """Whether TE scaled-activation op ``op`` computes what ``reference``'s class does (its
+    subclass may change the activation by overriding TE's private unary forward)."""
+    return type(op)._scaled_unary_forward is reference._scaled_unary_forward
 
 
 def registered_parameters(module: torch.nn.Module) -> dict:

@@ -115,7 +115,10 @@ TE_PRIVATE_ATTRIBUTES = {
     "_parameters", "OFFLOAD_SYNCHRONIZER", "NVTE_CPU_OFFLOAD_V1", "offload_synchronizer", "offload_handler",
     "layer_states", "tensor_tag_to_buf", "push_tensor", "tensor_push", "release_all_memory",
     "mark_activation_offload", "is_cpu_offload_enabled", "is_op_fuser_grouped_tensor_path_supported",
+    "mark_not_offload", "start_offload", "_scale_bias", "_scaled_unary_forward",
 }
+# TE's marks on saved tensors, named as strings
+TE_PRIVATE_NAMES = {"_TE_do_not_offload", "activation_offloading", "needs_force_clear", "start_reload_event"}
 
 
 def _te_private_uses(path: Path) -> list[str]:
@@ -126,6 +129,8 @@ def _te_private_uses(path: Path) -> list[str]:
             and node.value.id == "te_internals"
         if isinstance(node, ast.Attribute) and node.attr in TE_PRIVATE_ATTRIBUTES and not through_accessor:
             found.append(f"line {node.lineno}: .{node.attr}")
+        if isinstance(node, ast.Constant) and node.value in TE_PRIVATE_NAMES:
+            found.append(f"line {node.lineno}: {node.value!r}")
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformer_engine"):
             private = [p for p in node.module.split(".") if p.startswith("_")]
             names = [a.name for a in node.names if a.name.startswith("_") or a.name in TE_PRIVATE_ATTRIBUTES]

@@ -1,4 +1,5 @@
-"""The fused SReLU grouped MLP under Transformer Engine's ``Float8BlockScaling`` on Hopper.
+"""The FP8 steps of the fused SReLU grouped MLP (:mod:`.srelu_mlp`) under Transformer Engine's
+``Float8BlockScaling`` on Hopper: what it quantizes, which kernels it calls, what it saves.
 
 Every dgrad and fprop GEMM reads FP8 e4m3 operands with TE's block scales (1x128 for activations
 and gradients, 128x128 for weights), quantized with the recipe's settings as TE's

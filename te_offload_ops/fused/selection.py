@@ -103,7 +103,7 @@ def static_blockers(fc1: Any, act: Any, fc2: Any, *, recipe: Any = None,
         reasons.append(blocker)
     if not reasons and (problem := kernel_problem()) is not None:
         reasons.append(problem)
-    if type(act)._scaled_unary_forward is not ScaledSReLU._scaled_unary_forward:
+    if not te_internals.same_scaled_activation(act, ScaledSReLU):
         reasons.append(f"{type(act).__name__} changes the activation")
     if act.activation_recompute_in_mlp:
         reasons.append("activation_recompute_in_mlp is set (the fused op chooses what to recompute)")

@@ -1,5 +1,7 @@
-"""Hopper (sm_90a) grouped-GEMM kernels (CuTe DSL) for the fused SReLU MoE MLP, and a grouped FP8
-GEMM with Transformer Engine's block scaling.
+"""The kernels of the fused SReLU MoE MLP: Hopper (sm_90a) grouped GEMMs in the CuTe DSL (bf16/fp16,
+and FP8 with Transformer Engine's block scaling), the FP8 path's token-row and weight
+quantization passes in Triton (:mod:`.fp8_rows`), and the machinery that compiles, caches and
+launches them.
 
 Importing this package does not import the CuTe DSL; a kernel call imports it where it compiles
 the kernel (or calls it through the DSL's Python executor). Compiled kernels are kept on disk

@@ -1,4 +1,6 @@
-"""GroupedLinear with the offload switch."""
+"""TE's GroupedLinear with the offload switch: its saved tensors follow the policy, weights never
+move, and the layout TE 2.20 saves them in (split-path slices repacked into one buffer) is read
+here; the split path is refused under CUDA-graph capture."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import transformer_engine.pytorch as te
 
 from ..capture import refuse_split_path
 from ..policy import is_storage
-from ..te_internals import weight_tensors
+from ..te_internals import scales_bias, weight_tensors
 from ._offloadable import OffloadableOp
 from .input_checks import check_input, check_split_sizes
 
@@ -57,7 +59,7 @@ class GroupedLinear(OffloadableOp, te.ops.GroupedLinear):
 
     def _layout(self) -> tuple[int, int]:
         """(metadata slots, weight slots) of TE's saved tuple."""
-        return _METADATA_SLOTS + int(self._scale_bias), 1 if self.single_grouped_weight else self.num_groups
+        return _METADATA_SLOTS + int(scales_bias(self)), 1 if self.single_grouped_weight else self.num_groups
 
     def saved_weights(self, saved: Sequence[Optional[Any]]) -> Sequence[Optional[Any]]:
         prefix, num_weights = self._layout()

@@ -1,4 +1,5 @@
-"""teo's memory budget: bytes go back where memory would pass it, not on a layer schedule.
+"""teo's memory budget: bytes go back where memory would pass it, not on a layer schedule (the
+schedule, :class:`BudgetSchedule`, and the budget arithmetic :mod:`.measure` and the engine share).
 
 With ``memory_budget=B`` (bytes of ``torch.cuda.memory_allocated`` the step may reach) every
 offloaded tensor's GPU bytes stay until the host sees its copy end; the oldest still being copied

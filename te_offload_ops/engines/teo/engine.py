@@ -277,7 +277,7 @@ class TeoEngine:
         if self.device is None:
             self.device = t.device
         saved_on = torch.cuda.current_stream(t.device)
-        ready = getattr(t, "start_reload_event", None)  # TE's start_offload: ready before it was saved
+        ready = te_internals.offload_ready_event(t)  # TE's start_offload: ready before it was saved
         if ready is None:
             ready = torch.cuda.Event()
             ready.record(saved_on)
