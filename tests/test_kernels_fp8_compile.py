@@ -470,6 +470,28 @@ def test_fp8_fault_isolation_variant_drops_only_the_scale_copy(monkeypatch):
     assert [int(x) for x in tx.findall(bare)] == [2 * 128 * 128]
 
 
+@needs_dsl
+def test_the_epilogue_experiments_variants_compile_without_spills_and_leave_the_kernel_as_it_was(monkeypatch):
+    """benchmarks/experiments/ablate_fp8_epilogue.py's two storing variants compile for sm_90a at an
+    MLP shape without spills, each storing as it says: ``direct`` 4-byte column pairs with no
+    barrier, ``per warpgroup`` 16-byte row vectors behind 128-thread barriers."""
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    monkeypatch.syspath_prepend(str(bench / "experiments"))
+    import ablate_fp8_epilogue as afe
+    from te_offload_ops.kernels.gemm_fp8_sm90 import GroupedGemmFp8Sm90
+
+    shipped = GroupedGemmFp8Sm90._epilogue
+    made = afe._kernels(2688, 1856, 8, ["direct", "per warpgroup"], options="--keep-ptx --keep-cubin")
+    assert GroupedGemmFp8Sm90._epilogue is shipped and not hasattr(GroupedGemmFp8Sm90, "_chunk_rows")
+    ptx = {name: str(compiled.artifacts.PTX) for name, (_, compiled, _) in made.items()}
+    for _, compiled, _ in made.values():
+        _resource_usage(compiled)
+    barriers = {name: re.findall(r"bar\.sync\s+\S+,\s*(\d+);", text) for name, text in ptx.items()}
+    assert re.search(r"st\.global\.v2\.b16", ptx["direct"]) and barriers["direct"] == []
+    assert re.search(r"st\.global\.v4\.b32", ptx["per warpgroup"]) and set(barriers["per warpgroup"]) == {"128"}
+
+
 # (M, N, E, epilogue, tile or None, output dtype): the FP8 weight gradient's forms at the MLP's
 # shapes (fc1's dW: M=F, N=H; fc2's: M=H, N=F; F=1856 leaves a partial 128-block), main_grad
 # accumulation, and the small tile

@@ -153,7 +153,8 @@ EPILOGUES = {"shipped": None, "direct": _direct_epilogue, "per warpgroup": _warp
              "no stores": _no_store_epilogue}
 
 
-def _kernels(n: int, k: int, e: int, names):
+def _kernels(n: int, k: int, e: int, names, options=None):
+    """{variant: (kernel object, compiled, seconds)}; the kernel class as it was afterwards."""
     from te_offload_ops.kernels import api_fp8
     from te_offload_ops.kernels.gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
@@ -169,7 +170,7 @@ def _kernels(n: int, k: int, e: int, names):
             for helper in made[1:]:  # the variant's own helpers, by their names
                 setattr(GroupedGemmFp8Sm90, helper.__name__, helper)
                 added.append(helper.__name__)
-            out[name] = api_fp8.compile_variant_fp8(n, k, e)
+            out[name] = api_fp8.compile_variant_fp8(n, k, e, options=options)
     finally:
         GroupedGemmFp8Sm90._epilogue = original
         for helper in set(added):
