@@ -130,7 +130,8 @@ def _warpgroup_epilogue():
                             c_s[crd] = acc[crd].to(self.dtype)
             cute.arch.barrier(barrier_id=bar_id, number_of_threads=_WG)
             col0 = n_blk * bn + ch * cols
-            cp_g = thr.partition_D(self._chunk_rows(m_c, row0 + cwg * half, col0, half))
+            # the warpgroup's rows of the chunk: the top half of the (BM, cols) chunk at its first row
+            cp_g = thr.partition_D(cute.local_tile(self._chunk(m_c, row0 + cwg * half, col0), (half, cols), (0, 0)))
             for i in cutlass.range_constexpr(cute.size(ids, mode=[1])):
                 for j in cutlass.range_constexpr(cute.size(ids, mode=[2])):
                     crd = ids[0, i, j]
@@ -139,13 +140,7 @@ def _warpgroup_epilogue():
                             cute.autovec_copy(cp_s[None, i, j], cp_g[None, i, j])
             cute.arch.barrier(barrier_id=bar_id, number_of_threads=_WG)
 
-    @cute.jit
-    def _chunk_rows(self, t, row0, col0, rows):
-        """(rows, epi_cols) global tile at (row0, col0), 16-byte aligned as ``_chunk``'s."""
-        ptr = (t.iterator + (cutlass.Int64(row0) * self.n + col0)).align(16)
-        return cute.make_tensor(ptr, cute.make_layout((rows, self.epi_cols), stride=(self.n, 1)))
-
-    return _epilogue, _chunk_rows
+    return _epilogue
 
 
 # the epilogue each variant compiles with (None: the kernel's own); "no stores" is a bound
@@ -159,22 +154,14 @@ def _kernels(n: int, k: int, e: int, names, options=None):
     from te_offload_ops.kernels.gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
     original = GroupedGemmFp8Sm90._epilogue
-    added = []
     out = {}
     try:
         for name in names:
             make = EPILOGUES[name]
-            made = (original,) if make is None else make()
-            made = made if isinstance(made, tuple) else (made,)
-            GroupedGemmFp8Sm90._epilogue = made[0]
-            for helper in made[1:]:  # the variant's own helpers, by their names
-                setattr(GroupedGemmFp8Sm90, helper.__name__, helper)
-                added.append(helper.__name__)
+            GroupedGemmFp8Sm90._epilogue = original if make is None else make()
             out[name] = api_fp8.compile_variant_fp8(n, k, e, options=options)
     finally:
         GroupedGemmFp8Sm90._epilogue = original
-        for helper in set(added):
-            delattr(GroupedGemmFp8Sm90, helper)
     return out
 
 
