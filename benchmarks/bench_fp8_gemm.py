@@ -115,7 +115,7 @@ def measure(args) -> dict:
 
     from bench_kernels import time_interleaved
 
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import registry
 
     rows = []
     cases = [(tok, n, k) for (n, k) in args.shapes for tok in args.tokens]
@@ -148,7 +148,7 @@ def measure(args) -> dict:
     # key: ("fp8_blockwise", dtype, tile, cluster_n, n, k, e, sb_cols, [promotion], call)
     compile_s = [{"n": key[4], "k": key[5], "bn": key[2][1], "promotion": key[-2] if key[-2] == "overlap" else "serial",
                   "seconds": round(secs, 2)}
-                 for key, secs in api.compile_times().items() if key[0] == "fp8_blockwise"]
+                 for key, secs in registry.compile_times().items() if key[0] == "fp8_blockwise"]
     return {"gpu": torch.cuda.get_device_name(),
             "date": utc_now(),
             "experts": args.experts, "reps": args.reps, "inner": args.inner,

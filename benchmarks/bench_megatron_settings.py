@@ -24,7 +24,7 @@ forward's copy (by design: a bad step raises before backward() returns), so its 
 taken from the profiler (device time per step, plain vs split_check) and its host cost from
 the back-to-back wall time. The profiler also lists main_grad's kernels against plain's: how much
 of its extra GPU time is kernels running longer (and which), how much is between them, and
-the same by GEMM (the profiler range each launch runs in, kernels.api.profile_label).
+the same by GEMM (the profiler range each launch runs in, kernels.launch.profile_label).
 Writes megatron_settings_<GPU>[_sweep].{json,md,png} into --out.
 
     python3 benchmarks/bench_megatron_settings.py [--sweep] [--default-way-only | --ways WAY ...] [--out DIR]
@@ -110,14 +110,13 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
         for p, q in zip(mlps[v].parameters(), mlps["plain"].parameters()):
             p.data.copy_(q.data)
 
-    from te_offload_ops.kernels import api as kernels_api
-    from te_offload_ops.kernels import api_wgrad
+    from te_offload_ops.kernels import api_wgrad, tiling
 
     # the library's own choice for this shape (kernels.main_grad_way), as the default variants get it
     preset = os.environ.pop("TEO_MAIN_GRAD_ADD", None)
     way_add, way_schedule = api_wgrad.main_grad_way(T, E, preset)
-    default_schedule = kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"]
-    default_way = (way_add, way_schedule or kernels_api.pick_schedule("acc_f32", True))
+    default_schedule = tiling.DEFAULT_SCHEDULE["wgrad_main_grad"]
+    default_way = (way_add, way_schedule or tiling.pick_schedule("acc_f32", True))
 
     def step(variant):
         mlp = mlps[variant]
@@ -127,13 +126,13 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
         if variant in MAIN_GRAD_WAYS:
             add, schedule = MAIN_GRAD_WAYS[variant]
             os.environ["TEO_MAIN_GRAD_ADD"] = add
-            kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"] = schedule
+            tiling.DEFAULT_SCHEDULE["wgrad_main_grad"] = schedule
         else:  # left to the library (or to a TEO_MAIN_GRAD_ADD the run was started with)
             if preset is None:
                 os.environ.pop("TEO_MAIN_GRAD_ADD", None)
             else:
                 os.environ["TEO_MAIN_GRAD_ADD"] = preset
-            kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"] = default_schedule
+            tiling.DEFAULT_SCHEDULE["wgrad_main_grad"] = default_schedule
         mlp(x, splits, probs, splits).backward(dy)
         for op in (mlp[0], mlp[2]):
             op.backward_dw()  # a no-op unless the wgrads were delayed
@@ -156,7 +155,7 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
     gemms = {v: gemm_ranges(lambda: step(v)) for v in VARIANTS if v == "plain" or v.startswith("main_grad")}
     os.environ.pop("TEO_CHECK_SPLIT_SIZES", None)
     os.environ.pop("TEO_MAIN_GRAD_ADD", None)
-    kernels_api._DEFAULT_SCHEDULE["wgrad_main_grad"] = default_schedule
+    tiling.DEFAULT_SCHEDULE["wgrad_main_grad"] = default_schedule
     if preset is not None:
         os.environ["TEO_MAIN_GRAD_ADD"] = preset
     flop = 6 * 2 * T * H * F
@@ -199,7 +198,7 @@ def kernel_diff(plain: list[dict], other: list[dict]) -> list[dict]:
 
 def gemm_ranges(fn, steps: int = 10) -> list[dict]:
     """GPU time per step of each GEMM of the fused op, in ``kernel_diff``'s rows, named by the
-    profiler range its launch runs in (``kernels.api.profile_label``: wgrad or not, epilogue, N x K).
+    profiler range its launch runs in (``kernels.launch.profile_label``: wgrad or not, epilogue, N x K).
     The profiler does not tie the DSL's driver-API launches to their ranges (measured: no device
     time reached them), so ranges and GEMM kernels are paired in order (one stream: the n-th
     launch is the n-th kernel); empty when their counts differ."""
@@ -207,7 +206,7 @@ def gemm_ranges(fn, steps: int = 10) -> list[dict]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from te_offload_ops.kernels.api import PROFILE_LABEL
+    from te_offload_ops.kernels.launch import PROFILE_LABEL
 
     fn()
     torch.cuda.synchronize()

@@ -164,7 +164,7 @@ def child(args) -> int:
     import transformer_engine.pytorch  # noqa: F401
 
     import te_offload_ops  # noqa: F401
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import registry
 
     imported = time.time()
     step, path = _build(args, workload, mode)
@@ -177,10 +177,10 @@ def child(args) -> int:
         "workload": workload, "mode": mode, "first_step_s": times[0], "second_step_s": times[1],
         "start_to_built_s": built - launched, "imports_s": imported - started,
         "process_s": time.time() - launched, "in_process_setup_s": built - started,
-        "path": path(), "compiled": len(api.compile_times()), "compile_s": sum(api.compile_times().values()),
-        "loaded": len(api.load_times()), "load_s": sum(api.load_times().values()),
-        "loaded_by": sorted(set(api.loaded_by().values())), "dsl_imported": "cutlass" in sys.modules,
-        "dsl_import_s": api.dsl_import_seconds(), "first_launch_s": sum(api.first_launch_times().values())}),
+        "path": path(), "compiled": len(registry.compile_times()), "compile_s": sum(registry.compile_times().values()),
+        "loaded": len(registry.load_times()), "load_s": sum(registry.load_times().values()),
+        "loaded_by": sorted(set(registry.loaded_by().values())), "dsl_imported": "cutlass" in sys.modules,
+        "dsl_import_s": registry.dsl_import_seconds(), "first_launch_s": sum(registry.first_launch_times().values())}),
         flush=True)
     return 0
 

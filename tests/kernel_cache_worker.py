@@ -49,14 +49,14 @@ def main() -> None:
                 raise SystemExit("--main-grad goes with --layout megatron here (buffers the TMA add can address)")
             ddp_main_grads(op, seed=11 + i)
     result = run_step(stack, make_inputs(cfg), "none")
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import registry
 
     torch.save({"out": result["out"].cpu(),
                 "grads": {name: g.cpu() for name, g in result["grads"].items() if g is not None}}, args.out)
     print("RESULT " + json.dumps({"plan": forward_plan(stack[0]), "tokens": cfg.tokens,
-                                  "compiled": sorted(map(repr, api.compile_times())),
-                                  "loaded": sorted(map(repr, api.load_times())),
-                                  "loaded_by": sorted(set(api.loaded_by().values())),
+                                  "compiled": sorted(map(repr, registry.compile_times())),
+                                  "loaded": sorted(map(repr, registry.load_times())),
+                                  "loaded_by": sorted(set(registry.loaded_by().values())),
                                   "dsl_imported": "cutlass" in sys.modules}))
 
 

@@ -84,7 +84,7 @@ def test_weights_in_a_padded_buffer_are_read_in_place(order, pad):
     parameters last first and padded apart: the fused op reads them there (no stacked copy) and
     gives the same bits as with TE's own packed weights."""
     from te_offload_ops.fused.expert_weights import expert_weights
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import registry
 
     cfg = Config(layers=1, experts=4, hidden=256, ffn=384, splits=(300, 0, 650, 74))
     stack, inputs = make_stack(cfg), make_inputs(cfg)
@@ -99,7 +99,7 @@ def test_weights_in_a_padded_buffer_are_read_in_place(order, pad):
     assert forward_plan(stack[0]) == ["FusedScaledSReLUMLP"]
     # the kernels' cache keys name the layout they were compiled for: (stride or None if packed, reversed)
     assert any(isinstance(key[-2], tuple) and key[-2][0] == "b" and key[-2][2] == (order == "reversed")
-               and (key[-2][1] is None) == (pad == 0) for key in api.compile_times()), \
+               and (key[-2][1] is None) == (pad == 0) for key in registry.compile_times()), \
         "no kernel for this weight layout ran"
     assert torch.equal(got["out"], base["out"])
     for name, g in base["grads"].items():

@@ -14,13 +14,13 @@ import te_offload_ops as teo
 from te_offload_ops import capture, policy
 from te_offload_ops.capture import GraphCaptureError
 from te_offload_ops.fused import split_check, srelu_mlp
-from te_offload_ops.kernels import api, api_wgrad
+from te_offload_ops.kernels import api, api_wgrad, launch, registry
 
 
 @pytest.fixture
 def capture_on(monkeypatch):
     """Every module of the package sees a capturing stream."""
-    for module in (capture, split_check, srelu_mlp, api):
+    for module in (capture, split_check, srelu_mlp, registry, launch):
         monkeypatch.setattr(module, "capturing", lambda: True)
 
 
@@ -118,24 +118,24 @@ def test_split_check_queues_nothing_in_a_capture(capture_on, monkeypatch):
 
 def test_kernel_cache_miss_in_a_capture_raises_without_compiling(capture_on, monkeypatch):
     monkeypatch.setattr(api, "_compile", lambda *a, **k: pytest.fail("compiled during a capture"))
-    monkeypatch.setattr(api, "_CACHE", {})
+    monkeypatch.setattr(registry, "CACHE", {})
     with pytest.raises(GraphCaptureError, match=r"first call, inside a CUDA graph capture.*eager forward and backward"):
         api.get_kernel(torch.bfloat16, 1856, 2688, 8, b_n_major=False, epilogue="srelu")
 
 
 def test_kernel_cache_hit_in_a_capture_is_returned(capture_on, monkeypatch):
-    monkeypatch.setattr(api, "_CACHE", {})
+    monkeypatch.setattr(registry, "CACHE", {})
     monkeypatch.setattr(api, "_compile", lambda *a, **k: (type("K", (), {})(), "compiled", 0.0))
-    monkeypatch.setattr(api, "capturing", lambda: False)
+    monkeypatch.setattr(registry, "capturing", lambda: False)
     first = api.get_kernel(torch.bfloat16, 256, 512, 4, b_n_major=False, epilogue="plain")
-    monkeypatch.setattr(api, "capturing", lambda: True)
+    monkeypatch.setattr(registry, "capturing", lambda: True)
     assert api.get_kernel(torch.bfloat16, 256, 512, 4, b_n_major=False, epilogue="plain") is first
 
 
 def test_first_launch_of_a_kernel_in_a_capture_raises(capture_on):
     kern = type("K", (), {"cache_key": ("bf16", "plain")})()
     with pytest.raises(GraphCaptureError, match=r"\('bf16', 'plain'\) would be compiled and loaded"):
-        api._launch(kern, lambda *a: pytest.fail("launched"), [(torch.zeros(1), "m")], 1)
+        launch.launch_gemm(kern, lambda *a: pytest.fail("launched"), [(torch.zeros(1), "m")], 1)
 
 
 def test_main_grad_offsets_need_an_eager_step_and_stay_cached_once_captured(monkeypatch):

@@ -128,17 +128,17 @@ def test_kernel_parameters_in_the_key_follow_the_plan_module(monkeypatch):
     """A kernel built differently under the same variant key (a module constant changed at run
     time, as a test may) gets other parameters, so it never loads another's code; the plan a
     loading process derives without the DSL and the compiled kernel object agree."""
-    from te_offload_ops.kernels import api, gemm_plan
+    from te_offload_ops.kernels import api, gemm_plan, registry
 
     import torch
 
     args = (torch.bfloat16, 512, 256, 4, False, "srelu", (128, 128))
     variant = dict(cluster_n=2, schedule="pingpong")
-    narrow = api._kernel_params(api._make_kernel(*args, **variant))
-    assert api._kernel_params(api._make_plan(*args, **variant)) == narrow
+    narrow = registry.kernel_params(api._make_kernel(*args, **variant))
+    assert registry.kernel_params(api._make_plan(*args, **variant)) == narrow
     monkeypatch.setattr(gemm_plan, "_EPI_COLS_TWO_OUTPUTS", 64)
-    wide = api._kernel_params(api._make_kernel(*args, **variant))
-    assert api._kernel_params(api._make_plan(*args, **variant)) == wide
+    wide = registry.kernel_params(api._make_kernel(*args, **variant))
+    assert registry.kernel_params(api._make_plan(*args, **variant)) == wide
     assert dict(narrow)["epi_cols"] == 32 and dict(wide)["epi_cols"] == 64
     assert all(isinstance(v, (bool, int, float, str, type(None), tuple)) for _, v in narrow)
 
@@ -313,9 +313,9 @@ _RUN = textwrap.dedent("""
     import json, logging, sys
     logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(name)s: %(message)s")
     import torch
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import api, registry
     kern, compiled = api.get_kernel(torch.bfloat16, 256, 128, 2, b_n_major=False, epilogue="srelu")
-    print("RESULT " + json.dumps({"compiled": len(api.compile_times()), "loaded": len(api.load_times()),
+    print("RESULT " + json.dumps({"compiled": len(registry.compile_times()), "loaded": len(registry.load_times()),
                                   "type": type(compiled).__name__, "callable": callable(compiled),
                                   "call": kern.call, "n_tiles": kern.n_tiles}))
 """)
@@ -364,9 +364,9 @@ _RUN_FP8 = textwrap.dedent("""
     import json, logging, sys
     logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(name)s: %(message)s")
     import torch
-    from te_offload_ops.kernels import api, api_fp8
+    from te_offload_ops.kernels import api_fp8, registry
     kern, compiled = api_fp8.get_kernel_fp8(torch.bfloat16, 384, 256, 3, 4)
-    print("RESULT " + json.dumps({"compiled": len(api.compile_times()), "loaded": len(api.load_times()),
+    print("RESULT " + json.dumps({"compiled": len(registry.compile_times()), "loaded": len(registry.load_times()),
                                   "type": type(compiled).__name__, "call": kern.call, "n_tiles": kern.n_tiles,
                                   "bm": kern.bm, "cluster_n": kern.cluster_n, "experts": kern.num_experts,
                                   "dsl_imported": "cutlass" in sys.modules}))
@@ -379,10 +379,10 @@ def test_an_fp8_kernel_compiled_in_one_process_loads_in_the_next(tmp_path, call)
     cache = tmp_path / "cache"
     first, second, path = _compiled_then_loaded(cache, call, _RUN_FP8)
     # the launch reads the same tile walk from the DSL-free plan as from the kernel object
-    from te_offload_ops.kernels import api, shared_object
+    from te_offload_ops.kernels import shared_object, tiling
 
     walk = ("n_tiles", "bm", "cluster_n", "experts")
-    assert [second[w] for w in walk] == [first[w] for w in walk] == [3, 128, api.pick_cluster(384, (128, 128)), 3]
+    assert [second[w] for w in walk] == [first[w] for w in walk] == [3, 128, tiling.pick_cluster(384, (128, 128)), 3]
     assert _entries(cache) == [path]
     if call == "python":
         assert second["type"] == first["type"] and second["dsl_imported"]
@@ -432,9 +432,9 @@ def test_processes_starting_together_compile_a_variant_once(tmp_path):
 # -- warm-up ------------------------------------------------------------------------------------------
 
 def test_the_fused_mlp_variants(monkeypatch):
-    from te_offload_ops.kernels import api, api_wgrad, mlp_variants
+    from te_offload_ops.kernels import api_wgrad, mlp_variants, tiling
 
-    for env in (api_wgrad.WGRAD_BACKEND_ENV, api_wgrad.MAIN_GRAD_ADD_ENV, api.SCHEDULE_ENV):
+    for env in (api_wgrad.WGRAD_BACKEND_ENV, api_wgrad.MAIN_GRAD_ADD_ENV, tiling.SCHEDULE_ENV):
         monkeypatch.delenv(env, raising=False)
     te = mlp_variants(8, 1024, 512)
     assert [v.label for v in te] == ["fc1 forward + SReLU", "fc2 forward", "fc2 dgrad + dSReLU", "fc1 dgrad",
@@ -548,9 +548,9 @@ def test_warm_up_command_refuses_bad_arguments_clearly(tmp_path, args, env, said
 
 
 def test_the_fp8_path_variants_are_the_fp8_gemms_and_the_same_wgrads(monkeypatch):
-    from te_offload_ops.kernels import api, api_wgrad, mlp_variants
+    from te_offload_ops.kernels import api_wgrad, mlp_variants, tiling
 
-    for env in (api_wgrad.WGRAD_BACKEND_ENV, api_wgrad.MAIN_GRAD_ADD_ENV, api.SCHEDULE_ENV):
+    for env in (api_wgrad.WGRAD_BACKEND_ENV, api_wgrad.MAIN_GRAD_ADD_ENV, tiling.SCHEDULE_ENV):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv("TEO_FP8_ROWS", "triton")  # SReLU and its backward as row passes: the plain FP8 GEMMs
     fp8 = mlp_variants(8, 2688, 1856, fp8=True)

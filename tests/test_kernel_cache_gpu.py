@@ -97,7 +97,7 @@ def test_the_warm_up_command_leaves_the_step_nothing_to_compile(tmp_path, settin
 
 _FP8_GEMM = """
 import json, sys, torch
-from te_offload_ops.kernels import api, api_fp8
+from te_offload_ops.kernels import api_fp8, registry
 g = torch.Generator(device="cuda").manual_seed(0)
 t, n, k, e = 700, 384, 256, 3
 a = torch.randint(0, 120, (t, k), dtype=torch.uint8, device="cuda", generator=g)  # finite e4m3 bytes
@@ -106,8 +106,8 @@ b = torch.randint(0, 120, (e, n, k), dtype=torch.uint8, device="cuda", generator
 sb = torch.rand((e, n // 128, 4), device="cuda", generator=g)
 out = api_fp8.grouped_gemm_fp8_blockwise(a, sa, b, sb, torch.tensor([300, 0, 400], device="cuda"))
 torch.save(out.cpu(), sys.argv[1])
-print("RESULT " + json.dumps({"compiled": len(api.compile_times()), "loaded": len(api.load_times()),
-                              "loaded_by": sorted(set(api.loaded_by().values())),
+print("RESULT " + json.dumps({"compiled": len(registry.compile_times()), "loaded": len(registry.load_times()),
+                              "loaded_by": sorted(set(registry.loaded_by().values())),
                               "dsl_imported": "cutlass" in sys.modules}))
 """
 

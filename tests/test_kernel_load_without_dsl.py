@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from te_offload_ops.kernels import api, disk_cache, dsl, dsl_settings, gemm_plan, shared_object
+from te_offload_ops.kernels import api, availability, disk_cache, dsl, dsl_settings, gemm_plan, registry, shared_object
 
 ROOT = Path(__file__).resolve().parent.parent
 _HAVE = (importlib.util.find_spec("cutlass") is not None and importlib.util.find_spec("tvm_ffi") is not None
@@ -43,7 +43,7 @@ _LOAD = textwrap.dedent("""
     import torch
     import te_offload_ops
     from te_offload_ops.fused.selection import kernel_problem
-    from te_offload_ops.kernels import api, mlp_variants
+    from te_offload_ops.kernels import api, mlp_variants, registry
     problem = kernel_problem()
     kinds = []
     for settings in json.loads(sys.argv[1]):
@@ -52,10 +52,10 @@ _LOAD = textwrap.dedent("""
             kern, compiled = api.get_kernel(kw.pop("dtype"), kw.pop("n"), kw.pop("k"), kw.pop("e"), **kw)
             kinds.append([type(kern).__name__, type(compiled).__name__, kern.call])
     print("RESULT " + json.dumps({
-        "problem": problem, "kinds": kinds, "compiled": len(api.compile_times()),
-        "loaded": len(api.load_times()), "by": sorted(set(api.loaded_by().values())),
+        "problem": problem, "kinds": kinds, "compiled": len(registry.compile_times()),
+        "loaded": len(registry.load_times()), "by": sorted(set(registry.loaded_by().values())),
         "dsl_modules": sorted(m for m in sys.modules if m == "cutlass" or m.startswith("cutlass.")),
-        "dsl_import_s": api.dsl_import_seconds()}))
+        "dsl_import_s": registry.dsl_import_seconds()}))
 """)
 
 
@@ -135,11 +135,11 @@ _ONE = textwrap.dedent("""
     import json, logging, sys
     logging.basicConfig(level=logging.INFO, format="LOG %(levelname)s %(name)s: %(message)s")
     import torch
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import api, registry
     kern, compiled = api.get_kernel(torch.bfloat16, 256, 128, 2, b_n_major=False, epilogue="srelu")
     print("RESULT " + json.dumps({
-        "compiled": len(api.compile_times()), "loaded": len(api.load_times()),
-        "by": sorted(set(api.loaded_by().values())), "type": type(compiled).__name__,
+        "compiled": len(registry.compile_times()), "loaded": len(registry.load_times()),
+        "by": sorted(set(registry.loaded_by().values())), "type": type(compiled).__name__,
         "dsl": "cutlass" in sys.modules}))
 """)
 
@@ -228,7 +228,7 @@ def test_the_plan_derives_what_the_kernel_object_derives():
         args = (dtype, 4096, 256, 8, epilogue == "dsrelu", epilogue, tile)
         variant = dict(cluster_n=2, schedule=schedule, b_layout=b_layout, cluster_m=cluster_m)
         plan = api._make_plan(*args, **variant)
-        assert api._kernel_params(plan) == api._kernel_params(api._make_kernel(*args, **variant)), (args, variant)
+        assert registry.kernel_params(plan) == registry.kernel_params(api._make_kernel(*args, **variant)), (args, variant)
         checked += 1
     for epilogue, tile in itertools.product(("plain", "acc_f32", "red_f32", "tma_f32", "store_f32"),
                                             ((128, 128), (128, 256))):
@@ -236,7 +236,7 @@ def test_the_plan_derives_what_the_kernel_object_derives():
         variant = dict(cluster_n=2, wgrad_m=2048, schedule="cooperative",
                        slot_stride=2048 * 1024 if epilogue == "tma_f32" else None)
         plan = api._make_plan(*args, **variant)
-        assert api._kernel_params(plan) == api._kernel_params(api._make_kernel(*args, **variant)), (args, variant)
+        assert registry.kernel_params(plan) == registry.kernel_params(api._make_kernel(*args, **variant)), (args, variant)
         checked += 1
     assert checked > 100
 
@@ -343,19 +343,19 @@ def test_settings_of_a_dsl_imported_under_other_variables_are_not_filed(known_co
 def test_the_fusion_check_takes_the_recalled_settings_for_the_dsl(known_context, monkeypatch, tmp_path):
     monkeypatch.setenv(disk_cache.CACHE_ENV, "1")
     monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, str(tmp_path))
-    monkeypatch.delenv(api.CALL_ENV, raising=False)
-    monkeypatch.setattr(api, "_has_tvm_ffi", lambda: True)
-    monkeypatch.setattr(api, "_TVM_FFI_FAILED", [])
+    monkeypatch.delenv(availability.CALL_ENV, raising=False)
+    monkeypatch.setattr(availability, "has_tvm_ffi", lambda: True)
+    monkeypatch.setattr(availability, "TVM_FFI_FAILED", [])
     if importlib.util.find_spec("cutlass") is None:
         pytest.skip("needs the CuTe DSL installed")
-    assert not api.loads_without_dsl()  # no process of this context imported the DSL here
+    assert not availability.loads_without_dsl()  # no process of this context imported the DSL here
     dsl_settings.remember(tmp_path, "arch='sm_90a';")
-    assert api.loads_without_dsl()
-    monkeypatch.setenv(api.CALL_ENV, "python")  # the Python executor needs the DSL anyway
-    assert not api.loads_without_dsl()
-    monkeypatch.delenv(api.CALL_ENV)
+    assert availability.loads_without_dsl()
+    monkeypatch.setenv(availability.CALL_ENV, "python")  # the Python executor needs the DSL anyway
+    assert not availability.loads_without_dsl()
+    monkeypatch.delenv(availability.CALL_ENV)
     monkeypatch.setenv(disk_cache.CACHE_ENV, "0")
-    assert not api.loads_without_dsl()
+    assert not availability.loads_without_dsl()
 
 
 # -- linking ------------------------------------------------------------------------------------------

@@ -59,45 +59,45 @@ def test_wgrad_backend_choice(monkeypatch):
 
 
 def test_schedule_choice(monkeypatch):
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import tiling
 
-    monkeypatch.delenv(api.SCHEDULE_ENV, raising=False)
+    monkeypatch.delenv(tiling.SCHEDULE_ENV, raising=False)
     for kind in ("plain", "srelu", "dsrelu"):
-        assert api.pick_schedule(kind) in api.SCHEDULES
-    assert api.pick_schedule("plain", wgrad=True) == api.pick_schedule("wgrad")
-    assert api.pick_schedule("srelu", tile=(128, 192)) == "cooperative"  # too wide for pingpong
-    monkeypatch.setenv(api.SCHEDULE_ENV, "pingpong")
-    assert api.pick_schedule("plain", tile=(128, 192)) == "cooperative"
-    monkeypatch.setenv(api.SCHEDULE_ENV, "cooperative")
-    assert api.pick_schedule("srelu") == "cooperative"
-    assert api.pick_schedule("srelu", schedule="pingpong") == "pingpong"  # the argument wins
-    monkeypatch.setenv(api.SCHEDULE_ENV, "stream-k")
+        assert tiling.pick_schedule(kind) in tiling.SCHEDULES
+    assert tiling.pick_schedule("plain", wgrad=True) == tiling.pick_schedule("wgrad")
+    assert tiling.pick_schedule("srelu", tile=(128, 192)) == "cooperative"  # too wide for pingpong
+    monkeypatch.setenv(tiling.SCHEDULE_ENV, "pingpong")
+    assert tiling.pick_schedule("plain", tile=(128, 192)) == "cooperative"
+    monkeypatch.setenv(tiling.SCHEDULE_ENV, "cooperative")
+    assert tiling.pick_schedule("srelu") == "cooperative"
+    assert tiling.pick_schedule("srelu", schedule="pingpong") == "pingpong"  # the argument wins
+    monkeypatch.setenv(tiling.SCHEDULE_ENV, "stream-k")
     with pytest.raises(ValueError, match="schedule"):
-        api.pick_schedule("plain")
+        tiling.pick_schedule("plain")
 
 
 def test_call_convention_choice(monkeypatch):
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import availability
 
-    monkeypatch.delenv(api.CALL_ENV, raising=False)
-    assert kernels.kernel_call_convention() == ("tvm-ffi" if api._has_tvm_ffi() else "python")
-    monkeypatch.setenv(api.CALL_ENV, "python")
+    monkeypatch.delenv(availability.CALL_ENV, raising=False)
+    assert kernels.kernel_call_convention() == ("tvm-ffi" if availability.has_tvm_ffi() else "python")
+    monkeypatch.setenv(availability.CALL_ENV, "python")
     assert kernels.kernel_call_convention() == "python"
-    monkeypatch.setenv(api.CALL_ENV, "ctypes")
-    with pytest.raises(ValueError, match=api.CALL_ENV):
+    monkeypatch.setenv(availability.CALL_ENV, "ctypes")
+    with pytest.raises(ValueError, match=availability.CALL_ENV):
         kernels.kernel_call_convention()
-    monkeypatch.setattr(api, "_has_tvm_ffi", lambda: False)
-    monkeypatch.setenv(api.CALL_ENV, "tvm-ffi")
+    monkeypatch.setattr(availability, "has_tvm_ffi", lambda: False)
+    monkeypatch.setenv(availability.CALL_ENV, "tvm-ffi")
     with pytest.raises(RuntimeError, match="apache-tvm-ffi"):
         kernels.kernel_call_convention()
-    monkeypatch.delenv(api.CALL_ENV)
+    monkeypatch.delenv(availability.CALL_ENV)
     assert kernels.kernel_call_convention() == "python"
 
 
 def test_tvm_ffi_compile_failure_falls_back_to_the_python_executor(monkeypatch):
     """Picked by default, a TVM-FFI path that does not compile gives way to the Python executor
     for the rest of the process; named in $TEO_KERNEL_CALL, its failure is raised."""
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import api, availability, registry
 
     calls = []
 
@@ -108,22 +108,22 @@ def test_tvm_ffi_compile_failure_falls_back_to_the_python_executor(monkeypatch):
         return types.SimpleNamespace(call=call), object(), 0.1
 
     monkeypatch.setattr(api, "_compile", fake_compile)
-    monkeypatch.setattr(api, "_has_tvm_ffi", lambda: True)
-    monkeypatch.setattr(api, "_TVM_FFI_FAILED", [])
-    monkeypatch.setenv(api.CALL_ENV, "tvm-ffi")
-    api.clear_cache()
+    monkeypatch.setattr(availability, "has_tvm_ffi", lambda: True)
+    monkeypatch.setattr(availability, "TVM_FFI_FAILED", [])
+    monkeypatch.setenv(availability.CALL_ENV, "tvm-ffi")
+    registry.clear_cache()
     try:
         with pytest.raises(RuntimeError, match="ABI mismatch"):
             api.get_kernel(torch.bfloat16, 256, 128, 2, b_n_major=False, epilogue="plain")
-        assert api._CACHE == {}
-        monkeypatch.delenv(api.CALL_ENV)
+        assert registry.CACHE == {}
+        monkeypatch.delenv(availability.CALL_ENV)
         kern, _ = api.get_kernel(torch.bfloat16, 256, 128, 2, b_n_major=False, epilogue="plain")
         assert kern.call == "python" and calls == ["tvm-ffi", "tvm-ffi", "python"]
-        assert kernels.kernel_call_convention() == "python" and "ABI mismatch" in api._TVM_FFI_FAILED[0]
+        assert kernels.kernel_call_convention() == "python" and "ABI mismatch" in availability.TVM_FFI_FAILED[0]
         api.get_kernel(torch.bfloat16, 256, 128, 2, b_n_major=False, epilogue="plain")
         assert len(calls) == 3  # cached under the Python executor's key
     finally:
-        api.clear_cache()
+        registry.clear_cache()
 
 
 def test_main_grad_slots_accepts_evenly_spaced_buffers_in_any_order():
@@ -159,12 +159,12 @@ def test_main_grad_slots_refuses_what_one_tensor_map_cannot_address(why, ptrs):
     (32 * 64, 4, "copy"),           # start 8 bytes off a 16-byte boundary: packed copy
 ])
 def test_expert_weights_read_in_place_or_packed(stride0, offset, expect):
-    from te_offload_ops.kernels.api import _expert_weights
+    from te_offload_ops.kernels.operands import expert_weights
 
     buf = torch.randn(4 * stride0 + offset + 64, dtype=torch.bfloat16)
     buf = buf[(-buf.data_ptr() // 2) % 8:]  # start the test's buffer on a 16-byte boundary
     b = buf.as_strided((4, 32, 64), (stride0, 64, 1), offset)
-    got, b_stride = _expert_weights(b)
+    got, b_stride = expert_weights(b)
     if expect == "copy":
         assert b_stride is None and got.is_contiguous() and got.data_ptr() != b.data_ptr()
     else:
@@ -177,37 +177,37 @@ def test_launches_run_in_a_named_profiler_range_only_while_a_profiler_records(mo
     range naming its kind, epilogue and N x K, so benchmarks can split GPU time by GEMM."""
     from torch.profiler import ProfilerActivity, profile
 
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import launch
 
     launched = []
-    monkeypatch.setattr(api, "_launch_now", lambda kern, *rest: launched.append(torch.autograd._profiler_enabled()))
+    monkeypatch.setattr(launch, "_launch_now", lambda kern, *rest: launched.append(torch.autograd._profiler_enabled()))
     wgrad = types.SimpleNamespace(wgrad_m=1856, epilogue="tma_f32", n=2688, k=2048)
     fprop = types.SimpleNamespace(wgrad_m=None, epilogue="srelu", n=1856, k=2688)
-    assert api.profile_label(wgrad) == "te_offload_ops.gemm[wgrad tma_f32 n=2688 k=2048]"
-    assert api.profile_label(fprop) == "te_offload_ops.gemm[gemm srelu n=1856 k=2688]"
-    api._launch(fprop, None, [], 0)  # no profiler: launched, no range
+    assert launch.profile_label(wgrad) == "te_offload_ops.gemm[wgrad tma_f32 n=2688 k=2048]"
+    assert launch.profile_label(fprop) == "te_offload_ops.gemm[gemm srelu n=1856 k=2688]"
+    launch.launch_gemm(fprop, None, [], 0)  # no profiler: launched, no range
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        api._launch(wgrad, None, [], 0)
-        api._launch(fprop, None, [], 0)
+        launch.launch_gemm(wgrad, None, [], 0)
+        launch.launch_gemm(fprop, None, [], 0)
     assert launched == [False, True, True]
-    names = [e.name for e in prof.events() if e.name.startswith(api.PROFILE_LABEL)]
-    assert names == [api.profile_label(wgrad), api.profile_label(fprop)]
+    names = [e.name for e in prof.events() if e.name.startswith(launch.PROFILE_LABEL)]
+    assert names == [launch.profile_label(wgrad), launch.profile_label(fprop)]
 
 
 def test_main_grad_way_follows_tokens_per_expert_unless_told(monkeypatch):
     """The add into main_grad (and, for short wgrads, the schedule) by the mean tokens per
     expert, as measured; an add given by argument or environment is used as given."""
-    from te_offload_ops.kernels import api, api_wgrad
+    from te_offload_ops.kernels import api_wgrad, tiling
 
     monkeypatch.delenv(api_wgrad.MAIN_GRAD_ADD_ENV, raising=False)
-    monkeypatch.delenv(api.SCHEDULE_ENV, raising=False)
+    monkeypatch.delenv(tiling.SCHEDULE_ENV, raising=False)
     assert api_wgrad.main_grad_way(8 * 2048, 8) == ("tma", None)
     assert api_wgrad.main_grad_way(8 * 1536, 8) == ("tma", None)
     assert api_wgrad.main_grad_way(32 * 1024, 32) == ("rmw", None)  # pick_schedule's pingpong
     assert api_wgrad.main_grad_way(64 * 512, 64) == ("rmw", "cooperative")
     assert api_wgrad.main_grad_way(64 * 512, 64, schedule="pingpong") == ("rmw", "pingpong")
     assert api_wgrad.main_grad_way(64 * 512, 64, add="tma") == ("tma", None)
-    monkeypatch.setenv(api.SCHEDULE_ENV, "pingpong")  # a schedule asked for everywhere stays
+    monkeypatch.setenv(tiling.SCHEDULE_ENV, "pingpong")  # a schedule asked for everywhere stays
     assert api_wgrad.main_grad_way(64 * 512, 64) == ("rmw", None)
     monkeypatch.setenv(api_wgrad.MAIN_GRAD_ADD_ENV, "red")
     assert api_wgrad.main_grad_way(64 * 512, 64) == ("red", None)
@@ -217,16 +217,16 @@ def test_main_grad_way_follows_tokens_per_expert_unless_told(monkeypatch):
 
 
 def test_an_output_buffer_of_the_wrong_kind_is_refused_with_what_it_is():
-    from te_offload_ops.kernels.api import _out
+    from te_offload_ops.kernels.operands import out_buffer
 
     like = torch.empty(4, 8, dtype=torch.bfloat16)
     good = torch.empty(10, 8, dtype=torch.bfloat16)[2:6]  # a row block of a larger buffer
-    assert _out(good, 4, 8, like, "out") is good
-    assert _out(None, 4, 8, like, "out").shape == (4, 8)
+    assert out_buffer(good, 4, 8, like, "out") is good
+    assert out_buffer(None, 4, 8, like, "out").shape == (4, 8)
     for bad, what in [(torch.empty(4, 9, dtype=torch.bfloat16), r"\(4, 9\) torch.bfloat16"),
                       (torch.empty(4, 8, dtype=torch.float16), r"\(4, 8\) torch.float16"),
                       (torch.empty(8, 4, dtype=torch.bfloat16).t(), "contiguous=False"),
                       (torch.empty(33, dtype=torch.bfloat16)[1:].view(4, 8), "address % 16 = 2"),
                       ("z", "got str")]:
         with pytest.raises(ValueError, match=r"out must be a contiguous \(4, 8\) torch.bfloat16 tensor on cpu.*" + what):
-            _out(bad, 4, 8, like, "out")
+            out_buffer(bad, 4, 8, like, "out")

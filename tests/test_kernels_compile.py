@@ -131,7 +131,7 @@ def test_pingpong_wgrad_compiles_for_sm90a():
 def test_pingpong_refuses_wide_tiles_and_unknown_schedules():
     import cutlass
 
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import tiling
     from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
 
     with pytest.raises(ValueError, match="BN <= 128"):
@@ -140,8 +140,8 @@ def test_pingpong_refuses_wide_tiles_and_unknown_schedules():
     with pytest.raises(ValueError, match="schedule"):
         GroupedGemmSm90(cutlass.BFloat16, 256, 64, 2, b_n_major=False, schedule="stream-k")
     with pytest.raises(ValueError, match="schedule"):
-        api.pick_schedule("plain", schedule="stream-k")
-    assert api.pick_tile(1856, "pingpong") == (128, 128)
+        tiling.pick_schedule("plain", schedule="stream-k")
+    assert tiling.pick_tile(1856, "pingpong") == (128, 128)
 
 
 @pytest.mark.parametrize("cluster_n", [1, 2])
@@ -162,12 +162,12 @@ def test_cluster_pairs_odd_n_block_counts():
     tiles whole through a second, plain TMA descriptor, the others multicast."""
     import cutlass
 
-    from te_offload_ops.kernels import api, compile_variant
+    from te_offload_ops.kernels import compile_variant, tiling
     from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
 
-    assert api.pick_cluster(3 * 192, (128, 192)) == 2
-    assert api.pick_cluster(1856, (128, 128)) == 2  # 15 n-blocks
-    assert api.pick_cluster(192, (128, 192)) == 1  # one n-block: every pair would straddle
+    assert tiling.pick_cluster(3 * 192, (128, 192)) == 2
+    assert tiling.pick_cluster(1856, (128, 128)) == 2  # 15 n-blocks
+    assert tiling.pick_cluster(192, (128, 192)) == 1  # one n-block: every pair would straddle
     with pytest.raises(ValueError, match="cluster_n"):
         GroupedGemmSm90(cutlass.BFloat16, 256, 64, 2, b_n_major=False, cluster_n=4)
     kern, compiled, _ = compile_variant(
@@ -182,14 +182,14 @@ def test_cluster_pairs_odd_n_block_counts():
 
 
 def test_cache_reuses_compiled_kernel():
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import api, registry
 
-    api.clear_cache()
+    registry.clear_cache()
     k1 = api.get_kernel(torch.bfloat16, 192, 128, 2, b_n_major=False, epilogue="plain")
     k2 = api.get_kernel(torch.bfloat16, 192, 128, 2, b_n_major=False, epilogue="plain")
     k3 = api.get_kernel(torch.bfloat16, 192, 128, 2, b_n_major=True, epilogue="plain")
     assert k1 is k2 and k3 is not k1
-    times = api.compile_times()
+    times = registry.compile_times()
     assert len(times) == 2 and all(t > 0 for t in times.values())
 
 
@@ -341,9 +341,9 @@ def test_two_output_epilogues_stage_narrower_chunks_for_one_more_stage():
 def test_both_call_conventions_compile(call):
     """The TVM-FFI convention (the default where apache-tvm-ffi is installed) and the Python
     executor compile the same kernel; the kernel object records which one _launch must use."""
-    from te_offload_ops.kernels import api, compile_variant
+    from te_offload_ops.kernels import availability, compile_variant
 
-    if call == "tvm-ffi" and not api._has_tvm_ffi():
+    if call == "tvm-ffi" and not availability.has_tvm_ffi():
         pytest.skip("apache-tvm-ffi is not installed")
     kern, compiled, _ = compile_variant(
         torch.bfloat16, 384, 256, 4, b_n_major=False, epilogue="srelu", options="--keep-ptx", call=call,
@@ -491,20 +491,20 @@ def test_two_by_two_cluster_wgrad_compiles_and_multicasts_both_operands(epilogue
 def test_two_by_two_cluster_is_opt_in(monkeypatch):
     import cutlass
 
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import tiling
     from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
 
-    monkeypatch.delenv(api.CLUSTER_M_ENV, raising=False)
-    assert api.pick_cluster_m(1856, 2688, (128, 128), 2) == 1  # off unless asked for
-    monkeypatch.setenv(api.CLUSTER_M_ENV, "2")
-    assert api.pick_cluster_m(1856, 2688, (128, 128), 2) == 2
-    assert api.pick_cluster_m(None, 2688, (128, 128), 2) == 2  # forward / dgrad: per m-pair
-    assert api.pick_cluster_m(None, 128, (128, 128), 2) == 1  # one n-block
-    assert api.pick_cluster_m(128, 2688, (128, 128), 2) == 1  # one m-block: nothing to share
-    assert api.pick_cluster_m(1856, 2688, (128, 128), 1) == 1
-    monkeypatch.setenv(api.CLUSTER_M_ENV, "4")
+    monkeypatch.delenv(tiling.CLUSTER_M_ENV, raising=False)
+    assert tiling.pick_cluster_m(1856, 2688, (128, 128), 2) == 1  # off unless asked for
+    monkeypatch.setenv(tiling.CLUSTER_M_ENV, "2")
+    assert tiling.pick_cluster_m(1856, 2688, (128, 128), 2) == 2
+    assert tiling.pick_cluster_m(None, 2688, (128, 128), 2) == 2  # forward / dgrad: per m-pair
+    assert tiling.pick_cluster_m(None, 128, (128, 128), 2) == 1  # one n-block
+    assert tiling.pick_cluster_m(128, 2688, (128, 128), 2) == 1  # one m-block: nothing to share
+    assert tiling.pick_cluster_m(1856, 2688, (128, 128), 1) == 1
+    monkeypatch.setenv(tiling.CLUSTER_M_ENV, "4")
     with pytest.raises(ValueError, match="TEO_GEMM_CLUSTER_M must be 1 or 2, got '4'"):
-        api.pick_cluster_m(1856, 2688, (128, 128), 2)
+        tiling.pick_cluster_m(1856, 2688, (128, 128), 2)
 
     with pytest.raises(ValueError, match="goes with cluster_n=2"):
         GroupedGemmSm90(cutlass.BFloat16, 256, 64, 2, b_n_major=False, cluster_n=1, cluster_m=2)
@@ -545,7 +545,7 @@ def test_dsrelu_bwd_bytes_match_the_kernel_the_launch_builds(n, monkeypatch):
     tile and schedule captured from the call that would compile it)."""
     import cutlass
 
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import api, registry
     from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
 
     built = []
@@ -559,8 +559,8 @@ def test_dsrelu_bwd_bytes_match_the_kernel_the_launch_builds(n, monkeypatch):
     monkeypatch.setattr(api, "_compile", fake_compile)
     # an empty cache, so that the call compiles; the real kernels are back afterwards (the fake must
     # not serve a later test)
-    monkeypatch.setattr(api, "_CACHE", {})
-    monkeypatch.setattr(api, "_COMPILE_SECONDS", {})
+    monkeypatch.setattr(registry, "CACHE", {})
+    monkeypatch.setattr(registry, "_COMPILE_SECONDS", {})
     api.get_kernel(torch.bfloat16, n, 1024, 8, b_n_major=True, epilogue="dsrelu")
     t = 12345
     assert api.dsrelu_bwd_bytes(t, n, 2) == [t * n * 2, built[0].n_tiles * t * 4]

@@ -418,9 +418,9 @@ def test_fp8_promotion_comes_from_the_environment_and_keys_the_cache(monkeypatch
     # the disk cache's key: the overlapped plan differs from the serial one
     args = (torch.bfloat16, 1856, 2688, 8, (128, 128), 2, 24)
     serial, overlap = (api_fp8.launch_plan_fp8(*args, promotion=p) for p in ("serial", "overlap"))
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import registry
 
-    assert not hasattr(serial, "fp8_promotion") and api._kernel_params(serial) != api._kernel_params(overlap)
+    assert not hasattr(serial, "fp8_promotion") and registry.kernel_params(serial) != registry.kernel_params(overlap)
 
 @needs_dsl
 def test_fp8_kernel_refuses_unknown_promotions_and_overlap_on_wide_tiles():
@@ -434,12 +434,12 @@ def test_fp8_kernel_refuses_unknown_promotions_and_overlap_on_wide_tiles():
 
 def test_an_overlap_that_does_not_fit_is_refused_before_the_kernel_cache(monkeypatch):
     """The entry points' kernel lookup refuses it up front: no cache entry claimed, nothing compiled."""
-    from te_offload_ops.kernels import api, api_fp8
+    from te_offload_ops.kernels import api_fp8, registry
 
     def untouched(*args, **kwargs):
         raise AssertionError("the kernel cache was reached")
 
-    monkeypatch.setattr(api, "cached_kernel", untouched)
+    monkeypatch.setattr(registry, "cached_kernel", untouched)
     with pytest.raises(ValueError, match="not the dsrelu_q epilogue, got BN=128, dsrelu_q"):
         api_fp8.get_kernel_fp8(torch.bfloat16, 1856, 2688, 8, 24, epilogue="dsrelu_q", promotion="overlap")
     with pytest.raises(ValueError, match="got BN=192"):
@@ -570,7 +570,7 @@ def test_fp8_wgrad_entry_point_refuses_bad_operands_clearly():
 def test_fp8_wgrad_launch_plan_matches_the_kernel_and_keys_apart_from_the_bf16_form():
     """A kernel loaded from the disk cache launches from its plan: the plan's walk (experts, tile
     groups) is the kernel object's, and its cache key differs from the bf16 weight gradient's."""
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import registry
     from te_offload_ops.kernels.api_fp8_wgrad import launch_plan_fp8_wgrad
 
     plan = launch_plan_fp8_wgrad(torch.bfloat16, 1856, 2688, 8, (128, 128), "red_f32")
@@ -578,7 +578,7 @@ def test_fp8_wgrad_launch_plan_matches_the_kernel_and_keys_apart_from_the_bf16_f
     from te_offload_ops.kernels.gemm_plan import GemmPlan
 
     bf16 = GemmPlan(2, 2688, 0, 8, b_n_major=True, epilogue="red_f32", tile_mn=(128, 128), wgrad_m=1856)
-    assert api._kernel_params(plan) != api._kernel_params(bf16)
+    assert registry.kernel_params(plan) != registry.kernel_params(bf16)
     if _HAVE_DSL:
         from te_offload_ops.kernels.gemm_fp8_wgrad_sm90 import GroupedWgradFp8Sm90
 

@@ -218,7 +218,7 @@ def test_wgrad_tail_reads_nothing_of_the_next_expert(schedule):
 
 
 def test_wgrad_cute_no_sync_deterministic_and_cluster_free(monkeypatch):
-    from te_offload_ops.kernels import api, grouped_wgrad
+    from te_offload_ops.kernels import grouped_wgrad, tiling
 
     splits, n, k = [300, 0, 517, 131], 1856, 512
     x, _, s = _inputs(splits, 1, k, torch.bfloat16, seed=9)
@@ -232,25 +232,25 @@ def test_wgrad_cute_no_sync_deterministic_and_cluster_free(monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(first, again)
     # the 2-CTA multicast of A changes nothing in the math
-    assert api.pick_cluster(k, api.pick_tile(k)) == 2
-    monkeypatch.setenv(api.CLUSTER_ENV, "1")
+    assert tiling.pick_cluster(k, tiling.pick_tile(k)) == 2
+    monkeypatch.setenv(tiling.CLUSTER_ENV, "1")
     single = grouped_wgrad(dy, x, s, backend="cute")
     assert torch.equal(first, single)
 
 
 def test_cluster_pair_matches_single_cta(monkeypatch):
     """The 2-CTA cluster only changes who loads A (multicast), not the math: bitwise equal."""
-    from te_offload_ops.kernels import api, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd
+    from te_offload_ops.kernels import grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd, tiling
 
     splits, n, k = [300, 0, 517, 131], 1856, 512  # at least two n-blocks: clusters
-    assert api.pick_cluster(n, api.pick_tile(n)) == 2
+    assert tiling.pick_cluster(n, tiling.pick_tile(n)) == 2
     x, w, s = _inputs(splits, n, k, torch.bfloat16, seed=6)
     probs = torch.rand(x.shape[0], device="cuda").to(torch.bfloat16)
     w2 = w.transpose(1, 2).contiguous()
     z = torch.randn(x.shape[0], n, device="cuda").to(torch.bfloat16)
     dy = torch.randn(x.shape[0], k, device="cuda").to(torch.bfloat16)
     pair = grouped_gemm_srelu_fwd(x, w, s, probs) + grouped_gemm_dsrelu_bwd(dy, w2, s, z, probs)
-    monkeypatch.setenv(api.CLUSTER_ENV, "1")
+    monkeypatch.setenv(tiling.CLUSTER_ENV, "1")
     single = grouped_gemm_srelu_fwd(x, w, s, probs) + grouped_gemm_dsrelu_bwd(dy, w2, s, z, probs)
     for a, b in zip(pair, single):
         assert torch.equal(a, b)
@@ -328,7 +328,7 @@ def test_cluster_pairs_with_odd_n_blocks_match_single_cta(monkeypatch, kind, sch
     m-blocks of one expert) load A whole, the last tile may have a phantom partner; the
     results equal the single-CTA kernel's bit for bit."""
     from te_offload_ops.kernels import (
-        api, grouped_gemm, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd, grouped_wgrad,
+        grouped_gemm, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd, grouped_wgrad, tiling,
     )
 
     splits = [300, 0, 517, 131]
@@ -347,15 +347,15 @@ def test_cluster_pairs_with_odd_n_blocks_match_single_cta(monkeypatch, kind, sch
         return (grouped_wgrad(dy, x, s, backend="cute", schedule=schedule),)  # (E, n, k)
 
     tile_n = k if kind in ("dsrelu", "wgrad") else n
-    tile = api.pick_tile(tile_n, schedule)
+    tile = tiling.pick_tile(tile_n, schedule)
     n_tiles = -(-tile_n // tile[1])
     if kind == "wgrad":  # tiles per expert: (n / 128 m-blocks) x n_tiles, odd
         assert (-(-n // 128) * n_tiles) % 2 == 1
     else:
         assert n_tiles % 2 == 1
-    assert api.pick_cluster(tile_n, tile) == 2
+    assert tiling.pick_cluster(tile_n, tile) == 2
     pair = run()
-    monkeypatch.setenv(api.CLUSTER_ENV, "1")
+    monkeypatch.setenv(tiling.CLUSTER_ENV, "1")
     single = run()
     for a, b in zip(pair, single):
         assert torch.equal(a, b)
@@ -369,7 +369,7 @@ def test_cluster_pairs_with_odd_n_blocks_match_single_cta(monkeypatch, kind, sch
 def test_fused_epilogue_chunk_widths_give_the_same_bits(monkeypatch, schedule):
     """The two-output epilogues stage 32 columns at a time by default; 64-column chunks only
     change the staging, so every output (z, act, dz, dprobs, act) must be bit-identical."""
-    from te_offload_ops.kernels import api, gemm_plan, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd
+    from te_offload_ops.kernels import gemm_plan, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd, registry
 
     splits = [300, 0, 517, 131]
     n, k = 1856, 384
@@ -379,10 +379,10 @@ def test_fused_epilogue_chunk_widths_give_the_same_bits(monkeypatch, schedule):
     dy = torch.randn(x.shape[0], n, device="cuda").to(torch.bfloat16)
 
     def run(cols):
-        api.clear_cache()
+        registry.clear_cache()
         out = (*grouped_gemm_srelu_fwd(x, w, s, probs, schedule=schedule),
                *grouped_gemm_dsrelu_bwd(dy, w, s, z, probs, schedule=schedule))  # w as (E, K, N)
-        assert {kern.epi_cols for kern, _ in api._CACHE.values()} == {cols}
+        assert {kern.epi_cols for kern, _ in registry.CACHE.values()} == {cols}
         return out
 
     try:
@@ -390,7 +390,7 @@ def test_fused_epilogue_chunk_widths_give_the_same_bits(monkeypatch, schedule):
         monkeypatch.setattr(gemm_plan, "_EPI_COLS_TWO_OUTPUTS", 64)
         wide = run(64)
     finally:
-        api.clear_cache()  # no 64-column kernels left behind for later tests
+        registry.clear_cache()  # no 64-column kernels left behind for later tests
     for a, b in zip(narrow, wide):
         assert torch.equal(a, b)
 
@@ -399,10 +399,10 @@ def test_call_conventions_give_the_same_bits(monkeypatch):
     """The TVM-FFI call path passes raw addresses, ints and the stream handle; it must launch
     exactly what the Python executor launches."""
     from te_offload_ops.kernels import (
-        api, grouped_gemm, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd, grouped_wgrad,
+        availability, grouped_gemm, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd, grouped_wgrad, registry,
     )
 
-    if not api._has_tvm_ffi():
+    if not availability.has_tvm_ffi():
         pytest.skip("apache-tvm-ffi is not installed")
     splits = [300, 0, 517, 131]
     x, w, s = _inputs(splits, 384, 256, torch.bfloat16, seed=7)
@@ -411,18 +411,18 @@ def test_call_conventions_give_the_same_bits(monkeypatch):
     z = torch.randn(x.shape[0], 256, device="cuda").to(torch.bfloat16)
 
     def run(call):
-        monkeypatch.setenv(api.CALL_ENV, call)
-        api.clear_cache()
+        monkeypatch.setenv(availability.CALL_ENV, call)
+        registry.clear_cache()
         out = (grouped_gemm(x, w, s), *grouped_gemm_srelu_fwd(x, w, s, probs),
                *grouped_gemm_dsrelu_bwd(dy, w, s, z, probs),  # w as (E, K=384, N=256)
                grouped_wgrad(dy, x, s, backend="cute"))
-        assert {kern.call for kern, _ in api._CACHE.values()} == {call}
+        assert {kern.call for kern, _ in registry.CACHE.values()} == {call}
         return out
 
     try:
         python, ffi = run("python"), run("tvm-ffi")
     finally:
-        api.clear_cache()
+        registry.clear_cache()
     for a, b in zip(python, ffi):
         assert torch.equal(a, b)
 
@@ -431,11 +431,11 @@ def test_call_conventions_give_the_same_bits(monkeypatch):
 def test_kernels_launch_on_the_current_stream(monkeypatch, call):
     """A kernel queued behind a long sleep on one stream has not written its output while the
     sleep runs; the same launch on an idle stream has (the control: the read sees writes)."""
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import api, availability, registry
 
-    if call == "tvm-ffi" and not api._has_tvm_ffi():
+    if call == "tvm-ffi" and not availability.has_tvm_ffi():
         pytest.skip("apache-tvm-ffi is not installed")
-    monkeypatch.setenv(api.CALL_ENV, call)
+    monkeypatch.setenv(availability.CALL_ENV, call)
     splits = [200, 56]
     x, w, s = _inputs(splits, 128, 64, torch.bfloat16, seed=3)
     s32 = s.to(torch.int32)
@@ -443,7 +443,7 @@ def test_kernels_launch_on_the_current_stream(monkeypatch, call):
                     for _ in range(2))
 
     def launch(c):
-        api._launch(kern, compiled, [(x, "m"), (w, "m"), (c, "m"), (s32, "i32"), (x, "vec"), (c, "m"),
+        launch.launch_gemm(kern, compiled, [(x, "m"), (w, "m"), (c, "m"), (s32, "i32"), (x, "vec"), (c, "m"),
                                      (c, "m"), (s32, "f32")], x.shape[0])
 
     try:
@@ -471,7 +471,7 @@ def test_kernels_launch_on_the_current_stream(monkeypatch, call):
         sleeping.synchronize()
         _close(behind, _ref_mm(x, w, splits, False), torch.bfloat16)
     finally:
-        api.clear_cache()
+        registry.clear_cache()
 
 
 # 2 x 2 clusters for the weight gradients (TEO_GEMM_CLUSTER_M=2, opt-in): each tile runs the same
@@ -488,7 +488,7 @@ CLUSTER_M_SHAPES = [
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("splits,m,n", CLUSTER_M_SHAPES)
 def test_two_by_two_clusters_give_the_pair_bits(monkeypatch, schedule, splits, m, n):
-    from te_offload_ops.kernels import api, grouped_wgrad, grouped_wgrad_main_grad
+    from te_offload_ops.kernels import grouped_wgrad, grouped_wgrad_main_grad, registry, tiling
 
     g = torch.Generator(device="cuda").manual_seed(11)
     t = sum(splits)
@@ -498,7 +498,7 @@ def test_two_by_two_clusters_give_the_pair_bits(monkeypatch, schedule, splits, m
     start = torch.randn(len(splits), m, n, device="cuda", generator=g)
     out = {}
     for cm in ("1", "2"):
-        monkeypatch.setenv(api.CLUSTER_M_ENV, cm)
+        monkeypatch.setenv(tiling.CLUSTER_M_ENV, cm)
         dw = grouped_wgrad(dy, x, s, backend="cute", schedule=schedule)
         grads = {}
         for add in ("tma", "red"):
@@ -506,7 +506,7 @@ def test_two_by_two_clusters_give_the_pair_bits(monkeypatch, schedule, splits, m
             grouped_wgrad_main_grad(dy, x, s, list(buf.unbind(0)), add=add, backend="cute", schedule=schedule)
             grads[add] = buf
         out[cm] = (dw, grads)
-    keys = [k for k in api.compile_times() if ("cluster_m", 2) in k]
+    keys = [k for k in registry.compile_times() if ("cluster_m", 2) in k]
     assert keys, "no 2 x 2 kernel was compiled"
     assert torch.equal(out["1"][0], out["2"][0])
     for add in ("tma", "red"):
@@ -515,13 +515,13 @@ def test_two_by_two_clusters_give_the_pair_bits(monkeypatch, schedule, splits, m
 
 
 def test_cluster_slots_of_four_fit_the_device():
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import launch
 
     dev = torch.cuda.current_device()
-    sms = api._sm_count(dev)
-    four = api._cluster_slots(dev, 4)
+    sms = launch.sm_count(dev)
+    four = launch.cluster_slots(dev, 4)
     assert four % 4 == 0 and 4 <= four <= sms
-    assert api._cluster_slots(dev, 2) == sms // 2 * 2
+    assert launch.cluster_slots(dev, 2) == sms // 2 * 2
 
 
 # Forward and dgrad under 2 x 2 clusters: m-pairs within one expert share B, those straddling two
@@ -536,7 +536,7 @@ FORWARD_2X2_SHAPES = [
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("splits,n,k", FORWARD_2X2_SHAPES)
 def test_two_by_two_clusters_forward_forms_give_the_pair_bits(monkeypatch, schedule, splits, n, k):
-    from te_offload_ops.kernels import api, grouped_gemm, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd
+    from te_offload_ops.kernels import grouped_gemm, grouped_gemm_dsrelu_bwd, grouped_gemm_srelu_fwd, registry, tiling
 
     x, w, s = _inputs(splits, n, k, torch.bfloat16, seed=12)
     g = torch.Generator(device="cuda").manual_seed(13)
@@ -545,14 +545,14 @@ def test_two_by_two_clusters_forward_forms_give_the_pair_bits(monkeypatch, sched
     w2 = (torch.randn(len(splits), k, n, device="cuda", generator=g) / n**0.5).to(torch.bfloat16)
     out = {}
     for cm in ("1", "2"):
-        monkeypatch.setenv(api.CLUSTER_M_ENV, cm)
+        monkeypatch.setenv(tiling.CLUSTER_M_ENV, cm)
         y = grouped_gemm(x, w, s, schedule=schedule)
         y_rev = grouped_gemm(x, w.flip(0).contiguous(), s, schedule=schedule, reversed_experts=True)
         act, z = grouped_gemm_srelu_fwd(x, w, s, probs, schedule=schedule)
         dz, dprobs, act2 = grouped_gemm_dsrelu_bwd(dy, w2, s, z, probs, schedule=schedule)
         dx = grouped_gemm(dz, w, s, trans_b=True, schedule=schedule)
         out[cm] = (y, y_rev, act, z, dz, dprobs, act2, dx)
-    assert any(("cluster_m", 2) in key for key in api.compile_times()), "no 2 x 2 kernel was compiled"
+    assert any(("cluster_m", 2) in key for key in registry.compile_times()), "no 2 x 2 kernel was compiled"
     for name, a, b in zip(("y", "y_rev", "act", "z", "dz", "dprobs", "act2", "dx"), out["1"], out["2"]):
         assert torch.equal(a, b), name
     _close(out["2"][0], _ref_mm(x, w, splits, trans_b=False), torch.bfloat16, scale=2.0)

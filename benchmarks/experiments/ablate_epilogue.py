@@ -54,7 +54,7 @@ def main():
     import torch
 
     from bench_kernels import time_interleaved
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import api, launch
 
     e, m, h, f = args.experts, args.tokens_per_expert, args.hidden, args.ffn
     t = e * m
@@ -99,7 +99,7 @@ def main():
         else:
             targs = [(a, "m"), (b, "m"), (o0, "m"), (splits, "i32"), (probs, "vec"), (z, "m"), (o1, "m"),
                      (part, "f32")]
-        fns[name] = lambda kern=kern, compiled=compiled, targs=targs: api._launch(kern, compiled, targs, t)
+        fns[name] = lambda kern=kern, compiled=compiled, targs=targs: launch.launch_gemm(kern, compiled, targs, t)
         fns[name]()
         torch.cuda.synchronize()
         outputs[name] = (o0, o1, part)

@@ -195,7 +195,7 @@ def measure(args) -> dict:
     from bench_kernels import time_interleaved
     from gpu_clocks import GpuClocks
 
-    from te_offload_ops.kernels import api, api_fp8
+    from te_offload_ops.kernels import api_fp8, availability
 
     rows = []
     e = args.experts
@@ -233,7 +233,7 @@ def measure(args) -> dict:
             "variants": args.variants,
             "inner": args.inner, "command": " ".join(["python3", "benchmarks/experiments/ablate_fp8_epilogue.py",
                                                        *sys.argv[1:]]),
-            "call_convention": api.kernel_call_convention(), "rows": rows}
+            "call_convention": availability.kernel_call_convention(), "rows": rows}
 
 
 def markdown(result: dict) -> str:

@@ -81,13 +81,13 @@ def measure(args) -> dict:
 
     from bench_kernels import time_interleaved
 
-    from te_offload_ops.kernels import api
+    from te_offload_ops.kernels import registry
 
     gemms = _gemms(args.experts, args.tokens, args.hidden, args.ffn, args.skew, torch)
     rows = []
     for i, (name, (flops, fn, buffer)) in enumerate(gemms.items(), 1):
         outs = {}
-        compiled_before = set(api.compile_times())
+        compiled_before = set(registry.compile_times())
         for cm in ("1", "2"):
             os.environ[ENV] = cm
             if buffer is not None:  # the add accumulates: compare one call from equal starts
@@ -98,7 +98,7 @@ def measure(args) -> dict:
                 outs[cm] = fn()
         same = _same_bits(outs["1"], outs["2"], torch)
         # did a 2 x 2 kernel run at all? (one n-block, or TEO_GEMM_CLUSTER_N=1, leaves the pair)
-        ran_2x2 = any(("cluster_m", 2) in key for key in set(api.compile_times()) - compiled_before)
+        ran_2x2 = any(("cluster_m", 2) in key for key in set(registry.compile_times()) - compiled_before)
         times = time_interleaved({"pair": _with("1", fn), "2x2": _with("2", fn)}, args.reps, args.inner)
         pair_ms, two_ms = times["pair"][0], times["2x2"][0]
         rows.append({"gemm": name, "pair_ms": pair_ms, "two_by_two_ms": two_ms, "speedup": pair_ms / two_ms,

@@ -9,25 +9,11 @@ the kernel (or calls it through the DSL's Python executor). Compiled kernels are
 holds them as shared objects; :mod:`.warmup` fills the cache ahead of a job.
 """
 
-from .api import (
-    clear_cache,
-    compile_times,
-    compile_variant,
-    dsl_import_seconds,
-    dsrelu_bwd_bytes,
-    first_launch_times,
-    get_kernel,
-    grouped_gemm,
-    grouped_gemm_dsrelu_bwd,
-    grouped_gemm_srelu_fwd,
-    kernel_call_convention,
-    load_times,
-    loaded_by,
-    loads_without_dsl,
-    pick_schedule,
-    pick_tile,
-    unavailable_reasons,
-)
+from .api import (compile_variant, dsrelu_bwd_bytes, get_kernel, grouped_gemm, grouped_gemm_dsrelu_bwd,
+                  grouped_gemm_srelu_fwd)
+from .availability import kernel_call_convention, loads_without_dsl, unavailable_reasons
+from .registry import clear_cache, compile_times, dsl_import_seconds, first_launch_times, load_times, loaded_by
+from .tiling import pick_schedule, pick_tile
 from .api_wgrad import grouped_wgrad, grouped_wgrad_main_grad, main_grad_add, main_grad_way, wgrad_backend
 from .api_fp8 import (compile_variant_fp8, grouped_gemm_fp8_blockwise, grouped_gemm_fp8_dsrelu_quantize,
                       grouped_gemm_fp8_srelu_quantize, pick_tile_fp8)

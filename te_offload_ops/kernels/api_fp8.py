@@ -3,8 +3,8 @@
 :func:`grouped_gemm_fp8_blockwise` takes the raw pieces of TE's ``Float8BlockwiseQTensor``
 (data and ``scale_inv``; see :mod:`.gemm_fp8_sm90` for the scale layouts), never reads
 ``split_sizes`` on the host (no device sync) and launches on the current CUDA stream. Compiled
-kernels share the caches of :mod:`.api`: in memory (so :func:`.api.compile_times`,
-:func:`.api.load_times` and :func:`.api.clear_cache` cover them), keyed by
+kernels are kept with every other GEMM's in :mod:`.registry` (so :func:`.registry.compile_times`,
+:func:`.registry.load_times` and :func:`.registry.clear_cache` cover them), keyed by
 ``("fp8_blockwise", output dtype, tile, cluster_n, N, K, E, scale row length of B, call convention)``,
 and on disk (:mod:`.disk_cache`), where a later process loads them, through TVM-FFI without
 importing the DSL.
@@ -17,8 +17,9 @@ import os
 import torch
 
 from ..capture import GraphCaptureError, capturing
-from . import api, disk_cache
+from . import availability, disk_cache, dsl, launch, registry, tiling
 from .gemm_plan import PROMOTIONS, GemmPlan, check_overlap_fits, overlap_fits
+from .operands import INT32_MAX, out_buffer, splits_i32
 
 SCALE_BLOCK = 128  # gemm_fp8_sm90.SCALE_BLOCK, without the DSL import
 TILE_NS = (64, 128, 192)  # gemm_fp8_sm90.TILE_NS, likewise
@@ -69,10 +70,10 @@ def _check_tile(tile) -> tuple[int, int]:
 
 def _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call="python", options=None, epilogue="plain",
                  pow2=False, promotion="serial"):
-    cutlass, cute, make_ptr, make_fake_stream = api._cutlass()
+    cutlass, cute, make_ptr, make_fake_stream = dsl.runtime()
     from .gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
-    od = api._cutlass_dtype(out_dtype)
+    od = dsl.element_type(out_dtype)
     kern = GroupedGemmFp8Sm90(od, n, k, e, tile_mn=tile, cluster_n=cluster_n, sb_cols=sb_cols, epilogue=epilogue,
                               pow2=pow2, promotion=promotion)
     gmem = cute.AddressSpace.gmem
@@ -95,7 +96,7 @@ def _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call="python", op
     ]
     args += [cutlass.Int32(1), cutlass.Int32(4), cutlass.Int32(1), cutlass.Int32(4), cutlass.Float32(0.0),
              make_fake_stream()]
-    return api.compile_timed(kern, args, call, options)
+    return registry.compile_timed(kern, args, call, options)
 
 
 def compile_variant_fp8(n: int, k: int, e: int, *, out_dtype=torch.bfloat16, tile=None, cluster_n=None,
@@ -108,9 +109,9 @@ def compile_variant_fp8(n: int, k: int, e: int, *, out_dtype=torch.bfloat16, til
     ``promotion``: "overlap" or "serial" (default: :func:`fp8_promotion`'s; BN=192 tiles, the
     dsrelu_q epilogue and K > :data:`OVERLAP_MAX_K` promote serially)."""
     tile = _check_tile(tile) if tile is not None else pick_tile_fp8(n)
-    cluster_n = cluster_n or api.pick_cluster(n, tile)
+    cluster_n = cluster_n or tiling.pick_cluster(n, tile)
     sb_cols = sb_cols if sb_cols is not None else -(-(-(-k // SCALE_BLOCK)) // 4) * 4
-    call = call or api.kernel_call_convention()
+    call = call or availability.kernel_call_convention()
     promotion = promotion or _promotion_for(tile, epilogue, k)
     return _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call, options, epilogue, pow2, promotion)
 
@@ -134,33 +135,30 @@ def launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue="plai
 def _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue="plain", pow2=False,
                          promotion="serial"):
     """(kernel or launch plan, compiled) of one FP8 variant: from the disk cache where it holds it,
-    else compiled (and written there), one process at a time per variant, as :mod:`.api` does."""
+    else compiled (and written there), one process at a time per variant, as the bf16 kernels are."""
     if not disk_cache.enabled():
         return _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue, pow2, promotion)
     plan = launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue, pow2, promotion)
-    entry = disk_cache.Entry(key, api._kernel_params(plan), call)
+    entry = disk_cache.Entry(key, registry.kernel_params(plan), call)
     with entry.claim():
         compiled = entry.load()
         if compiled is None:
             kern, compiled = _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue,
                                               pow2, promotion)
             # the key again, with the DSL's settings as it states them now that it is imported (those
-            # recalled for this context may be stale), as api does
-            disk_cache.Entry(key, api._kernel_params(plan), call).store(compiled)
+            # recalled for this context may be stale)
+            disk_cache.Entry(key, registry.kernel_params(plan), call).store(compiled)
             return kern, compiled
     if call == "tvm-ffi":  # addresses and ints: the plan's tile walk is all the launch needs
         kern = plan
     else:  # the Python executor's launch takes the DSL's types from the kernel object
-        api._cutlass()
+        dsl.runtime()
         from .gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
-        kern = GroupedGemmFp8Sm90(api._cutlass_dtype(out_dtype), n, k, e, tile_mn=tile, cluster_n=cluster_n,
+        kern = GroupedGemmFp8Sm90(dsl.element_type(out_dtype), n, k, e, tile_mn=tile, cluster_n=cluster_n,
                                   sb_cols=sb_cols, epilogue=epilogue, pow2=pow2, promotion=promotion)
     kern.call = call
-    api._LOAD_SECONDS[key] = disk_cache.LOADED[entry.name]
-    api._LOADED_BY[key] = disk_cache.LOADED_BY[entry.name]
-    api._log.info("loaded grouped FP8 GEMM %s from %s (%s) in %.3f s", key, entry.path, api._LOADED_BY[key],
-                  api._LOAD_SECONDS[key])
+    registry.note_loaded(key, entry, "grouped FP8 GEMM")
     return kern, compiled
 
 
@@ -168,8 +166,7 @@ def _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, ep
                      promotion="serial"):
     kern, compiled, secs = _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue=epilogue,
                                         pow2=pow2, promotion=promotion)
-    api._COMPILE_SECONDS[key] = secs
-    api._log.info("compiled grouped FP8 GEMM %s in %.2f s", key, secs)
+    registry.note_compiled(key, secs, "grouped FP8 GEMM")
     return kern, compiled
 
 
@@ -179,13 +176,13 @@ def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None, epilogue="plain", pow
     tile = _check_tile(tile) if tile is not None else pick_tile_fp8(n)
     if promotion == "overlap":  # refused before any cache is touched
         check_overlap_fits(tile[1], epilogue)
-    cluster_n = api.pick_cluster(n, tile)
-    call = api.kernel_call_convention()
+    cluster_n = tiling.pick_cluster(n, tile)
+    call = availability.kernel_call_convention()
     form = () if epilogue == "plain" else (epilogue, bool(pow2))
     promotion = promotion or _promotion_for(tile, epilogue, k)
     form += () if promotion == "serial" else (promotion,)
     key = ("fp8_blockwise", out_dtype, tile, cluster_n, n, k, e, sb_cols, *form, call)
-    return api.cached_kernel(key, lambda key, call: _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n,
+    return registry.cached_kernel(key, lambda key, call: _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n,
                                                                          sb_cols, call, epilogue, pow2, promotion))
 
 
@@ -227,8 +224,8 @@ def _check_fp8(a, sa, b, sb, split_sizes, out_dtype, more=None):
         raise ValueError(f"K must be a positive multiple of 16 (16-byte FP8 rows for TMA), got {k}")
     if n == 0 or n % 8:
         raise ValueError(f"N must be a positive multiple of 8 (16-byte output rows), got {n}")
-    if t > api._INT32_MAX:
-        raise ValueError(f"the grouped GEMM takes at most {api._INT32_MAX} token rows, got {t}")
+    if t > INT32_MAX:
+        raise ValueError(f"the grouped GEMM takes at most {INT32_MAX} token rows, got {t}")
     k_blocks, n_blocks = -(-k // SCALE_BLOCK), -(-n // SCALE_BLOCK)
     # A's scales: TE's 1 x 128 rowwise layout, (k-blocks, tokens padded), read by TMA
     if sa.dim() != 2 or sa.shape[0] != k_blocks or sa.shape[1] < t:
@@ -284,12 +281,12 @@ def grouped_gemm_fp8_blockwise(a_data, a_scale_inv, b_data, b_scale_inv, split_s
         raise ValueError(f"promotion must be one of {PROMOTIONS}, got {promotion!r}")
     e, n, k, sb = _check_fp8(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, out_dtype)
     t = a_data.shape[0]
-    c = api._out(out, t, n, torch.empty(0, dtype=out_dtype, device=a_data.device), "out")
+    c = out_buffer(out, t, n, torch.empty(0, dtype=out_dtype, device=a_data.device), "out")
     if t == 0:
         return c
     kern, compiled = get_kernel_fp8(out_dtype, n, k, e, sb.shape[2], tile, promotion=promotion)
     a, b = _as_e4m3(a_data), _as_e4m3(b_data)
-    s = api._splits_i32(split_sizes, a.device)
+    s = splits_i32(split_sizes, a.device)
     _launch_fp8(kern, compiled, a, b, c, s, a_scale_inv, sb, t)
     return c
 
@@ -334,7 +331,7 @@ def grouped_gemm_fp8_srelu_quantize(a_data, a_scale_inv, b_data, b_scale_inv, sp
         return act, act_s, zq, zq_s
     kern, compiled = get_kernel_fp8(out_dtype, n, k, e, sb.shape[2], tile, "srelu_q", pow2)
     a, b = _as_e4m3(a_data), _as_e4m3(b_data)
-    s = api._splits_i32(split_sizes, a.device)
+    s = splits_i32(split_sizes, a.device)
     p = probs.reshape(t).to(torch.float32).contiguous()
     _launch_fp8(kern, compiled, a, b, a, s, a_scale_inv, sb, t,
                 q=(p, act.view(torch.float8_e4m3fn), act_s, zq.view(torch.float8_e4m3fn), zq_s, a, act_s, act_s.stride(0),
@@ -381,7 +378,7 @@ def grouped_gemm_fp8_dsrelu_quantize(a_data, a_scale_inv, b_data, b_scale_inv, s
     kern, compiled = get_kernel_fp8(out_dtype, n, k, e, sb.shape[2], tile, "dsrelu_q", pow2)
     part = torch.empty((t, kern.n_tiles), dtype=torch.float32, device=device)
     a, b = _as_e4m3(a_data), _as_e4m3(b_data)
-    s = api._splits_i32(split_sizes, a.device)
+    s = splits_i32(split_sizes, a.device)
     p = probs.reshape(t).to(torch.float32).contiguous()
     _launch_fp8(kern, compiled, a, b, dz, s, a_scale_inv, sb, t,
                 q=(p, dzq.view(torch.float8_e4m3fn), dzq_s, _as_e4m3(z_data), z_scale_inv, act, part,
@@ -391,17 +388,17 @@ def grouped_gemm_fp8_dsrelu_quantize(a_data, a_scale_inv, b_data, b_scale_inv, s
 
 def _launch_fp8(kern, compiled, a, b, c, s, sa, sb, num_tokens, q=None):
     if not getattr(kern, "launched", False) and capturing():  # the first call loads the module
-        raise GraphCaptureError(api._first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
+        raise GraphCaptureError(registry.first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
     # persistent grid: one CTA per SM at most, and no more CTAs than a bound of the tile count
     # that needs no split sizes on the host
     tile_bound = (-(-num_tokens // kern.bm) + kern.num_experts) * kern.n_tiles
     cn = kern.cluster_n
-    num_ctas = min(api._cluster_slots(a.device.index, cn), -(-tile_bound // cn) * cn)
+    num_ctas = min(launch.cluster_slots(a.device.index, cn), -(-tile_bound // cn) * cn)
     # one k-block: the row stride addresses nothing, but TMA wants a 16-byte multiple
     sa_stride = sa.stride(0)
     if sa.shape[0] == 1 and (sa_stride % 4 or sa_stride < num_tokens):
         sa_stride = -(-num_tokens // 4) * 4
-    stream = api.stream_handle(a.device.index)
+    stream = launch.stream_handle(a.device.index)
     kern.launched = True
     # the other epilogue's pointers are not read: any valid address of the right alignment serves
     prob, qd, qs, zd, zs, c2, part, q_stride, eps = q if q is not None else (sb, a, sb, a, sb, c, sb, 4, 0.0)
@@ -409,7 +406,7 @@ def _launch_fp8(kern, compiled, a, b, c, s, sa, sb, num_tokens, q=None):
     if getattr(kern, "call", "python") == "tvm-ffi":
         compiled(*(x.data_ptr() for x in tensors), num_tokens, sa_stride, num_ctas, q_stride, eps, stream)
         return
-    cutlass, cute, make_ptr, _ = api._cutlass()
+    cutlass, cute, make_ptr, _ = dsl.runtime()
     import cuda.bindings.driver as cuda
 
     gmem = cute.AddressSpace.gmem

@@ -3,7 +3,7 @@
 :func:`grouped_wgrad_fp8_blockwise` takes the columnwise copies :func:`.fp8_rows.quantize_columns`
 makes of the two token matrices (each expert's tokens padded to 128, TE's 128x1 scale blocks per
 expert), reads the split sizes on the GPU only and launches on the current CUDA stream. Compiled
-kernels share :mod:`.api`'s caches: in memory, keyed ``("fp8_wgrad", output dtype, tile, M, N, E,
+kernels are kept in :mod:`.registry` in memory, keyed ``("fp8_wgrad", output dtype, tile, M, N, E,
 epilogue, call convention)``, and on disk (:mod:`.disk_cache`), where a later process loads them,
 through TVM-FFI without importing the DSL.
 """
@@ -15,9 +15,10 @@ import functools
 import torch
 
 from ..capture import GraphCaptureError, capturing
-from . import api, api_wgrad, disk_cache
+from . import api_wgrad, availability, disk_cache, dsl, launch, registry
 from .api_fp8 import OUT_DTYPES, SCALE_BLOCK
 from .gemm_plan import GemmPlan
+from .operands import INT32_MAX, splits_i32
 
 WGRAD_TILE_NS = (64, 128)  # gemm_fp8_wgrad_sm90.WGRAD_TILE_NS, without the DSL import
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
@@ -28,10 +29,10 @@ def pick_tile_fp8_wgrad(n: int) -> tuple[int, int]:
 
 
 def _compile(out_dtype, m, n, e, tile, epilogue, call, options=None):
-    cutlass, cute, make_ptr, make_fake_stream = api._cutlass()
+    cutlass, cute, make_ptr, make_fake_stream = dsl.runtime()
     from .gemm_fp8_wgrad_sm90 import GroupedWgradFp8Sm90
 
-    od = api._cutlass_dtype(out_dtype)
+    od = dsl.element_type(out_dtype)
     kern = GroupedWgradFp8Sm90(od, m, n, e, tile_mn=tile, epilogue=epilogue)
     gmem = cute.AddressSpace.gmem
     fake = 1 << 20  # any aligned address: only the types matter at compile time
@@ -48,7 +49,7 @@ def _compile(out_dtype, m, n, e, tile, epilogue, call, options=None):
     ]
     args += [cutlass.Int32(128), cutlass.Int32(128), cutlass.Int32(4), cutlass.Int32(4), cutlass.Int32(1),
              make_fake_stream()]
-    return api.compile_timed(kern, args, call, options)
+    return registry.compile_timed(kern, args, call, options)
 
 
 def compile_variant_fp8_wgrad(m: int, n: int, e: int, *, out_dtype=torch.bfloat16, tile=None, epilogue="plain",
@@ -56,7 +57,7 @@ def compile_variant_fp8_wgrad(m: int, n: int, e: int, *, out_dtype=torch.bfloat1
     """Compile one variant without caching; returns (kernel object, compiled, seconds). Works
     without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile tests)."""
     tile = tuple(tile) if tile is not None else pick_tile_fp8_wgrad(n)
-    return _compile(out_dtype, m, n, e, tile, epilogue, call or api.kernel_call_convention(), options)
+    return _compile(out_dtype, m, n, e, tile, epilogue, call or availability.kernel_call_convention(), options)
 
 
 def launch_plan_fp8_wgrad(out_dtype, m, n, e, tile, epilogue) -> GemmPlan:
@@ -71,43 +72,39 @@ def launch_plan_fp8_wgrad(out_dtype, m, n, e, tile, epilogue) -> GemmPlan:
 
 def _load_or_compile(key, out_dtype, m, n, e, tile, epilogue, call):
     """(kernel or launch plan, compiled): from the disk cache where it holds the variant, else
-    compiled (and stored there), one process at a time per variant, as :mod:`.api` does."""
+    compiled (and stored there), one process at a time per variant, as the bf16 kernels are."""
     if not disk_cache.enabled():
         return _compile_now(key, out_dtype, m, n, e, tile, epilogue, call)
     plan = launch_plan_fp8_wgrad(out_dtype, m, n, e, tile, epilogue)
-    entry = disk_cache.Entry(key, api._kernel_params(plan), call)
+    entry = disk_cache.Entry(key, registry.kernel_params(plan), call)
     with entry.claim():
         compiled = entry.load()
         if compiled is None:
             kern, compiled = _compile_now(key, out_dtype, m, n, e, tile, epilogue, call)
-            disk_cache.Entry(key, api._kernel_params(plan), call).store(compiled)
+            disk_cache.Entry(key, registry.kernel_params(plan), call).store(compiled)
             return kern, compiled
     if call == "tvm-ffi":  # addresses and ints: the plan's walk is all the launch needs
         kern = plan
     else:  # the Python executor's launch takes the DSL's types from the kernel object
-        api._cutlass()
+        dsl.runtime()
         from .gemm_fp8_wgrad_sm90 import GroupedWgradFp8Sm90
 
-        kern = GroupedWgradFp8Sm90(api._cutlass_dtype(out_dtype), m, n, e, tile_mn=tile, epilogue=epilogue)
+        kern = GroupedWgradFp8Sm90(dsl.element_type(out_dtype), m, n, e, tile_mn=tile, epilogue=epilogue)
     kern.call = call
-    api._LOAD_SECONDS[key] = disk_cache.LOADED[entry.name]
-    api._LOADED_BY[key] = disk_cache.LOADED_BY[entry.name]
-    api._log.info("loaded grouped FP8 weight gradient %s from %s (%s) in %.3f s", key, entry.path,
-                  api._LOADED_BY[key], api._LOAD_SECONDS[key])
+    registry.note_loaded(key, entry, "grouped FP8 weight gradient")
     return kern, compiled
 
 
 def _compile_now(key, out_dtype, m, n, e, tile, epilogue, call):
     kern, compiled, secs = _compile(out_dtype, m, n, e, tile, epilogue, call)
-    api._COMPILE_SECONDS[key] = secs
-    api._log.info("compiled grouped FP8 weight gradient %s in %.2f s", key, secs)
+    registry.note_compiled(key, secs, "grouped FP8 weight gradient")
     return kern, compiled
 
 
 def _get_kernel(out_dtype, m, n, e, tile, epilogue):
-    call = api.kernel_call_convention()
+    call = availability.kernel_call_convention()
     key = ("fp8_wgrad", out_dtype, tile, m, n, e, epilogue, call)
-    return api.cached_kernel(key, lambda key, call: _load_or_compile(key, out_dtype, m, n, e, tile, epilogue, call))
+    return registry.cached_kernel(key, lambda key, call: _load_or_compile(key, out_dtype, m, n, e, tile, epilogue, call))
 
 
 def _check(a, sa, b, sb, split_sizes, num_tokens):
@@ -133,7 +130,7 @@ def _check(a, sa, b, sb, split_sizes, num_tokens):
             f"{tuple(split_sizes.shape)} on {split_sizes.device}")
     if b.device != a.device:
         bad(f"a_data is on {a.device} and b_data on {b.device}; both must be on one GPU")
-    if not 0 <= num_tokens <= api._INT32_MAX or tp > api._INT32_MAX:
+    if not 0 <= num_tokens <= INT32_MAX or tp > INT32_MAX:
         bad(f"{num_tokens} tokens ({tp} padded) overflow the kernel's 32-bit token counts")
     e = split_sizes.numel()
     # fp8_rows.padded_tokens (not imported: it brings Triton)
@@ -170,7 +167,7 @@ def grouped_wgrad_fp8_blockwise(a_data, a_scale_inv, b_data, b_scale_inv, split_
         return torch.zeros((e, m, n), dtype=out_dtype, device=a_data.device)
     kern, compiled = _get_kernel(out_dtype, m, n, e, tile, "plain")
     out = torch.empty((e, m, n), dtype=out_dtype, device=a_data.device)
-    split = api._splits_i32(split_sizes, a_data.device)  # contiguous: the kernel reads it with stride 1
+    split = splits_i32(split_sizes, a_data.device)  # contiguous: the kernel reads it with stride 1
     offsets = _unread_offsets(e, a_data.device)
     _launch(kern, compiled, a_data, b_data, out, split, a_scale_inv, b_scale_inv, offsets, num_tokens)
     return out
@@ -198,16 +195,16 @@ def grouped_wgrad_fp8_main_grad(a_data, a_scale_inv, b_data, b_scale_inv, split_
     tile = tuple(tile) if tile is not None else pick_tile_fp8_wgrad(n)
     kern, compiled = _get_kernel(torch.bfloat16, m, n, e, tile, "red_f32" if accumulate else "store_f32")
     base, offsets = api_wgrad._main_grad_offsets(bufs, a_data.device)
-    _launch(kern, compiled, a_data, b_data, base, api._splits_i32(split_sizes, a_data.device), a_scale_inv,
+    _launch(kern, compiled, a_data, b_data, base, splits_i32(split_sizes, a_data.device), a_scale_inv,
             b_scale_inv, offsets, num_tokens)
 
 
 def _launch(kern, compiled, a, b, c, split, sa, sb, offsets, num_tokens):
     if not getattr(kern, "launched", False) and capturing():  # the first call loads the module
-        raise GraphCaptureError(api._first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
+        raise GraphCaptureError(registry.first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
     n_work = kern.num_experts * kern.wgrad_groups
-    num_ctas = min(api._cluster_slots(a.device.index, 1), n_work)
-    stream = api.stream_handle(a.device.index)
+    num_ctas = min(launch.cluster_slots(a.device.index, 1), n_work)
+    stream = launch.stream_handle(a.device.index)
     kern.launched = True
     # one k-block: the row stride addresses nothing, but TMA wants a 16-byte multiple
     ints = (num_tokens, a.shape[1], sa.shape[1] if sa.shape[0] == 1 else sa.stride(0),
@@ -216,7 +213,7 @@ def _launch(kern, compiled, a, b, c, split, sa, sb, offsets, num_tokens):
     if getattr(kern, "call", "python") == "tvm-ffi":
         compiled(*(x.data_ptr() for x in tensors), *ints, stream)
         return
-    cutlass, cute, make_ptr, _ = api._cutlass()
+    cutlass, cute, make_ptr, _ = dsl.runtime()
     import cuda.bindings.driver as cuda
 
     gmem = cute.AddressSpace.gmem

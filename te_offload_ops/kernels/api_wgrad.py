@@ -1,9 +1,9 @@
 """Torch entry points for the grouped weight gradients, ``dW[e] = dy_e^T @ x_e``: into a new bf16/fp16
 tensor (:func:`grouped_wgrad`) or added into Megatron's fp32 ``main_grad`` buffers in the kernel's
 epilogue (:func:`grouped_wgrad_main_grad`, its three ways of adding and the table of the buffers'
-offsets the kernel reads). The kernels are :mod:`.gemm_sm90`'s weight-gradient form, compiled,
-cached and launched by :mod:`.api`; like every entry point here they never read ``split_sizes``
-on the host.
+offsets the kernel reads). The kernels are :mod:`.gemm_sm90`'s weight-gradient form, built and
+compiled by :mod:`.api` and launched by :mod:`.launch`; like every entry point here they never read
+``split_sizes`` on the host.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ import os
 import torch
 
 from ..capture import GraphCaptureError, capturing, warm_up_hint
-from .api import _DTYPES, _INT32_MAX, SCHEDULE_ENV, _aligned, _launch, _splits_i32, get_kernel
+from .api import get_kernel
+from .launch import launch_gemm
+from .operands import DTYPES, INT32_MAX, aligned, splits_i32
+from .tiling import SCHEDULE_ENV
 
 WGRAD_BACKEND_ENV = "TEO_WGRAD_BACKEND"  # "cute" or "torch": overrides the default below
 WGRAD_BACKENDS = ("cute", "torch")
@@ -36,7 +39,7 @@ def _check_wgrad(dy, x, split_sizes):
         raise TypeError("split_sizes must be an integer torch tensor")
     if not (dy.is_cuda and x.is_cuda) or dy.device != x.device:
         raise ValueError(f"dy and x must be on one CUDA device, got {dy.device} and {x.device}")
-    if dy.dtype not in _DTYPES or x.dtype != dy.dtype:
+    if dy.dtype not in DTYPES or x.dtype != dy.dtype:
         raise TypeError(f"grouped wgrad takes bf16 or fp16 operands of one dtype, got {dy.dtype} and {x.dtype}")
     if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0]:
         raise ValueError(f"dy and x must be (T, N) and (T, K) with one T, got {tuple(dy.shape)} and {tuple(x.shape)}")
@@ -44,8 +47,8 @@ def _check_wgrad(dy, x, split_sizes):
         raise ValueError("split_sizes must be a 1-D tensor with one entry per expert")
     if dy.shape[1] % 8 or x.shape[1] % 8:
         raise ValueError("N and K must be multiples of 8 (16-byte rows)")
-    if dy.shape[0] > _INT32_MAX:
-        raise ValueError(f"the grouped wgrad takes at most {_INT32_MAX} token rows, got {dy.shape[0]}")
+    if dy.shape[0] > INT32_MAX:
+        raise ValueError(f"the grouped wgrad takes at most {INT32_MAX} token rows, got {dy.shape[0]}")
 
 
 _OFFSETS_CACHE: dict = {}  # (device, addresses) -> int64 element offsets on the GPU (and their pinned source)
@@ -161,7 +164,7 @@ RMW_BELOW_TOKENS, COOPERATIVE_BELOW_TOKENS = 1536, 768
 
 def main_grad_way(tokens: int, experts: int, add: str | None = None,
                   schedule: str | None = None) -> tuple[str, str | None]:
-    """(add, schedule or None for :func:`.api.pick_schedule`'s) of a wgrad into main_grad over
+    """(add, schedule or None for :func:`.tiling.pick_schedule`'s) of a wgrad into main_grad over
     ``tokens`` rows and ``experts`` experts. An add given (argument or $TEO_MAIN_GRAD_ADD) is
     used as given. Otherwise by the mean tokens per expert, as measured on an H100 (fwd+bwd GPU
     time over the plain fused op, benchmarks/results/megatron_settings_*, 2026-11-24): the
@@ -193,7 +196,7 @@ def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool 
     _check_wgrad(dy, x, split_sizes)
     e, n, k = split_sizes.numel(), dy.shape[1], x.shape[1]
     bufs = _check_main_grads(main_grads, e, n, k, dy.device)
-    s = _splits_i32(split_sizes, dy.device)
+    s = splits_i32(split_sizes, dy.device)
     t = dy.shape[0]
     if t == 0:
         if not accumulate:
@@ -228,8 +231,8 @@ def grouped_wgrad_main_grad(dy, x, split_sizes, main_grads, *, accumulate: bool 
     kern, compiled = get_kernel(dy.dtype, k, 0, e, b_n_major=True, epilogue=epilogue, tile=tile, wgrad_m=n,
                                 schedule=schedule, slot_stride=layout[0] if layout else None)
     base, offsets = _main_grad_offsets(bufs, dy.device, layout[1] if layout else None)
-    dy, x = _aligned(dy), _aligned(x)
-    _launch(
+    dy, x = aligned(dy), aligned(x)
+    launch_gemm(
         kern, compiled,
         [(dy, "m"), (x, "m"), (base, "f32"), (s, "i32"), (dy, "vec"), (dy, "m"), (dy, "m"),
          (offsets, "i64")],
@@ -247,7 +250,7 @@ def grouped_wgrad(dy, x, split_sizes, *, backend: str | None = None, tile=None, 
     choice = wgrad_backend(backend)
     e = split_sizes.numel()
     n, k = dy.shape[1], x.shape[1]
-    s = _splits_i32(split_sizes, dy.device)
+    s = splits_i32(split_sizes, dy.device)
     if choice == "torch":
         offs = torch.cumsum(s, 0, dtype=torch.int32)
         return torch._grouped_mm(dy.t(), x, offs=offs)
@@ -258,8 +261,8 @@ def grouped_wgrad(dy, x, split_sizes, *, backend: str | None = None, tile=None, 
     kern, compiled = get_kernel(dy.dtype, k, 0, e, b_n_major=True, epilogue="plain", tile=tile,
                                 wgrad_m=n, schedule=schedule)
     dw = torch.empty(e, n, k, dtype=dy.dtype, device=dy.device)
-    dy, x = _aligned(dy), _aligned(x)
-    _launch(
+    dy, x = aligned(dy), aligned(x)
+    launch_gemm(
         kern, compiled,
         [(dy, "m"), (x, "m"), (dw, "m"), (s, "i32"), (dy, "vec"), (dw, "m"), (dw, "m"),
          (s, "f32")],

@@ -42,3 +42,24 @@ def environment_at_import():
     """The ``CUTE_DSL_*`` variables as :func:`load` imported the DSL under them (it reads them
     then); None where it did not import it."""
     return _ENVIRONMENT[0] if _ENVIRONMENT else None
+
+
+def runtime():
+    """(``cutlass``, ``cutlass.cute``, ``make_ptr``, ``make_fake_stream``): what compiling a
+    kernel and calling it through the DSL's Python executor need, imported on first use."""
+    cutlass, cute = load()
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    return cutlass, cute, make_ptr, make_fake_stream
+
+
+def element_type(dtype):
+    """The DSL's element type of a 16-bit torch float dtype (a kernel's A/B or output type)."""
+    import torch
+
+    cutlass = load()[0]
+    if dtype == torch.bfloat16:
+        return cutlass.BFloat16
+    if dtype == torch.float16:
+        return cutlass.Float16
+    raise TypeError(f"grouped GEMM supports bf16 and fp16, got {dtype}")

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import settings
-from . import api, api_wgrad, disk_cache
+from . import api, api_wgrad, availability, disk_cache, registry
 
 LAYOUTS = ("te", "megatron")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -192,8 +192,8 @@ def _warm_one(variant: Variant) -> tuple[dict, str]:
     kern, _ = _get(variant.kwargs)
     secs = time.perf_counter() - t0
     key = kern.cache_key
-    how = "compiled" if key in api._COMPILE_SECONDS else "loaded" if key in api._LOAD_SECONDS else "in memory"
-    took = api._COMPILE_SECONDS.get(key, api._LOAD_SECONDS.get(key, secs))
+    how, took = registry.how_obtained(key)
+    took = secs if took is None else took
     said = f"{variant.describe(kern)}: {how} in " + (f"{took:.2f} s" if took >= 0.1 else f"{took * 1e3:.1f} ms")
     return {"label": variant.label, "key": key, "how": how, "seconds": took}, said
 
@@ -308,7 +308,7 @@ def main(argv=None) -> int:
     elif not os.environ.get("CUTE_DSL_ARCH"):
         os.environ["CUTE_DSL_ARCH"] = "sm_90a"  # read when the DSL is imported, below
         print("no GPU: compiling for sm_90a (CUTE_DSL_ARCH=sm_90a)")
-    reasons = api.unavailable_reasons()
+    reasons = availability.unavailable_reasons()
     if reasons:
         print("cannot compile the kernels: " + "; ".join(reasons), file=sys.stderr)
         return 2
