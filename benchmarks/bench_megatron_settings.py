@@ -110,11 +110,11 @@ def measure(E, tokens, H, F, rounds, variants=VARIANTS) -> dict:
         for p, q in zip(mlps[v].parameters(), mlps["plain"].parameters()):
             p.data.copy_(q.data)
 
-    from te_offload_ops.kernels import api_wgrad, tiling
+    from te_offload_ops.kernels import main_grads, tiling
 
     # the library's own choice for this shape (kernels.main_grad_way), as the default variants get it
     preset = os.environ.pop("TEO_MAIN_GRAD_ADD", None)
-    way_add, way_schedule = api_wgrad.main_grad_way(T, E, preset)
+    way_add, way_schedule = main_grads.main_grad_way(T, E, preset)
     default_schedule = tiling.DEFAULT_SCHEDULE["wgrad_main_grad"]
     default_way = (way_add, way_schedule or tiling.pick_schedule("acc_f32", True))
 

@@ -204,7 +204,7 @@ def test_main_grad_by_tma_reduce_adds_gives_the_same_bits(schedule):
 
     if (problem := fused_path_problem()):
         pytest.skip(problem)
-    from te_offload_ops.kernels import api_wgrad, grouped_wgrad_main_grad, registry
+    from te_offload_ops.kernels import grouped_wgrad_main_grad, main_grads, registry
 
     g = torch.Generator(device="cuda").manual_seed(6)
     splits = [300, 0, 1000, 77, 129]
@@ -218,7 +218,7 @@ def test_main_grad_by_tma_reduce_adds_gives_the_same_bits(schedule):
     for add in ("rmw", "tma"):
         arr = start.clone()
         bufs = list(arr[1:-1].unbind(0))[::-1]
-        assert add != "tma" or api_wgrad.main_grad_slots([b.data_ptr() for b in bufs], m * n) is not None
+        assert add != "tma" or main_grads.main_grad_slots([b.data_ptr() for b in bufs], m * n) is not None
         grouped_wgrad_main_grad(dy, x, s, bufs, add=add, schedule=schedule)
         got[add] = arr
     assert any(key[3] == "tma_f32" and key[9] == schedule for key in registry.compile_times()), "the TMA kernel did not run"

@@ -14,7 +14,7 @@ import te_offload_ops as teo
 from te_offload_ops import capture, policy
 from te_offload_ops.capture import GraphCaptureError
 from te_offload_ops.fused import split_check, srelu_mlp
-from te_offload_ops.kernels import api, api_wgrad, launch, registry
+from te_offload_ops.kernels import api, launch, main_grads, registry
 
 
 @pytest.fixture
@@ -146,30 +146,30 @@ def test_main_grad_offsets_need_an_eager_step_and_stay_cached_once_captured(monk
         t = torch.tensor(offsets)
         return t, t
 
-    monkeypatch.setattr(api_wgrad, "_build_offsets", build)
-    monkeypatch.setattr(api_wgrad, "_OFFSETS_CACHE", {})
-    monkeypatch.setattr(api_wgrad, "_OFFSETS_CAPTURED", set())
-    monkeypatch.setattr(api_wgrad, "_OFFSETS_CACHE_MAX", 2)
+    monkeypatch.setattr(main_grads, "_build_offsets", build)
+    monkeypatch.setattr(main_grads, "_OFFSETS_CACHE", {})
+    monkeypatch.setattr(main_grads, "_OFFSETS_CAPTURED", set())
+    monkeypatch.setattr(main_grads, "_OFFSETS_CACHE_MAX", 2)
     store = torch.zeros(4, 6)
     bufs_a, bufs_b, bufs_c = list(store[:2]), list(store[2:]), [store[1], store[0]]
     dev = torch.device("cpu")
 
-    monkeypatch.setattr(api_wgrad, "capturing", lambda: True)
+    monkeypatch.setattr(main_grads, "capturing", lambda: True)
     with pytest.raises(GraphCaptureError, match="not used by an eager step.*same main_grad buffers"):
-        api_wgrad._main_grad_offsets(bufs_a, dev)
+        main_grads.main_grad_offsets(bufs_a, dev)
     assert built == []
 
-    monkeypatch.setattr(api_wgrad, "capturing", lambda: False)
-    base, offsets = api_wgrad._main_grad_offsets(bufs_a, dev)  # eager step
+    monkeypatch.setattr(main_grads, "capturing", lambda: False)
+    base, offsets = main_grads.main_grad_offsets(bufs_a, dev)  # eager step
     assert base is bufs_a[0] and offsets.tolist() == [0, 6]
-    monkeypatch.setattr(api_wgrad, "capturing", lambda: True)
-    _, captured = api_wgrad._main_grad_offsets(bufs_a, dev)  # the capture reads the cached table
+    monkeypatch.setattr(main_grads, "capturing", lambda: True)
+    _, captured = main_grads.main_grad_offsets(bufs_a, dev)  # the capture reads the cached table
     assert captured is offsets and len(built) == 1
 
-    monkeypatch.setattr(api_wgrad, "capturing", lambda: False)
-    api_wgrad._main_grad_offsets(bufs_b, dev)
-    api_wgrad._main_grad_offsets(bufs_c, dev)  # the cache is full: evicts bufs_b's entry, not the captured one
-    keys = [k[1] for k in api_wgrad._OFFSETS_CACHE]
+    monkeypatch.setattr(main_grads, "capturing", lambda: False)
+    main_grads.main_grad_offsets(bufs_b, dev)
+    main_grads.main_grad_offsets(bufs_c, dev)  # the cache is full: evicts bufs_b's entry, not the captured one
+    keys = [k[1] for k in main_grads._OFFSETS_CACHE]
     assert tuple(b.data_ptr() for b in bufs_a) in keys and tuple(b.data_ptr() for b in bufs_b) not in keys
 
 

@@ -432,9 +432,9 @@ def test_processes_starting_together_compile_a_variant_once(tmp_path):
 # -- warm-up ------------------------------------------------------------------------------------------
 
 def test_the_fused_mlp_variants(monkeypatch):
-    from te_offload_ops.kernels import api_wgrad, mlp_variants, tiling
+    from te_offload_ops.kernels import api_wgrad, main_grads, mlp_variants, tiling
 
-    for env in (api_wgrad.WGRAD_BACKEND_ENV, api_wgrad.MAIN_GRAD_ADD_ENV, tiling.SCHEDULE_ENV):
+    for env in (api_wgrad.WGRAD_BACKEND_ENV, main_grads.MAIN_GRAD_ADD_ENV, tiling.SCHEDULE_ENV):
         monkeypatch.delenv(env, raising=False)
     te = mlp_variants(8, 1024, 512)
     assert [v.label for v in te] == ["fc1 forward + SReLU", "fc2 forward", "fc2 dgrad + dSReLU", "fc1 dgrad",
@@ -548,9 +548,9 @@ def test_warm_up_command_refuses_bad_arguments_clearly(tmp_path, args, env, said
 
 
 def test_the_fp8_path_variants_are_the_fp8_gemms_and_the_same_wgrads(monkeypatch):
-    from te_offload_ops.kernels import api_wgrad, mlp_variants, tiling
+    from te_offload_ops.kernels import api_wgrad, main_grads, mlp_variants, tiling
 
-    for env in (api_wgrad.WGRAD_BACKEND_ENV, api_wgrad.MAIN_GRAD_ADD_ENV, tiling.SCHEDULE_ENV):
+    for env in (api_wgrad.WGRAD_BACKEND_ENV, main_grads.MAIN_GRAD_ADD_ENV, tiling.SCHEDULE_ENV):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv("TEO_FP8_ROWS", "triton")  # SReLU and its backward as row passes: the plain FP8 GEMMs
     fp8 = mlp_variants(8, 2688, 1856, fp8=True)

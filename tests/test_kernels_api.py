@@ -129,7 +129,7 @@ def test_tvm_ffi_compile_failure_falls_back_to_the_python_executor(monkeypatch):
 def test_main_grad_slots_accepts_evenly_spaced_buffers_in_any_order():
     """TMA's reduce-adds address the experts' main_grads as slots of one array: one (E, M, N)
     tensor, or Megatron's experts laid out one after another (its grad buffer reverses order)."""
-    from te_offload_ops.kernels.api_wgrad import main_grad_slots
+    from te_offload_ops.kernels.main_grads import main_grad_slots
 
     mn, base = 200 * 1000, 1 << 30
     step = 4 * mn  # bytes
@@ -147,7 +147,7 @@ def test_main_grad_slots_accepts_evenly_spaced_buffers_in_any_order():
     ("one buffer twice", [(1 << 30), (1 << 30), (1 << 30) + 800_000]),
 ])
 def test_main_grad_slots_refuses_what_one_tensor_map_cannot_address(why, ptrs):
-    from te_offload_ops.kernels.api_wgrad import main_grad_slots
+    from te_offload_ops.kernels.main_grads import main_grad_slots
 
     assert main_grad_slots(ptrs, 200_000) is None, why
 
@@ -197,23 +197,23 @@ def test_launches_run_in_a_named_profiler_range_only_while_a_profiler_records(mo
 def test_main_grad_way_follows_tokens_per_expert_unless_told(monkeypatch):
     """The add into main_grad (and, for short wgrads, the schedule) by the mean tokens per
     expert, as measured; an add given by argument or environment is used as given."""
-    from te_offload_ops.kernels import api_wgrad, tiling
+    from te_offload_ops.kernels import main_grads, tiling
 
-    monkeypatch.delenv(api_wgrad.MAIN_GRAD_ADD_ENV, raising=False)
+    monkeypatch.delenv(main_grads.MAIN_GRAD_ADD_ENV, raising=False)
     monkeypatch.delenv(tiling.SCHEDULE_ENV, raising=False)
-    assert api_wgrad.main_grad_way(8 * 2048, 8) == ("tma", None)
-    assert api_wgrad.main_grad_way(8 * 1536, 8) == ("tma", None)
-    assert api_wgrad.main_grad_way(32 * 1024, 32) == ("rmw", None)  # pick_schedule's pingpong
-    assert api_wgrad.main_grad_way(64 * 512, 64) == ("rmw", "cooperative")
-    assert api_wgrad.main_grad_way(64 * 512, 64, schedule="pingpong") == ("rmw", "pingpong")
-    assert api_wgrad.main_grad_way(64 * 512, 64, add="tma") == ("tma", None)
+    assert main_grads.main_grad_way(8 * 2048, 8) == ("tma", None)
+    assert main_grads.main_grad_way(8 * 1536, 8) == ("tma", None)
+    assert main_grads.main_grad_way(32 * 1024, 32) == ("rmw", None)  # pick_schedule's pingpong
+    assert main_grads.main_grad_way(64 * 512, 64) == ("rmw", "cooperative")
+    assert main_grads.main_grad_way(64 * 512, 64, schedule="pingpong") == ("rmw", "pingpong")
+    assert main_grads.main_grad_way(64 * 512, 64, add="tma") == ("tma", None)
     monkeypatch.setenv(tiling.SCHEDULE_ENV, "pingpong")  # a schedule asked for everywhere stays
-    assert api_wgrad.main_grad_way(64 * 512, 64) == ("rmw", None)
-    monkeypatch.setenv(api_wgrad.MAIN_GRAD_ADD_ENV, "red")
-    assert api_wgrad.main_grad_way(64 * 512, 64) == ("red", None)
-    monkeypatch.setenv(api_wgrad.MAIN_GRAD_ADD_ENV, "fast")
+    assert main_grads.main_grad_way(64 * 512, 64) == ("rmw", None)
+    monkeypatch.setenv(main_grads.MAIN_GRAD_ADD_ENV, "red")
+    assert main_grads.main_grad_way(64 * 512, 64) == ("red", None)
+    monkeypatch.setenv(main_grads.MAIN_GRAD_ADD_ENV, "fast")
     with pytest.raises(ValueError, match="TEO_MAIN_GRAD_ADD must be one of"):
-        api_wgrad.main_grad_way(8 * 2048, 8)
+        main_grads.main_grad_way(8 * 2048, 8)
 
 
 def test_an_output_buffer_of_the_wrong_kind_is_refused_with_what_it_is():

@@ -89,11 +89,11 @@ def main_grads_take_fp8(op) -> bool:
     fallback for them); True where ``op`` does not accumulate into main_grad."""
     if not accumulates_into_main_grad(op):
         return True
-    from ..kernels import api_wgrad
+    from ..kernels import main_grads
 
     # the buffers as they stand (FSDP may make them only in backward: those are checked there)
     bufs = [g for g in (getattr(p, "main_grad", None) for p in weight_params(op)) if isinstance(g, torch.Tensor)]
-    return api_wgrad._vector_aligned(bufs)
+    return main_grads.vector_aligned(bufs)
 
 
 def _gemm(dy, x, split_sizes, out_dtype) -> torch.Tensor:

@@ -14,7 +14,8 @@ from .api import (compile_variant, dsrelu_bwd_bytes, get_kernel, grouped_gemm, g
 from .availability import kernel_call_convention, loads_without_dsl, unavailable_reasons
 from .registry import clear_cache, compile_times, dsl_import_seconds, first_launch_times, load_times, loaded_by
 from .tiling import pick_schedule, pick_tile
-from .api_wgrad import grouped_wgrad, grouped_wgrad_main_grad, main_grad_add, main_grad_way, wgrad_backend
+from .api_wgrad import grouped_wgrad, grouped_wgrad_main_grad, wgrad_backend
+from .main_grads import main_grad_add, main_grad_way
 from .api_fp8 import (compile_variant_fp8, grouped_gemm_fp8_blockwise, grouped_gemm_fp8_dsrelu_quantize,
                       grouped_gemm_fp8_srelu_quantize, pick_tile_fp8)
 

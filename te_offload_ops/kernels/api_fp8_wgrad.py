@@ -15,9 +15,10 @@ import functools
 import torch
 
 from ..capture import GraphCaptureError, capturing
-from . import api_wgrad, availability, disk_cache, dsl, launch, registry
+from . import availability, disk_cache, dsl, launch, registry
 from .api_fp8 import OUT_DTYPES, SCALE_BLOCK
 from .gemm_plan import GemmPlan
+from .main_grads import check_main_grads, main_grad_offsets, vector_aligned
 from .operands import INT32_MAX, splits_i32
 
 WGRAD_TILE_NS = (64, 128)  # gemm_fp8_wgrad_sm90.WGRAD_TILE_NS, without the DSL import
@@ -183,8 +184,8 @@ def grouped_wgrad_fp8_main_grad(a_data, a_scale_inv, b_data, b_scale_inv, split_
     do not depend on the order of tiles); experts with no tokens add nothing, or store zeros."""
     _check(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, num_tokens)
     m, n, e = a_data.shape[0], b_data.shape[0], split_sizes.numel()
-    bufs = api_wgrad._check_main_grads(main_grads, e, m, n, a_data.device)
-    if not api_wgrad._vector_aligned(bufs):
+    bufs = check_main_grads(main_grads, e, m, n, a_data.device)
+    if not vector_aligned(bufs):
         raise ValueError("grouped_wgrad_fp8_main_grad: main_grad buffers must be 8-byte aligned (the kernel adds "
                          "fp32 pairs)")
     if a_data.shape[1] == 0:  # no tokens: nothing to add (TMA takes no empty tensor)
@@ -194,7 +195,7 @@ def grouped_wgrad_fp8_main_grad(a_data, a_scale_inv, b_data, b_scale_inv, split_
         return
     tile = tuple(tile) if tile is not None else pick_tile_fp8_wgrad(n)
     kern, compiled = _get_kernel(torch.bfloat16, m, n, e, tile, "red_f32" if accumulate else "store_f32")
-    base, offsets = api_wgrad._main_grad_offsets(bufs, a_data.device)
+    base, offsets = main_grad_offsets(bufs, a_data.device)
     _launch(kern, compiled, a_data, b_data, base, splits_i32(split_sizes, a_data.device), a_scale_inv,
             b_scale_inv, offsets, num_tokens)
 

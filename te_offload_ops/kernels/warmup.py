@@ -6,7 +6,7 @@
 Each variant is loaded if the disk cache holds it and compiled (and written there) if not; the
 job's ranks then load every kernel in milliseconds. The variants are those the fused op launches
 for these shapes: fc1 forward with SReLU, fc2 forward, fc2 dgrad with dSReLU, fc1 dgrad, and both
-weight gradients (plain, or added into main_grad the way :func:`~.api_wgrad.main_grad_way` picks for the
+weight gradients (plain, or added into main_grad the way :func:`~.main_grads.main_grad_way` picks for the
 tokens, or every way it can pick where ``tokens`` is not given); with ``--fp8``, those of the
 ``Float8BlockScaling`` path instead (the grouped FP8 GEMMs, the same wgrads, or the FP8 wgrad
 kernels where ``TEO_FP8_WGRAD=fp8``).
@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import settings
-from . import api, api_wgrad, availability, disk_cache, registry
+from . import api, api_wgrad, availability, disk_cache, main_grads, registry
 
 LAYOUTS = ("te", "megatron")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,10 +70,10 @@ def _b_layout(n: int, k: int, e: int, layout: str, stride: Optional[int]) -> tup
 
 def _slot_stride(n: int, k: int, e: int, stride: Optional[int]) -> Optional[int]:
     """The TMA add's main_grad slot stride for buffers laid out as the weights are, as
-    :func:`~.api_wgrad.main_grad_slots` finds it from their addresses (None: not evenly spaced in 16 bytes)."""
+    :func:`~.main_grads.main_grad_slots` finds it from their addresses (None: not evenly spaced in 16 bytes)."""
     step = n * k if stride is None else stride
     base = 1 << 20
-    found = api_wgrad.main_grad_slots([base + 4 * step * i for i in range(e)], n * k)
+    found = main_grads.main_grad_slots([base + 4 * step * i for i in range(e)], n * k)
     return None if found is None else found[0]
 
 
@@ -152,17 +152,17 @@ def mlp_variants(num_experts: int, hidden_size: int, ffn_hidden_size: int, param
         ways = [("store_f32", None)]
     else:
         counts = [tokens] if tokens is not None else [
-            e * api_wgrad.RMW_BELOW_TOKENS, e * api_wgrad.COOPERATIVE_BELOW_TOKENS, e]  # one per way it can pick
+            e * main_grads.RMW_BELOW_TOKENS, e * main_grads.COOPERATIVE_BELOW_TOKENS, e]  # one per way it can pick
         ways = []
         for t in counts:
-            add, schedule = api_wgrad.main_grad_way(t, e)
-            if (api_wgrad.MAIN_GRAD_ADDS[add], schedule) not in ways:
-                ways.append((api_wgrad.MAIN_GRAD_ADDS[add], schedule))
+            add, schedule = main_grads.main_grad_way(t, e)
+            if (main_grads.MAIN_GRAD_ADDS[add], schedule) not in ways:
+                ways.append((main_grads.MAIN_GRAD_ADDS[add], schedule))
     for label, rows, cols in wgrads:
         slot = _slot_stride(rows, cols, e, expert_stride)
         for epilogue, schedule in ways:
             if epilogue == "tma_f32" and slot is None:  # buffers TMA cannot address as one array
-                epilogue = api_wgrad.MAIN_GRAD_ADDS["red"]
+                epilogue = main_grads.MAIN_GRAD_ADDS["red"]
             kw = dict(base, n=cols, k=0, b_n_major=True, epilogue=epilogue, wgrad_m=rows, schedule=schedule,
                       slot_stride=slot if epilogue == "tma_f32" else None)
             variant = Variant(f"{label} into main_grad", kw)
