@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from te_offload_ops.kernels import disk_cache
+from te_offload_ops.kernels import atomic_file, disk_cache
 from te_offload_ops.kernels.disk_cache import BadEntry, decode, encode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,7 +191,7 @@ def test_write_is_atomic_and_leaves_no_temporaries(tmp_path, monkeypatch):
     path = tmp_path / "e.kernel"
     disk_cache.write_atomic(path, b"first")
     assert path.read_bytes() == b"first"
-    assert oct(path.stat().st_mode & 0o777) == oct(disk_cache._file_mode())  # not mkstemp's 0600
+    assert oct(path.stat().st_mode & 0o777) == oct(atomic_file.file_mode())  # not mkstemp's 0600
 
     def broken_replace(src, dst):
         raise OSError("disk full")

@@ -194,6 +194,37 @@ def test_launches_run_in_a_named_profiler_range_only_while_a_profiler_records(mo
     assert names == [launch.profile_label(wgrad), launch.profile_label(fprop)]
 
 
+def test_the_first_launch_of_every_gemm_family_is_timed_once(monkeypatch):
+    """first_launch_times (first-step reports) holds one entry per kernel, whichever entry point
+    launched it: the bf16 GEMMs' launch and the FP8 GEMM's and FP8 wgrad's own; later launches
+    are not timed again. The launches run on CPU tensors here, with a compiled kernel that
+    records its arguments (the TVM-FFI convention: addresses, ints, the stream)."""
+    from te_offload_ops.kernels import api_fp8, api_fp8_wgrad, launch, registry
+
+    monkeypatch.setattr(registry, "_FIRST_LAUNCH_SECONDS", {})
+    monkeypatch.setattr(launch, "cluster_slots", lambda device, size: 132)
+    monkeypatch.setattr(launch, "stream_handle", lambda device: 7)
+    calls = {}
+
+    def compiled(name):
+        return lambda *args: calls.setdefault(name, []).append(args)
+
+    bf16 = types.SimpleNamespace(cache_key=("bf16",), call="tvm-ffi", wgrad_m=None, bm=128, num_experts=2,
+                                 n_tiles=3, cluster_n=1, epilogue="plain", n=384, k=256)
+    fp8 = types.SimpleNamespace(cache_key=("fp8_blockwise",), call="tvm-ffi", bm=128, num_experts=2, n_tiles=3,
+                                cluster_n=1)
+    wgrad = types.SimpleNamespace(cache_key=("fp8_wgrad",), call="tvm-ffi", num_experts=2, wgrad_groups=4)
+    a, s = torch.zeros(256, 128), torch.zeros(2, dtype=torch.int32)
+    sa = torch.zeros(1, 256)
+    for _ in range(3):
+        launch.launch_gemm(bf16, compiled("bf16"), [(a, "m"), (s, "i32")], 256)
+        api_fp8._launch_fp8(fp8, compiled("fp8"), a, a, a, s, sa, sa, 256)
+        api_fp8_wgrad._launch(wgrad, compiled("wgrad"), a, a, a, s, sa, sa, s, 256)
+    assert {name: len(args) for name, args in calls.items()} == {"bf16": 3, "fp8": 3, "wgrad": 3}
+    assert sorted(registry.first_launch_times()) == [("bf16",), ("fp8_blockwise",), ("fp8_wgrad",)]
+    assert calls["bf16"][0][-2:] == (min(132, (256 // 128 + 2) * 3), 7)  # CTAs bounded by tiles; the stream
+
+
 def test_main_grad_way_follows_tokens_per_expert_unless_told(monkeypatch):
     """The add into main_grad (and, for short wgrads, the schedule) by the mean tokens per
     expert, as measured; an add given by argument or environment is used as given."""

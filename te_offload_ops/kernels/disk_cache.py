@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 from . import dsl, dsl_settings as settings_memo, shared_object
-from .atomic_file import file_mode as _file_mode, write_atomic  # noqa: F401  (_file_mode: tests)
+from .atomic_file import write_atomic
 
 _log = logging.getLogger(__name__)
 

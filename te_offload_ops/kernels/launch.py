@@ -101,12 +101,18 @@ def _launch_now(kern, compiled, tensors, num_tokens):
     num_ctas = min(cluster_slots(tensors[0][0].device.index, cn), -(-tile_bound // cn) * cn)
     # the capturing stream when a graph is captured: the launch becomes a node of the graph
     stream = stream_handle(tensors[0][0].device.index)
+    timing_the_first(kern, _call, kern, compiled, tensors, num_tokens, num_ctas, stream)
+
+
+def timing_the_first(kern, call, *args) -> None:
+    """``call(*args)``, a launch of ``kern``; the first launch of a kernel is timed
+    (:func:`.registry.first_launch_times`): it loads the kernel's code onto the GPU."""
     if getattr(kern, "launched", False):
-        _call(kern, compiled, tensors, num_tokens, num_ctas, stream)
+        call(*args)
         return
     kern.launched = True
     t0 = time.perf_counter()
-    _call(kern, compiled, tensors, num_tokens, num_ctas, stream)
+    call(*args)
     registry.note_first_launch(kern, time.perf_counter() - t0)
 
 
