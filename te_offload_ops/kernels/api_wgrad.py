@@ -16,7 +16,7 @@ from .api import get_kernel
 from .launch import launch_gemm
 from .main_grads import (MAIN_GRAD_ADDS, check_main_grads, main_grad_offsets, main_grad_slots, main_grad_way,
                          vector_aligned)
-from .operands import DTYPES, INT32_MAX, aligned, splits_i32
+from .operands import INT32_MAX, aligned, check_pair, splits_i32
 
 WGRAD_BACKEND_ENV = "TEO_WGRAD_BACKEND"  # "cute" or "torch": overrides the default below
 WGRAD_BACKENDS = ("cute", "torch")
@@ -33,14 +33,7 @@ def wgrad_backend(backend: str | None = None) -> str:
 
 
 def _check_wgrad(dy, x, split_sizes):
-    if not isinstance(dy, torch.Tensor) or not isinstance(x, torch.Tensor):
-        raise TypeError("dy and x must be torch tensors")
-    if not isinstance(split_sizes, torch.Tensor) or split_sizes.is_floating_point():
-        raise TypeError("split_sizes must be an integer torch tensor")
-    if not (dy.is_cuda and x.is_cuda) or dy.device != x.device:
-        raise ValueError(f"dy and x must be on one CUDA device, got {dy.device} and {x.device}")
-    if dy.dtype not in DTYPES or x.dtype != dy.dtype:
-        raise TypeError(f"grouped wgrad takes bf16 or fp16 operands of one dtype, got {dy.dtype} and {x.dtype}")
+    check_pair(dy, x, split_sizes, ("dy", "x"), "grouped wgrad")
     if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0]:
         raise ValueError(f"dy and x must be (T, N) and (T, K) with one T, got {tuple(dy.shape)} and {tuple(x.shape)}")
     if split_sizes.dim() != 1 or split_sizes.numel() == 0:

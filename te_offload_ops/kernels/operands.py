@@ -11,18 +11,25 @@ DTYPES = (torch.bfloat16, torch.float16)
 INT32_MAX = 2**31 - 1
 
 
-def check_operands(a, b, split_sizes, b_n_major):
-    """(E, N, K) of a bf16/fp16 grouped GEMM's ``a`` (T, K) and ``b`` (E, N, K), or (E, K, N) where
-    ``b_n_major``. Host-side checks only: the split sizes' sum is not checked (that would sync). Rows past
-    sum(split_sizes) are left unwritten; a sum past T never writes past T."""
+def check_pair(a, b, split_sizes, names: tuple[str, str], what: str) -> None:
+    """Two 16-bit operands of one dtype on one CUDA device, and integer split sizes; ``names``
+    and ``what`` (the GEMM) say which in the errors."""
+    first, second = names
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        raise TypeError("a and b must be torch tensors")
+        raise TypeError(f"{first} and {second} must be torch tensors")
     if not isinstance(split_sizes, torch.Tensor) or split_sizes.is_floating_point():
         raise TypeError("split_sizes must be an integer torch tensor")
     if not (a.is_cuda and b.is_cuda) or a.device != b.device:
-        raise ValueError(f"a and b must be on one CUDA device, got {a.device} and {b.device}")
+        raise ValueError(f"{first} and {second} must be on one CUDA device, got {a.device} and {b.device}")
     if a.dtype not in DTYPES or b.dtype != a.dtype:
-        raise TypeError(f"grouped GEMM takes bf16 or fp16 operands of one dtype, got {a.dtype} and {b.dtype}")
+        raise TypeError(f"{what} takes bf16 or fp16 operands of one dtype, got {a.dtype} and {b.dtype}")
+
+
+def check_operands(a, b, split_sizes, b_n_major):
+    """(E, N, K) of a bf16/fp16 grouped GEMM's ``a`` (T, K) and ``b`` (E, N, K), or (E, K, N) where
+    ``b_n_major``. Host-side checks only: the split sizes' sum is not checked (that would sync).
+    Rows past sum(split_sizes) are left unwritten; a sum past T never writes past T."""
+    check_pair(a, b, split_sizes, ("a", "b"), "grouped GEMM")
     if a.dim() != 2 or b.dim() != 3:
         raise ValueError("a must be (T, K) and b (E, N, K) / (E, K, N)")
     e = b.shape[0]
