@@ -161,3 +161,14 @@ def test_te_versions_read_as_numbers(monkeypatch):
     for raw, expected in (("2.20.2", (2, 20, 2)), ("2.21.0.dev0+abc123", (2, 21, 0)), ("2.20", (2, 20)), ("x", ())):
         monkeypatch.setattr(transformer_engine, "__version__", raw)
         assert te_internals.installed_te_version() == expected
+
+
+def test_the_kernels_module_map_in_the_docs_names_every_kernels_module():
+    """docs/fused-mlp.md tells a maintainer which kernels module does what; a module added,
+    renamed or removed without the map fails here."""
+    text = (Path(te_offload_ops.__file__).parent.parent / "docs" / "fused-mlp.md").read_text()
+    table = text.split("Where the code lives", 1)[1].split("\n\n", 2)[1]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    mapped = {name for row in rows for name in row.split("|")[1].replace("`", "").replace(" ", "").split(",")}
+    modules = {name for name in _modules() if name.startswith("te_offload_ops.kernels.")}
+    assert mapped == {name.rsplit(".", 1)[1] for name in modules}
