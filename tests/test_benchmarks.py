@@ -509,7 +509,7 @@ def test_fp8_epilogue_page_sets_each_variant_against_the_shipped_kernel_and_flag
     row["same_bits"] = {"direct": False}
     assert "| NO: direct |" in afe.markdown(result)
     assert afe.EPILOGUES["shipped"] is None
-    assert set(afe.EPILOGUES) == {"shipped", "direct", "per warpgroup", "no stores"}
+    assert set(afe.EPILOGUES) == {"shipped", "one barrier", "direct", "no stores"}
 
 
 @pytest.mark.gpu

@@ -471,25 +471,41 @@ def test_fp8_fault_isolation_variant_drops_only_the_scale_copy(monkeypatch):
 
 
 @needs_dsl
-def test_the_epilogue_experiments_variants_compile_without_spills_and_leave_the_kernel_as_it_was(monkeypatch):
-    """benchmarks/experiments/ablate_fp8_epilogue.py's two storing variants compile for sm_90a at an
-    MLP shape without spills, each storing as it says: ``direct`` 4-byte column pairs with no
-    barrier, ``per warpgroup`` 16-byte row vectors behind 128-thread barriers."""
+def test_the_warpgroups_staging_barriers_are_not_the_tile_wide_ones():
+    """A named barrier id takes one thread count at a time: in the dsrelu_q epilogue one warpgroup
+    reaches the tile-wide barrier (256 threads) while the other may still stage behind its own
+    (128), so the per-warpgroup ids must differ from every tile-wide id the kernels use."""
+    from te_offload_ops.kernels import gemm_fp8_sm90, gemm_sm90
+
+    own = {gemm_fp8_sm90._WG_EPI_BARRIER + wg for wg in (0, 1)}
+    shared = {gemm_sm90._EPI_BARRIER, gemm_sm90._MASK_BARRIER, gemm_sm90._ORDER_BARRIER, gemm_sm90._ORDER_BARRIER + 1}
+    assert not own & shared and 0 not in own and max(own) < 16  # 0: __syncthreads; 16 ids in all
+
+
+@needs_dsl
+def test_the_plain_epilogue_stores_per_warpgroup_and_the_experiments_variants_leave_the_kernel_as_it_was(
+        monkeypatch):
+    """The FP8 GEMM's plain epilogue stores 16-byte row vectors behind barriers of one warpgroup's
+    128 threads (neither math warpgroup waits for the other at a tile's end); the storing variants of
+    benchmarks/experiments/ablate_fp8_epilogue.py compile for sm_90a at an MLP shape without spills,
+    each storing as it says: ``one barrier`` the same vectors behind the tile's 256-thread barriers,
+    ``direct`` 4-byte column pairs with no barrier."""
     bench = Path(__file__).resolve().parent.parent / "benchmarks"
     monkeypatch.syspath_prepend(str(bench))
     monkeypatch.syspath_prepend(str(bench / "experiments"))
     import ablate_fp8_epilogue as afe
     from te_offload_ops.kernels.gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
-    shipped = GroupedGemmFp8Sm90._epilogue
-    made = afe._kernels(2688, 1856, 8, ["direct", "per warpgroup"], options="--keep-ptx --keep-cubin")
-    assert GroupedGemmFp8Sm90._epilogue is shipped
+    shipped = GroupedGemmFp8Sm90._epilogue_plain
+    made = afe._kernels(2688, 1856, 8, ["shipped", "one barrier", "direct"], options="--keep-ptx --keep-cubin")
+    assert GroupedGemmFp8Sm90._epilogue_plain is shipped
     ptx = {name: str(compiled.artifacts.PTX) for name, (_, compiled, _) in made.items()}
     for _, compiled, _ in made.values():
         _resource_usage(compiled)
     barriers = {name: re.findall(r"bar\.sync\s+\S+,\s*(\d+);", text) for name, text in ptx.items()}
+    assert re.search(r"st\.global\.v4\.b32", ptx["shipped"]) and set(barriers["shipped"]) == {"128"}
+    assert re.search(r"st\.global\.v4\.b32", ptx["one barrier"]) and set(barriers["one barrier"]) == {"256"}
     assert re.search(r"st\.global\.v2\.b16", ptx["direct"]) and barriers["direct"] == []
-    assert re.search(r"st\.global\.v4\.b32", ptx["per warpgroup"]) and set(barriers["per warpgroup"]) == {"128"}
 
 
 # (M, N, E, epilogue, tile or None, output dtype): the FP8 weight gradient's forms at the MLP's

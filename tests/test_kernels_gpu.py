@@ -431,7 +431,7 @@ def test_call_conventions_give_the_same_bits(monkeypatch):
 def test_kernels_launch_on_the_current_stream(monkeypatch, call):
     """A kernel queued behind a long sleep on one stream has not written its output while the
     sleep runs; the same launch on an idle stream has (the control: the read sees writes)."""
-    from te_offload_ops.kernels import api, availability, registry
+    from te_offload_ops.kernels import api, availability, launch, registry
 
     if call == "tvm-ffi" and not availability.has_tvm_ffi():
         pytest.skip("apache-tvm-ffi is not installed")
@@ -442,7 +442,7 @@ def test_kernels_launch_on_the_current_stream(monkeypatch, call):
     behind, idle = (torch.full((x.shape[0], 128), float("nan"), device="cuda", dtype=torch.bfloat16)
                     for _ in range(2))
 
-    def launch(c):
+    def run_into(c):
         launch.launch_gemm(kern, compiled, [(x, "m"), (w, "m"), (c, "m"), (s32, "i32"), (x, "vec"), (c, "m"),
                                      (c, "m"), (s32, "f32")], x.shape[0])
 
@@ -451,15 +451,15 @@ def test_kernels_launch_on_the_current_stream(monkeypatch, call):
         # pinned, non-blocking copies on a third stream wait for nothing else
         snaps = [torch.empty(c.shape, dtype=c.dtype, pin_memory=True) for c in (behind, idle)]
         sleeping, free, reader = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
-        launch(behind)  # the first launch loads the module, which waits for the whole device
+        run_into(behind)  # the first launch loads the module, which waits for the whole device
         behind.fill_(float("nan"))
         torch.cuda.synchronize()
         with torch.cuda.stream(sleeping):
             for _ in range(3):
                 torch.cuda._sleep(2_000_000_000)  # about a second each
-            launch(behind)
+            run_into(behind)
         with torch.cuda.stream(free):
-            launch(idle)
+            run_into(idle)
         free.synchronize()
         with torch.cuda.stream(reader):
             for snap, c in zip(snaps, (behind, idle)):

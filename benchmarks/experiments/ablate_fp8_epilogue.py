@@ -1,14 +1,14 @@
 """What the grouped FP8 GEMM's epilogue costs, timed interleaved at the forward GEMMs' shapes:
 
 * ``shipped``: the kernel as it ships (each tile staged through shared memory, 64 columns at a
-  time, and stored by the threads as 16-byte row vectors, predicated; barriers between the two
-  math warpgroups around each chunk);
+  time, and stored by the threads as 16-byte row vectors, predicated; each math warpgroup stages
+  and stores its own 64 rows and meets only its own 128 threads at a barrier);
+* ``one barrier``: the same staging and stores, both math warpgroups meeting at one tile-wide
+  barrier around each chunk (the bf16 kernel's staged epilogue, which the FP8 kernel inherits);
+  its output is checked bit for bit against the shipped kernel's on uneven splits;
 * ``direct``: the same kernel storing each thread's column pairs straight from the accumulator
   layout (4-byte stores, a quad's lanes covering 16 bytes of a row), predicated, with no staging
-  and no barrier; its output is checked bit for bit against the shipped kernel's on uneven splits;
-* ``per warpgroup``: the shipped staging and 16-byte stores, each math warpgroup on its own 64
-  rows with barriers of its own 128 threads (neither waits for the other at a tile's end); its
-  output checked as ``direct``'s;
+  and no barrier; its output checked as ``one barrier``'s;
 * ``no stores``: the tile's sums computed and nothing written (wrong output: the time without
   the epilogue's rounding, staging, stores and barriers), a bound on what any faster epilogue
   could buy at each K, not a kernel.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -41,14 +42,13 @@ TOKENS = (2048, 8192)
 
 
 def _no_store_epilogue():
-    """An ``_epilogue`` that sums the tile's accumulators and stores nothing (a branch no thread
+    """An ``_epilogue_plain`` that sums the tile's accumulators and stores nothing (a branch no thread
     takes keeps the sums, and so the promotion, live)."""
     import cutlass
     import cutlass.cute as cute
 
     @cute.jit
-    def _epilogue(self, etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r, thr_mma, c_id, thr_cp,
-                  cp_id, st, m_c, m_z, m_act, m_part):
+    def _epilogue(self, etid, cwg, n_blk, row0, rows_here, cols_here, acc, thr_mma, c_id, st, m_c):
         total = cutlass.Float32(0.0)
         for i in cutlass.range_constexpr(cute.size(acc)):
             total = total + acc[i]
@@ -61,15 +61,14 @@ def _no_store_epilogue():
 
 
 def _direct_epilogue():
-    """An ``_epilogue`` that stores the tile straight from the accumulator layout: each thread's
+    """An ``_epilogue_plain`` that stores the tile straight from the accumulator layout: each thread's
     column pairs (4 bytes; a quad's four lanes cover 16 bytes of a row), predicated on the row and
     column, with no staging through shared memory and so no barrier between the math warpgroups."""
     import cutlass
     import cutlass.cute as cute
 
     @cute.jit
-    def _epilogue(self, etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r, thr_mma, c_id, thr_cp,
-                  cp_id, st, m_c, m_z, m_act, m_part):
+    def _epilogue(self, etid, cwg, n_blk, row0, rows_here, cols_here, acc, thr_mma, c_id, st, m_c):
         bm, bn = self.bm, self.bn
         # 64-bit: row0 * N passes 2^31 for operands past 2^31 elements; N % 8 == 0 and even columns
         ptr = (m_c.iterator + (cutlass.Int64(row0) * self.n + n_blk * bn)).align(4)
@@ -90,61 +89,28 @@ def _direct_epilogue():
     return _epilogue
 
 
-def _warpgroup_epilogue():
-    """The shipped epilogue's staging and 16-byte stores, each math warpgroup on its own 64 rows
-    with barriers of its own 128 threads: neither waits for the other at a tile's end."""
+def _one_barrier_epilogue():
+    """An ``_epilogue_plain`` that hands the tile to the bf16 kernel's staged epilogue: the same
+    staging and 16-byte stores, both math warpgroups at one tile-wide barrier around each chunk."""
     import cutlass
     import cutlass.cute as cute
 
-    from te_offload_ops.kernels.gemm_sm90 import _EPI_BARRIER, _WG
+    from te_offload_ops.kernels.gemm_sm90 import GroupedGemmSm90
 
     @cute.jit
-    def _epilogue(self, etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, z_r, thr_mma, c_id, thr_cp,
-                  cp_id, st, m_c, m_z, m_act, m_part):
-        bm, bn, cols = self.bm, self.bn, self.epi_cols
-        half = bm // 2  # a warpgroup's rows: its 64-row WGMMA slab
-        n_chunks = bn // cols
-        base = st.epi.data_ptr()
-        # column c of the tile lands in staged column c % cols (stride 0 across the chunks)
-        c_s = thr_mma.partition_C(cute.make_tensor(base, cute.make_layout((bm, (cols, n_chunks)),
-                                                                          stride=(self.epi_row, (1, 0)))))
-        vec = 128 // self.dtype.width
-        per_row = cols // vec
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        copy = cute.make_tiled_copy_tv(atom, cute.make_layout((_WG // per_row, per_row), stride=(per_row, 1)),
-                                       cute.make_layout((1, vec)))
-        thr = copy.get_slice(etid - cwg * _WG)
-        cp_s = thr.partition_S(cute.make_tensor(base + cwg * half * self.epi_row,
-                                                cute.make_layout((half, cols), stride=(self.epi_row, 1))))
-        ids = thr.partition_S(cute.make_identity_tensor((half, cols)))
-        bar_id = _EPI_BARRIER + cwg
-        shp = acc.shape
-        n_pair, n_half = cute.size(shp[0][0]), cute.size(shp[0][1])
-        grp_per_chunk = cols // 8
-        for ch in cutlass.range_constexpr(n_chunks):
-            for mm in cutlass.range_constexpr(cute.size(shp[1])):
-                for h in cutlass.range_constexpr(n_half):
-                    for g in cutlass.range_constexpr(ch * grp_per_chunk, (ch + 1) * grp_per_chunk):
-                        for pr in cutlass.range_constexpr(n_pair):
-                            crd = ((pr, h, g), mm, 0)
-                            c_s[crd] = acc[crd].to(self.dtype)
-            cute.arch.barrier(barrier_id=bar_id, number_of_threads=_WG)
-            col0 = n_blk * bn + ch * cols
-            # the warpgroup's rows of the chunk: the top half of the (BM, cols) chunk at its first row
-            cp_g = thr.partition_D(cute.local_tile(self._chunk(m_c, row0 + cwg * half, col0), (half, cols), (0, 0)))
-            for i in cutlass.range_constexpr(cute.size(ids, mode=[1])):
-                for j in cutlass.range_constexpr(cute.size(ids, mode=[2])):
-                    crd = ids[0, i, j]
-                    if crd[0] + cwg * half < rows_here:
-                        if crd[1] + ch * cols < cols_here:
-                            cute.autovec_copy(cp_s[None, i, j], cp_g[None, i, j])
-            cute.arch.barrier(barrier_id=bar_id, number_of_threads=_WG)
+    def _epilogue(self, etid, cwg, n_blk, row0, rows_here, cols_here, acc, thr_mma, c_id, st, m_c):
+        thr_cp = self._staging_copy().get_slice(etid)
+        cp_id = thr_cp.partition_S(cute.make_identity_tensor((self.bm, self.epi_cols)))
+        n_rows = cute.size(acc.shape[0][1]) * cute.size(acc.shape[1])
+        prob_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)  # plain: read by none
+        GroupedGemmSm90._epilogue(self, etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, [], thr_mma,
+                                  c_id, thr_cp, cp_id, st, m_c, m_c, m_c, m_c)
 
     return _epilogue
 
 
 # the epilogue each variant compiles with (None: the kernel's own); "no stores" is a bound
-EPILOGUES = {"shipped": None, "direct": _direct_epilogue, "per warpgroup": _warpgroup_epilogue,
+EPILOGUES = {"shipped": None, "one barrier": _one_barrier_epilogue, "direct": _direct_epilogue,
              "no stores": _no_store_epilogue}
 
 
@@ -153,15 +119,15 @@ def _kernels(n: int, k: int, e: int, names, options=None):
     from te_offload_ops.kernels import api_fp8
     from te_offload_ops.kernels.gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
-    original = GroupedGemmFp8Sm90._epilogue
+    original = GroupedGemmFp8Sm90._epilogue_plain
     out = {}
     try:
         for name in names:
             make = EPILOGUES[name]
-            GroupedGemmFp8Sm90._epilogue = original if make is None else make()
+            GroupedGemmFp8Sm90._epilogue_plain = original if make is None else make()
             out[name] = api_fp8.compile_variant_fp8(n, k, e, options=options)
     finally:
-        GroupedGemmFp8Sm90._epilogue = original
+        GroupedGemmFp8Sm90._epilogue_plain = original
     return out
 
 
@@ -231,7 +197,7 @@ def measure(args) -> dict:
             torch.cuda.empty_cache()
     return {"gpu": torch.cuda.get_device_name(), "date": utc_now(), "experts": e, "reps": args.reps,
             "variants": args.variants,
-            "inner": args.inner, "command": " ".join(["python3", "benchmarks/experiments/ablate_fp8_epilogue.py",
+            "inner": args.inner, "command": shlex.join(["python3", "benchmarks/experiments/ablate_fp8_epilogue.py",
                                                        *sys.argv[1:]]),
             "call_convention": availability.kernel_call_convention(), "rows": rows}
 
@@ -242,8 +208,9 @@ def markdown(result: dict) -> str:
     lines = [f"# Grouped FP8 GEMM: what its epilogue costs, {result['gpu']} ({result['date']})", "",
              f"E={result['experts']}, even splits; TFLOP/s from GPU time per call with the host ahead, medians of "
              f"{result['reps']} interleaved rounds. shipped: the kernel's own epilogue (staged through shared "
-             "memory); direct: stores from the accumulator layout, no staging; per warpgroup: the shipped staging with each warpgroup's own barriers; no stores: the sums computed, "
-             "nothing written (a bound, not a kernel). Same bits: the storing variants' outputs against the "
+             "memory, each warpgroup its own rows and barriers); one barrier: the same staging, both warpgroups "
+             "at one tile-wide barrier; direct: stores from the accumulator layout, no staging; no stores: the "
+             "sums computed, nothing written (a bound, not a kernel). Same bits: the storing variants' outputs against the "
              f"shipped one's on uneven splits. Command: `{result['command']}`", "",
              "| tokens/expert | N | K | promotion | " + " | ".join(f"{n} TFLOP/s" for n in names) + " | "
              + " | ".join(f"{n} / shipped" for n in others) + " | same bits | SM MHz (lowest) | W |",

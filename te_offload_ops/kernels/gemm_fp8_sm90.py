@@ -80,7 +80,9 @@ summed in another order than the row pass's).
 Schedule
 --------
 Persistent and warp-specialized like :mod:`.gemm_sm90` (whose tile scheduling, split-size
-handling, cluster pairs and staged, predicated epilogue this class inherits): warpgroup 0's first
+handling and cluster pairs this class inherits; its bf16 outputs leave staged and predicated as
+that kernel's do, but each math warpgroup stages its own 64 rows behind its own barrier, so
+neither waits for the other at a tile's end): warpgroup 0's first
 warp issues TMA loads of A, B and the A scales into a ``stages``-deep pipeline and runs ahead
 across tiles; warpgroups 1 and 2 each own 64 rows of the 128 x BN tile (cooperative). Tiles may
 start mid-matrix (rows are not aligned to 128 per expert): rows of the next expert are read into
@@ -112,6 +114,9 @@ _SA_ALIGN = 4
 _SA_STAGE_FLOATS = 32 * -(-(128 + _SA_ALIGN) // 32)
 # C in bf16/fp16; fc1's z and act quantized; fc2's dgrad with the SReLU backward (see the module's docstring)
 FP8_EPILOGUES = ("plain", "srelu_q", "dsrelu_q")
+# each math warpgroup's own staging barrier (ids 7 and 8): apart from the tile-wide epilogue barrier,
+# which one warpgroup may reach while the other still stages (a barrier id takes one thread count)
+_WG_EPI_BARRIER = 7
 _Q_PAD = 16  # bytes past each staged FP8 row: rows 16-byte aligned, quads' stores spread over banks
 _E4M3_MAX = 448.0
 _F32_MAX = 3.4028234663852886e38
@@ -447,8 +452,6 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 rows[mm * n_half + h] = c_id[(0, h, 0), mm, 0][0]
         sa_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
         sa_r2 = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        thr_cp = self._staging_copy().get_slice(etid)
-        cp_id = thr_cp.partition_S(cute.make_identity_tensor((bm, self.epi_cols)))
         prob_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)  # the plain epilogue reads none
         m_prob = q_args[0]
         z_r = cute.make_rmem_tensor(c_id.shape, cutlass.Float8E4M3FN)  # dsrelu_q: the tile's saved z
@@ -551,10 +554,9 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                                        c_id, st, q_args)
             elif cutlass.const_expr(self.fp8_epilogue == "dsrelu_q"):
                 self._epilogue_dsrelu_q(etid, cwg, n_blk, row0, rows_here, cols_here, acc, tmp, prob_r, z_r, zs_r,
-                                        thr_mma, c_id, thr_cp, cp_id, st, m_c, q_args)
+                                        thr_mma, c_id, st, m_c, q_args)
             else:
-                self._epilogue(etid, cwg, n_blk, row0, rows_here, cols_here, acc, prob_r, [], thr_mma, c_id,
-                               thr_cp, cp_id, st, m_c, m_c, m_c, m_c)
+                self._epilogue_plain(etid, cwg, n_blk, row0, rows_here, cols_here, acc, thr_mma, c_id, st, m_c)
             tile = tile + num_clusters
 
     @cute.jit
@@ -693,7 +695,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 
     @cute.jit
     def _epilogue_dsrelu_q(self, etid, cwg, n_blk, row0, rows_here, cols_here, acc, tmp, prob_r, z_r, zs_r,
-                           thr_mma, c_id, thr_cp, cp_id, st, m_c, q_args):
+                           thr_mma, c_id, st, m_c, q_args):
         """fc2's dgrad tile -> the SReLU backward, as :func:`..fp8_rows.dsrelu_quantize` computes it.
 
         Per element, from ``dact = f32(round(acc))`` and the saved FP8 z: ``r = relu(z * zs)``,
@@ -727,15 +729,27 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                         dz_max = cute.arch.fmax(dz_max, self._abs(dz))
                 dz_scale[i] = self._row_amax_scale(dz_max, eps)
                 self._store_row_partial(s, c_id[(0, h, 0), mm, 0][0], etid, row0, rows_here, n_blk, m_part)
-        self._store_staged(etid, cwg, n_blk, row0, rows_here, cols_here, acc, m_c, thr_mma, thr_cp, cp_id, st)
-        self._store_staged(etid, cwg, n_blk, row0, rows_here, cols_here, tmp, m_c2, thr_mma, thr_cp, cp_id, st)
+        self._store_staged(etid, cwg, n_blk, row0, rows_here, cols_here, acc, m_c, thr_mma, st)
+        self._store_staged(etid, cwg, n_blk, row0, rows_here, cols_here, tmp, m_c2, thr_mma, st)
+        # the FP8 rows' staging spans both warpgroups' halves of the bf16 staging: both must be done
+        bar_id, n_threads = self._bar(_EPI_BARRIER, cwg)
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
         self._store_fp8(etid, cwg, n_blk, row0, rows_here, cols_here, acc, dz_scale, m_q, m_q_s, thr_mma, c_id, st)
 
     @cute.jit
-    def _store_staged(self, etid, cwg, n_blk, row0, rows_here, cols_here, vals, m_out, thr_mma, thr_cp, cp_id, st):
+    def _epilogue_plain(self, etid, cwg, n_blk, row0, rows_here, cols_here, acc, thr_mma, c_id, st, m_c):
+        """C: the tile's sums in the output dtype (``c_id`` unused here; an epilogue that stores
+        from the accumulator layout needs it)."""
+        self._store_staged(etid, cwg, n_blk, row0, rows_here, cols_here, acc, m_c, thr_mma, st)
+
+    @cute.jit
+    def _store_staged(self, etid, cwg, n_blk, row0, rows_here, cols_here, vals, m_out, thr_mma, st):
         """Values already in the output dtype's range -> ``m_out`` in that dtype, through the staging
-        buffer ``epi_cols`` columns at a time, as C leaves."""
+        buffer ``epi_cols`` columns at a time, as C leaves. Each math warpgroup stages and stores the
+        64 rows its WGMMAs hold, meeting only its own 128 threads at a named barrier: neither waits
+        for the other at a tile's end (docs/fp8.md)."""
         bm, bn, cols = self.bm, self.bn, self.epi_cols
+        half = bm // 2  # a warpgroup's rows: its 64-row WGMMA slab
         n_chunks = bn // cols
         shp = vals.shape
         n_pair, n_half, n_m = cute.size(shp[0][0]), cute.size(shp[0][1]), cute.size(shp[1])
@@ -744,8 +758,11 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         # column c of the tile lands in staged column c % epi_cols
         c_s = thr_mma.partition_C(cute.make_tensor(base, cute.make_layout((bm, (cols, n_chunks)),
                                                                           stride=(self.epi_row, (1, 0)))))
-        cp_s = thr_cp.partition_S(cute.make_tensor(base, cute.make_layout((bm, cols), stride=(self.epi_row, 1))))
-        bar_id, n_threads = self._bar(_EPI_BARRIER, cwg)
+        thr_cp = self._warpgroup_copy().get_slice(etid - cwg * _WG)
+        cp_s = thr_cp.partition_S(cute.make_tensor(base + cwg * half * self.epi_row,
+                                                   cute.make_layout((half, cols), stride=(self.epi_row, 1))))
+        cp_id = thr_cp.partition_S(cute.make_identity_tensor((half, cols)))
+        bar_id = _WG_EPI_BARRIER + cwg
         for ch in cutlass.range_constexpr(n_chunks):
             for mm in cutlass.range_constexpr(n_m):
                 for h in cutlass.range_constexpr(n_half):
@@ -753,15 +770,26 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                         for pr in cutlass.range_constexpr(n_pair):
                             crd = ((pr, h, g), mm, 0)
                             c_s[crd] = vals[crd].to(self.dtype)
-            cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
-            cp_g = thr_cp.partition_D(self._chunk(m_out, row0, n_blk * bn + ch * cols))
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=_WG)
+            # the warpgroup's rows: the top (half, cols) of a chunk that starts at its first row
+            chunk = self._chunk(m_out, row0 + cwg * half, n_blk * bn + ch * cols)
+            cp_g = thr_cp.partition_D(cute.local_tile(chunk, (half, cols), (0, 0)))
             for i in cutlass.range_constexpr(cute.size(cp_id, mode=[1])):
                 for j in cutlass.range_constexpr(cute.size(cp_id, mode=[2])):
                     crd = cp_id[0, i, j]
-                    if crd[0] < rows_here:
+                    if crd[0] + cwg * half < rows_here:
                         if crd[1] + ch * cols < cols_here:
                             cute.autovec_copy(cp_s[None, i, j], cp_g[None, i, j])
-            cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=_WG)
+
+    def _warpgroup_copy(self):
+        """Tiled copy of one warpgroup's (BM / 2, epi_cols) rows as 16-byte vectors, one thread per
+        16 bytes of a row."""
+        vec = 128 // self.dtype.width
+        per_row = self.epi_cols // vec
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        return cute.make_tiled_copy_tv(atom, cute.make_layout((_WG // per_row, per_row), stride=(per_row, 1)),
+                                       cute.make_layout((1, vec)))
 
     @cute.jit
     def _store_fp8(self, etid, cwg, n_blk, row0, rows_here, cols_here, vals, scales, m_data, m_s, thr_mma, c_id, st):
