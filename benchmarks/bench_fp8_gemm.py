@@ -6,7 +6,7 @@ Forward form ``C_e = A_e @ B_e^T`` at E experts x {2048, 4096, 8192} tokens per 
 rounds of ``--inner`` calls):
 
 * ``fp8``: ``kernels.grouped_gemm_fp8_blockwise``, default tile (128 x 128), serial promotion
-  (whatever $TEO_FP8_PROMOTION says), on operands quantized
+  (``promotion="serial"``, whatever $TEO_FP8_PROMOTION says), on operands quantized
   by TE's ``Float8BlockQuantizer`` (A 1x128 over all tokens, each expert's weight 128x128);
 * ``fp8 overlap``: the same with the overlapped promotion (the entry points' default: the next
   128-K block's WGMMAs run while a block is promoted);
@@ -169,7 +169,7 @@ def markdown(result: dict) -> str:
              "|---|---|---|" + "---|" * (len(CONTENDERS) + 6)]
     for r in result["rows"]:
         c = r["contenders"]
-        tf = {name: c.get(name, {}).get("TFLOPs") for name in CONTENDERS}  # older files lack a contender
+        tf = {name: c.get(name, {}).get("TFLOPs") for name in CONTENDERS}  # a result file may lack a contender
         cells = [f"{tf[name]:.0f}" if tf[name] else "n/a" for name in CONTENDERS]
         ours = tf["fp8 overlap"] or tf["fp8"]
         ratio_bf16 = f"{ours / tf['bf16']:.2f}" if ours and tf["bf16"] else "n/a"

@@ -40,9 +40,9 @@ def test_memory_freed_matches_bytes_moved(num_layers, path):
     """At the end of forward (copies done) >= 95% of the moved bytes are free; at the forward's peak,
     >= 95% of what the layers before the last moved (the last layer's own saves are alive at its peak
     under either engine). The peak asserted is memory_allocated's, which counts a block as free once
-    the engine drops it: it checks that the engine lets go of what it moves. (teo now drops a
-    layer's bytes only after a stream waited for their copy, so the allocator's active peak, printed,
-    should agree; the benchmark reports that one.)"""
+    the engine drops it: it checks that the engine lets go of what it moves. (teo drops a layer's
+    bytes only after a stream waited for their copy, so the allocator's active peak, printed, should
+    agree; the benchmark reports that one.)"""
     cfg = Config(layers=LAYERS, experts=4, hidden=1024, ffn=768, splits=(1024, 0, 3000, 72))
     stack, inputs = make_stack(cfg), make_inputs(cfg)
     base = run_step(stack, inputs, "none")

@@ -204,6 +204,12 @@ def test_dsrelu_quantize_epilogue_compiles_to_the_row_pass_arithmetic(n, k, e, o
     assert len(re.findall(r"and\.b32\s+%r\d+, %r\d+, -8388608;", ptx)) == (2 if pow2 else 0)
     # dz and act: 128 x BN x 2 bytes each, dz's FP8 rows 128 x BN, in 16-byte vectors over 256 threads
     assert len(re.findall(r"st\.global\.v4", ptx)) == (2 * 128 * bn * 2 + 128 * bn) // 16 // 256
+    # dz and act staged behind each warpgroup's own barrier (128 threads, its id in a register); the
+    # tile's 256 threads meet only at the tile-wide id
+    from te_offload_ops.kernels.gemm_fp8_sm90 import _TILE_EPI_BARRIER
+
+    assert re.search(r"bar\.sync\s+%r\d+,\s*128;", ptx)
+    assert set(re.findall(r"bar\.sync\s+(\S+),\s*256;", ptx)) == {str(_TILE_EPI_BARRIER)}
     _resource_usage(compiled)
 
 
@@ -471,15 +477,15 @@ def test_fp8_fault_isolation_variant_drops_only_the_scale_copy(monkeypatch):
 
 
 @needs_dsl
-def test_the_warpgroups_staging_barriers_are_not_the_tile_wide_ones():
+def test_the_warpgroups_staging_barriers_are_not_the_tile_wide_one():
     """A named barrier id takes one thread count at a time: in the dsrelu_q epilogue one warpgroup
     reaches the tile-wide barrier (256 threads) while the other may still stage behind its own
-    (128), so the per-warpgroup ids must differ from every tile-wide id the kernels use."""
-    from te_offload_ops.kernels import gemm_fp8_sm90, gemm_sm90
+    (128), so the tile-wide id must be neither warpgroup's."""
+    from te_offload_ops.kernels.gemm_fp8_sm90 import _TILE_EPI_BARRIER, _WG_EPI_BARRIER
 
-    own = {gemm_fp8_sm90._WG_EPI_BARRIER + wg for wg in (0, 1)}
-    shared = {gemm_sm90._EPI_BARRIER, gemm_sm90._MASK_BARRIER, gemm_sm90._ORDER_BARRIER, gemm_sm90._ORDER_BARRIER + 1}
-    assert not own & shared and 0 not in own and max(own) < 16  # 0: __syncthreads; 16 ids in all
+    own = {_WG_EPI_BARRIER + wg for wg in (0, 1)}
+    assert _TILE_EPI_BARRIER not in own
+    assert 0 not in own | {_TILE_EPI_BARRIER} and max(own | {_TILE_EPI_BARRIER}) < 16  # 0: __syncthreads
 
 
 @needs_dsl

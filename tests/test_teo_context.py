@@ -174,7 +174,7 @@ def test_a_forward_cut_between_layers_lets_the_next_step_start_at_layer_0(num_la
     assert step() == [0, 1, 2, 3]
     with pytest.raises(RuntimeError, match="the router's error"):
         step(fail_after=1)
-    assert step() == [0, 1, 2, 3]  # was [2, 3, 0, 1], the step's end falling after its second layer
+    assert step() == [0, 1, 2, 3]  # not [2, 3, 0, 1]: a failed step's layers do not carry into the next
     assert step() == [0, 1, 2, 3]
 
 

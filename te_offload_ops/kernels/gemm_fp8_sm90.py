@@ -114,9 +114,11 @@ _SA_ALIGN = 4
 _SA_STAGE_FLOATS = 32 * -(-(128 + _SA_ALIGN) // 32)
 # C in bf16/fp16; fc1's z and act quantized; fc2's dgrad with the SReLU backward (see the module's docstring)
 FP8_EPILOGUES = ("plain", "srelu_q", "dsrelu_q")
-# each math warpgroup's own staging barrier (ids 7 and 8): apart from the tile-wide epilogue barrier,
-# which one warpgroup may reach while the other still stages (a barrier id takes one thread count)
-_WG_EPI_BARRIER = 7
+# Named barriers of the epilogues. Each math warpgroup stages behind its own (ids 1 and 2: the
+# warpgroup's index, already in a register); the tile-wide one (256 threads) has an id of its own,
+# as one warpgroup may reach it while the other still stages (an id takes one thread count)
+_WG_EPI_BARRIER = _EPI_BARRIER
+_TILE_EPI_BARRIER = 4
 _Q_PAD = 16  # bytes past each staged FP8 row: rows 16-byte aligned, quads' stores spread over banks
 _E4M3_MAX = 448.0
 _F32_MAX = 3.4028234663852886e38
@@ -732,8 +734,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         self._store_staged(etid, cwg, n_blk, row0, rows_here, cols_here, acc, m_c, thr_mma, st)
         self._store_staged(etid, cwg, n_blk, row0, rows_here, cols_here, tmp, m_c2, thr_mma, st)
         # the FP8 rows' staging spans both warpgroups' halves of the bf16 staging: both must be done
-        bar_id, n_threads = self._bar(_EPI_BARRIER, cwg)
-        cute.arch.barrier(barrier_id=bar_id, number_of_threads=n_threads)
+        cute.arch.barrier(barrier_id=_TILE_EPI_BARRIER, number_of_threads=self.tile_threads)
         self._store_fp8(etid, cwg, n_blk, row0, rows_here, cols_here, acc, dz_scale, m_q, m_q_s, thr_mma, c_id, st)
 
     @cute.jit
@@ -799,7 +800,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         bm, bn = self.bm, self.bn
         f8 = cutlass.Float8E4M3FN
         n_pair, n_half, n_grp, n_m = _fragment_dims(vals)
-        bar_id, n_threads = self._bar(_EPI_BARRIER, cwg)
+        bar_id, n_threads = _TILE_EPI_BARRIER, self.tile_threads
         staged = cute.make_tensor(cute.recast_ptr(st.epi.data_ptr(), dtype=f8),
                                   cute.make_layout((bm, bn), stride=(self.q_row, 1)))
         c_staged = thr_mma.partition_C(staged)

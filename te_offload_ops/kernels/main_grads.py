@@ -101,7 +101,7 @@ def vector_aligned(bufs) -> bool:
     return all(g.data_ptr() % 8 == 0 for g in bufs)
 
 
-MAIN_GRAD_ADD_ENV = "TEO_MAIN_GRAD_ADD"  # "tma" (default), "red" or "rmw": how the kernel adds into main_grad
+MAIN_GRAD_ADD_ENV = "TEO_MAIN_GRAD_ADD"  # "tma", "red" or "rmw": how the kernel adds into main_grad (unset: main_grad_way)
 MAIN_GRAD_ADDS = {"rmw": "acc_f32", "red": "red_f32", "tma": "tma_f32"}
 
 
