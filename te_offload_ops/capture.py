@@ -2,14 +2,16 @@
 
 The fused Hopper MLP never reads split sizes on the host, so its forward and backward can be
 captured (``torch.cuda.graph`` or TE's ``make_graphed_callables``) and replayed with new routing.
-What cannot be captured is refused here with a :class:`GraphCaptureError` that says what to
+What cannot be captured is refused with a :class:`GraphCaptureError` (defined here; the checks
+for TE's ops and engines live here, the kernels' and teo's where those run) that says what to
 change, raised before any kernel of the call is queued, so the capture ends cleanly:
 
 * TE's unfused ``GroupedLinear`` on its split path (it calls ``split_sizes.tolist()``, a sync);
 * a kernel's first call (compiling and loading the module): run one eager step first;
 * TE's V1 offload engine, and V2 without ``retain_pinned_cpu_buffers=True`` or before a warm-up
   step filled its pinned buffers (pinned memory allocated in a capture is freed after it while
-  the graph keeps copying into it).
+  the graph keeps copying into it);
+* teo, which offloads eagerly only.
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ V1_OFFLOAD_ATTR = te_internals.V1_MARKS[0]
 _KEPT_IN_ATTR = "_teo_kept_in"
 _LAST_SAVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # op -> forward of its last save
 _forward = 0
-# TE V2 leaves smaller saved tensors where they are (cpu_offload.py, _check_if_offload).
-MIN_OFFLOAD_NUMEL = 256 * 1024
+# TE V2 leaves smaller saved tensors where they are; every engine here follows its rule.
+MIN_OFFLOAD_NUMEL = te_internals.V2_MIN_OFFLOAD_NUMEL
 # The device whose saved tensors may move; a seam for CPU tests of engines, CUDA otherwise.
 OFFLOAD_DEVICE_TYPE = "cuda"
 

@@ -3,7 +3,8 @@
 Everything here is TE's own implementation, not its API: the CPU-offload module's globals, the
 marks its engines read on saved tensors and its synchronizer's and handler's internals, private
 attributes of TE's ``GroupedLinear`` and scaled-activation ops, and the private module
-``transformer_engine.pytorch.ops._common``; with them the few public calls of TE's offload module
+``transformer_engine.pytorch.ops._common`` (and torch's ``Module._parameters``, read where TE's
+ops register theirs); with them the few public calls of TE's offload module
 the package makes, so that one module speaks to TE's engines. The rest of the package calls these
 accessors, so a TE release that changes them breaks here, in one place, with a clear message.
 
@@ -127,6 +128,15 @@ def offload_ready_event(t: Any) -> Optional[torch.cuda.Event]:
 # that carries KEEP_MARK where it is; V1 offloads one that carries a V1 mark
 KEEP_MARK = "_TE_do_not_offload"
 V1_MARKS = ("activation_offloading", "needs_force_clear")
+
+
+# TE V2 leaves smaller saved tensors where they are (cpu_offload.py, _check_if_offload)
+V2_MIN_OFFLOAD_NUMEL = 256 * 1024
+
+
+def wants_base_offloaded(t: Any) -> bool:
+    """TE's ``start_offload`` mark on a view whose whole base is to be offloaded."""
+    return bool(getattr(t, "offload_base_tensor", False))
 
 
 def has_keep_mark(t: Any) -> bool:

@@ -1,5 +1,6 @@
-"""The fused MLP's forward a block of token rows at a time, so that ``act`` (fc2's input, never
-saved: the backward recomputes it) exists one block at a time instead of whole.
+"""Where the fused MLP's forward cuts its token rows into blocks, and each block's split sizes, so
+that ``act`` (fc2's input, never saved: the backward recomputes it) exists one block at a time
+instead of whole (the loop: ``srelu_mlp.FusedScaledSReLUMLP._forward_in_blocks``).
 
 fc1, SReLU and fc2 act on each token row alone, so the rows can be cut anywhere; a cut inside an
 expert's rows gives each side of it its own split size. Each GEMM element is accumulated in the

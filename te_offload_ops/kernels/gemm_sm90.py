@@ -80,6 +80,10 @@ Epilogues
             PART[n_block, row] = sum over the tile's columns of
             dact * relu(z)^2 (fp32, one writer per element: the host adds the
             n-block partial sums, so dprobs is deterministic).
+``acc_f32``, ``red_f32``, ``tma_f32``, ``store_f32``
+            the weight gradient into Megatron's fp32 main_grad buffers: added by
+            loads and stores, by L2 reductions or by TMA bulk reduce-adds, or
+            overwritten (:data:`.gemm_plan.MAIN_GRAD_EPILOGUES`).
 """
 
 from __future__ import annotations
@@ -424,7 +428,6 @@ class GroupedGemmSm90(GemmPlan):
         g_c: cute.Tensor,
         box_layout: cute.ComposedLayout,
     ):
-        bm, bn, bk = self.bm, self.bn, self.bk
         dtype = self.dtype
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()

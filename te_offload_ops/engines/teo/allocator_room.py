@@ -28,7 +28,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-__all__ = ["MODELLED_TORCH", "AllocatorView", "free_blocks", "mappable_bytes", "model_problem", "most_room", "short_of",
+__all__ = ["MODELLED_TORCH", "AllocatorView", "free_blocks", "model_problem", "most_room", "short_of",
            "unplaced"]
 
 _log = logging.getLogger(__name__)
@@ -223,11 +223,6 @@ def _view(device: torch.device) -> AllocatorView:
     view = AllocatorView(device)
     view.read()
     return view
-
-
-def mappable_bytes(device: torch.device) -> int:
-    """:meth:`AllocatorView.mappable` for ``device`` as it stands now."""
-    return _view(device).mappable()
 
 
 def short_of(sizes: Sequence[int], device: torch.device, stream: Optional[int] = None) -> list[int]:

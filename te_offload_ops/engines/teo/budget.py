@@ -1,5 +1,5 @@
 """teo's memory budget: bytes go back where memory would pass it, not on a layer schedule (the
-schedule, :class:`BudgetSchedule`, and the budget arithmetic :mod:`.measure` and the engine share).
+schedule, :class:`BudgetSchedule`, and the budget arithmetic :mod:`te_offload_ops.engines.measure` and the engine share).
 
 With ``memory_budget=B`` (bytes of ``torch.cuda.memory_allocated`` the step may reach) every
 offloaded tensor's GPU bytes stay until the host sees its copy end; the oldest still being copied
@@ -37,7 +37,8 @@ from .schedule import Schedule
 __all__ = ["BudgetSchedule", "Headroom", "check_target_options", "target_budget"]
 
 
-def _check_int(name: str, value: Any) -> None:
+def check_int(name: str, value: Any) -> None:
+    """Raises TypeError unless ``value`` is an int (a bool is not)."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
 
@@ -46,7 +47,7 @@ def check_target_options(*, num_layers: int, model_layers: int, freed: float, sl
     """Raises for the layers, share and slack :func:`target_budget` refuses: a caller that runs
     steps to measure the other figures refuses them before it runs any."""
     for name, value in (("num_layers", num_layers), ("model_layers", model_layers), ("slack_bytes", slack_bytes)):
-        _check_int(name, value)
+        check_int(name, value)
     if model_layers < 1 or not 0 <= num_layers <= model_layers:
         raise ValueError(f"need 0 <= num_layers <= model_layers and model_layers >= 1, got {num_layers}, {model_layers}")
     if isinstance(freed, bool) or not isinstance(freed, (int, float)) or not 0 < freed <= 1:
@@ -66,7 +67,7 @@ def target_budget(*, floor_bytes: int, no_offload_peak_bytes: int, moved_bytes: 
     place), so the target frees ``freed`` of the other ``L - 1`` layers' bytes."""
     for name, value in (("floor_bytes", floor_bytes), ("no_offload_peak_bytes", no_offload_peak_bytes),
                         ("moved_bytes", moved_bytes)):
-        _check_int(name, value)
+        check_int(name, value)
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     check_target_options(num_layers=num_layers, model_layers=model_layers, freed=freed, slack_bytes=slack_bytes)

@@ -37,7 +37,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ... import capture, hints, te_internals
-from .budget import BudgetSchedule
+from .budget import BudgetSchedule, check_int
 from .copies import CopyState, HostCopy, LayerCopies, Moved, StepCopies, queue_copy_to_host, queue_reload
 from .copies import wait_and_give_back
 from .plan import Keep, Move, Parts, plan_saved
@@ -64,24 +64,19 @@ class PartsHandle:
         self.shell, self.handles = shell, handles
 
 
-def _check_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-
-
 class TeoEngine:
     """Pack/unpack hooks behind one teo context (one model's layers); the schedule says when."""
 
     def __init__(self, num_layers: int, model_layers: int, *, counter: Any = None,
                  pool: Optional[PinnedBufferPool] = None, memory_budget: Optional[int] = None,
                  reload_ahead: int = 0):
-        _check_int("num_layers", num_layers)
-        _check_int("model_layers", model_layers)
-        _check_int("reload_ahead", reload_ahead)
+        check_int("num_layers", num_layers)
+        check_int("model_layers", model_layers)
+        check_int("reload_ahead", reload_ahead)
         if reload_ahead < 0:
             raise ValueError(f"reload_ahead must be >= 0 (layers), got {reload_ahead}")
         if memory_budget is not None:
-            _check_int("memory_budget", memory_budget)
+            check_int("memory_budget", memory_budget)
         if model_layers < 1:
             raise ValueError(f"model_layers must be >= 1, got {model_layers}")
         if not 0 <= num_layers <= model_layers:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 
-from ... import policy
+from ... import policy, te_internals
 
 __all__ = ["Keep", "Move", "Parts", "byte_span", "plan_saved"]
 
@@ -75,7 +75,7 @@ def plan_saved(t: torch.Tensor) -> Keep | Move | Parts:
         return Parts(shell, list(tensors), [None if p is None else plan_saved(p) for p in tensors])
     if type(t) is not torch.Tensor:
         return Keep(f"a {type(t).__name__}, a tensor subclass this engine does not take apart")
-    if getattr(t, "offload_base_tensor", False) and t._base is not None:
+    if te_internals.wants_base_offloaded(t) and t._base is not None:
         span = byte_span(t._base)
     elif not t.is_contiguous():
         return Keep(f"non-contiguous (shape {tuple(t.shape)}, stride {t.stride()}): TE V2 keeps these too")
