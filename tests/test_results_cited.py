@@ -1,6 +1,7 @@
 """The results pages and the result files agree: every file the docs cite is in benchmarks/results,
-and every file there is cited (by name, by a ``{a,b}`` pattern, or by ``..._suffix`` within a
-section that names its GPU), so no figure is quoted without its file and no file sits unexplained."""
+and every file there is cited (by name, by a ``{a,b}`` pattern, or by a ``..._suffix`` the pages
+use inside a section that names the GPU; the test takes a suffix as citing every file that ends
+with it, whichever GPU), so no figure is quoted without its file and no file sits unexplained."""
 
 from __future__ import annotations
 
