@@ -9,7 +9,9 @@ rounds of ``--inner`` calls):
   (``promotion="serial"``, whatever $TEO_FP8_PROMOTION says), on operands quantized
   by TE's ``Float8BlockQuantizer`` (A 1x128 over all tokens, each expert's weight 128x128);
 * ``fp8 overlap``: the same with the overlapped promotion (the entry points' default: the next
-  128-K block's WGMMAs run while a block is promoted);
+  128-K block's WGMMAs run while a block is promoted), in 2 x 2 clusters where the entry points
+  take them (an even n-block count, ``kernels.tiling.pick_cluster_m_fp8``);
+* ``fp8 overlap pair``: the same in CTA pairs only (``TEO_GEMM_CLUSTER_M=1``);
 * ``fp8 BN192``: the same with 128 x 192 tiles;
 * ``bf16``: ``kernels.grouped_gemm`` on the bf16 operands (its default schedule and tile);
 * ``te fp8``: TE's ``general_grouped_gemm`` as ``GroupedLinear`` calls it under
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import sys
 from pathlib import Path
 
@@ -43,7 +46,24 @@ from gpu_clocks import GpuClocks  # noqa: E402
 
 TOKENS = (2048, 4096, 8192)
 SHAPES = ((2048, 4096), (4096, 2048), (1792, 2688))
-CONTENDERS = ("fp8", "fp8 overlap", "fp8 BN192", "bf16", "te fp8")
+CONTENDERS = ("fp8", "fp8 overlap", "fp8 overlap pair", "fp8 BN192", "bf16", "te fp8")
+CLUSTER_M_ENV = "TEO_GEMM_CLUSTER_M"  # kernels.tiling.CLUSTER_M_ENV
+
+
+def _clusters(value, fn):
+    """``fn`` with $TEO_GEMM_CLUSTER_M set to ``value`` (None: unset, the entry points' choice)
+    while it picks its kernel."""
+    def call():
+        before = os.environ.pop(CLUSTER_M_ENV, None)
+        if value is not None:
+            os.environ[CLUSTER_M_ENV] = value
+        try:
+            return fn()
+        finally:
+            os.environ.pop(CLUSTER_M_ENV, None)
+            if before is not None:
+                os.environ[CLUSTER_M_ENV] = before
+    return call
 
 
 def _quantizer(dim):
@@ -72,11 +92,15 @@ def _case(e, tokens, n, k, torch):
     a, sa = xq._rowwise_data, xq._rowwise_scale_inv
     b = torch.stack([q._rowwise_data for q in wq])
     sb = torch.stack([q._rowwise_scale_inv for q in wq])
-    out8, out8o, out8w, out16 = (torch.empty(t, n, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+    out8, out8o, out8p, out8w, out16 = (torch.empty(t, n, dtype=torch.bfloat16, device="cuda") for _ in range(5))
     fns = {
-        "fp8": lambda: K.grouped_gemm_fp8_blockwise(a, sa, b, sb, s, out=out8, promotion="serial"),
-        "fp8 overlap": lambda: K.grouped_gemm_fp8_blockwise(a, sa, b, sb, s, out=out8o, promotion="overlap"),
-        "fp8 BN192": lambda: K.grouped_gemm_fp8_blockwise(a, sa, b, sb, s, tile=(128, 192), out=out8w),
+        "fp8": _clusters(None, lambda: K.grouped_gemm_fp8_blockwise(a, sa, b, sb, s, out=out8, promotion="serial")),
+        "fp8 overlap": _clusters(None, lambda: K.grouped_gemm_fp8_blockwise(a, sa, b, sb, s, out=out8o,
+                                                                            promotion="overlap")),
+        "fp8 overlap pair": _clusters("1", lambda: K.grouped_gemm_fp8_blockwise(a, sa, b, sb, s, out=out8p,
+                                                                                promotion="overlap")),
+        "fp8 BN192": _clusters(None, lambda: K.grouped_gemm_fp8_blockwise(a, sa, b, sb, s, tile=(128, 192),
+                                                                          out=out8w)),
         "bf16": lambda: K.grouped_gemm(x, w, s, out=out16),
     }
     # TE's path: per-expert quantized tokens (split_quantize), cuBLAS grouped GEMM
@@ -96,7 +120,7 @@ def _case(e, tokens, n, k, torch):
     except Exception as exc:  # noqa: BLE001 (any failure: reported, the others still run)
         fns["te fp8"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         out_te = None
-    for name in ("fp8", "fp8 overlap", "fp8 BN192", "bf16"):
+    for name in ("fp8", "fp8 overlap", "fp8 overlap pair", "fp8 BN192", "bf16"):
         fns[name]()
     torch.cuda.synchronize()
     # the bf16 GEMM of the dequantized operands: what the FP8 GEMM should give
@@ -104,7 +128,7 @@ def _case(e, tokens, n, k, torch):
     b_real = torch.stack([q.dequantize(dtype=torch.bfloat16) for q in wq])
     ref = K.grouped_gemm(a_real, b_real, s)
     errors = {"fp8_vs_dequant_bf16": _rel(out8, ref), "fp8_bn192_vs_fp8": _rel(out8w, out8),
-              "fp8_overlap_vs_fp8": _rel(out8o, out8),
+              "fp8_overlap_vs_fp8": _rel(out8o, out8), "fp8_pair_vs_fp8": _rel(out8p, out8),
               "fp8_vs_te_fp8": _rel(out8, out_te) if out_te is not None else None,
               "bf16_vs_dequant_bf16": _rel(out16, ref)}
     return fns, errors, 2.0 * t * n * k
@@ -145,8 +169,9 @@ def measure(args) -> dict:
               f"fp8 rel err vs dequantized bf16 {errors['fp8_vs_dequant_bf16']:.2e}{clock}", flush=True)
         del fns
         torch.cuda.empty_cache()
-    # key: ("fp8_blockwise", dtype, tile, cluster_n, n, k, e, sb_cols, [promotion], call)
-    compile_s = [{"n": key[4], "k": key[5], "bn": key[2][1], "promotion": key[-2] if key[-2] == "overlap" else "serial",
+    # key: ("fp8_blockwise", dtype, tile, cluster_n, n, k, e, sb_cols, [promotion], [("cluster_m", 2)], call)
+    compile_s = [{"n": key[4], "k": key[5], "bn": key[2][1], "promotion": "overlap" if "overlap" in key else "serial",
+                  "clusters": "2x2" if ("cluster_m", 2) in key else "pair" if key[3] == 2 else "none",
                   "seconds": round(secs, 2)}
                  for key, secs in registry.compile_times().items() if key[0] == "fp8_blockwise"]
     return {"gpu": torch.cuda.get_device_name(),
@@ -163,7 +188,9 @@ def markdown(result: dict) -> str:
              "Errors: relative Frobenius norm against the bf16 GEMM of TE's dequantized operands. "
              "SM MHz: the clock nvidia-smi read while the row's contenders ran (median, lowest)."
              + (f" Command: `{result['command']}`" if result.get("command") else ""), "",
-             "ours: fp8 overlap, the default promotion (fp8, the serial one, where a file lacks it).", "",
+             "ours: fp8 overlap, the default promotion and clusters (fp8, the serial one, where a file lacks it); "
+             "fp8 overlap pair: the same in CTA pairs only (TEO_GEMM_CLUSTER_M=1). Errors of every FP8 contender "
+             "against fp8's: 0 (the same bits) unless listed.", "",
              "| tokens/expert | N | K | " + " | ".join(f"{c} TFLOP/s" for c in CONTENDERS)
              + " | ours / bf16 | ours / te fp8 | fp8 err | fp8 vs te fp8 | SM MHz (lowest) | W |",
              "|---|---|---|" + "---|" * (len(CONTENDERS) + 6)]
@@ -179,13 +206,18 @@ def markdown(result: dict) -> str:
         watts = f"{r['power_W']:.0f}" if "power_W" in r else "-"
         lines.append(f"| {r['tokens_per_expert']} | {r['n']} | {r['k']} | " + " | ".join(cells)
                      + f" | {ratio_bf16} | {ratio_te} | {r['fp8_vs_dequant_bf16']:.1e} | {vs_te} | {clock} | {watts} |")
+    differ = [f"{r['tokens_per_expert']} x N={r['n']} K={r['k']}: {name} {r[name]:.1e}" for r in result["rows"]
+              for name in ("fp8_overlap_vs_fp8", "fp8_pair_vs_fp8", "fp8_bn192_vs_fp8") if r.get(name)]
+    if differ:
+        lines += ["", "FP8 contenders whose output differs from fp8's (relative error): " + "; ".join(differ)]
     missing = {c["unavailable"] for r in result["rows"] for c in r["contenders"].values() if "unavailable" in c}
     if missing:
         lines += ["", "Not run: " + "; ".join(sorted(missing))]
     compiled = result.get("fp8_compile_seconds")
     if isinstance(compiled, list) and compiled:
         lines += ["", "FP8 kernel compile seconds (first call): "
-                  + ", ".join(f"N={c['n']} K={c['k']} BN={c['bn']} {c['promotion']} {c['seconds']}" for c in compiled)]
+                  + ", ".join(f"N={c['n']} K={c['k']} BN={c['bn']} {c['promotion']}"
+                              + (f" {c['clusters']}" if "clusters" in c else "") + f" {c['seconds']}" for c in compiled)]
     elif compiled:  # files that keyed them by the kernel cache's key
         lines += ["", "FP8 kernel compile seconds (first call): " + ", ".join(f"{v}" for v in compiled.values())]
     return "\n".join(lines) + "\n"

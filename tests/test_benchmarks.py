@@ -164,23 +164,28 @@ def test_fp8_gemm_report_gives_ratios_and_names_contenders_that_did_not_run(tmp_
     rows = [{"tokens_per_expert": 4096, "n": 2048, "k": 4096, "gflop": 550.0, "fp8_vs_dequant_bf16": 2.3e-3,
              "fp8_bn192_vs_fp8": 1e-3, "fp8_vs_te_fp8": None, "bf16_vs_dequant_bf16": 1e-6,
              "sm_MHz": 1755.0, "sm_MHz_min": 1620.0, "power_W": 688.4,
-             "contenders": {"fp8": timed(1100.0), "fp8 overlap": timed(1150.0), "fp8 BN192": timed(1050.0),
+             "contenders": {"fp8": timed(1100.0), "fp8 overlap": timed(1150.0),
+                            "fp8 overlap pair": timed(1120.0), "fp8 BN192": timed(1050.0),
                             "bf16": timed(550.0),
                             "te fp8": {"unavailable": "RuntimeError: no cuBLAS block scaling"}}}]
     rows.append({**rows[0], "tokens_per_expert": 8192})
     for key in ("sm_MHz", "sm_MHz_min", "power_W"):  # a row without clock samples (no nvidia-smi)
         del rows[1][key]
     result = {"gpu": "GPU", "date": "today", "experts": 8, "reps": 10, "inner": 10, "rows": rows,
-              "fp8_compile_seconds": [{"n": 2048, "k": 4096, "bn": 128, "promotion": "overlap", "seconds": 8.9}]}
+              "fp8_compile_seconds": [{"n": 2048, "k": 4096, "bn": 128, "promotion": "overlap", "clusters": "2x2",
+                                       "seconds": 8.9}]}
     text = markdown(result)
     # ours: the default (overlapped) promotion
-    assert "| 4096 | 2048 | 4096 | 1100 | 1150 | 1050 | 550 | n/a | 2.09 | n/a | 2.3e-03 | n/a | 1755 (1620) | 688 |" in text
-    assert "| 8192 | 2048 | 4096 | 1100 | 1150 | 1050 | 550 | n/a | 2.09 | n/a | 2.3e-03 | n/a | - | - |" in text
-    assert "compile seconds (first call): N=2048 K=4096 BN=128 overlap 8.9" in text
+    assert ("| 4096 | 2048 | 4096 | 1100 | 1150 | 1120 | 1050 | 550 | n/a | 2.09 | n/a | 2.3e-03 | n/a | "
+            "1755 (1620) | 688 |") in text
+    assert "| 8192 | 2048 | 4096 | 1100 | 1150 | 1120 | 1050 | 550 | n/a | 2.09 | n/a | 2.3e-03 | n/a | - | - |" in text
+    assert "compile seconds (first call): N=2048 K=4096 BN=128 overlap 2x2 8.9" in text
+    # an FP8 contender whose bits differ from the serial one's is named with its error
+    assert "differs from fp8's (relative error): 4096 x N=2048 K=4096: fp8_bn192_vs_fp8 1.0e-03" in text
     del rows[1]["contenders"]["fp8 overlap"]  # a file without that contender: ours is the serial fp8
     result["fp8_compile_seconds"] = {"('fp8_blockwise', 'a key')": 1.5}  # a file keyed by the cache's key
     text2 = markdown(result)
-    assert "| 8192 | 2048 | 4096 | 1100 | n/a | 1050 | 550 | n/a | 2.00 |" in text2
+    assert "| 8192 | 2048 | 4096 | 1100 | n/a | 1120 | 1050 | 550 | n/a | 2.00 |" in text2
     assert "compile seconds (first call): 1.5" in text2
     assert "Not run: RuntimeError: no cuBLAS block scaling" in text
     if chart(result, tmp_path / "c.png"):

@@ -173,3 +173,43 @@ def test_fp8_large_tokens_per_expert():
     a, sa, b, sb, a_real, b_real = make_operands(splits, 1792, 2688, seed=5)
     out = _run(a, sa, b, sb, splits)
     _check(out, a, sa, b, sb, a_real, b_real, splits)
+
+
+# 2 x 2 clusters (TEO_GEMM_CLUSTER_M=2): each tile runs the pair's k-loop, only where its operands
+# come from changes, so every FP8 form must give the pair's bits. m-pairs straddling two experts
+# (B loaded whole), phantoms past the last m-block and past N (odd block counts), partial k-blocks
+FP8_2X2_SHAPES = [
+    ([129, 0, 300, 1, 255], 576, 208),  # 2, 0, 3, 1, 2 m-blocks: pairs straddle; 5 n-blocks; K 128 + 80
+    ([700, 300, 0, 1000], 1856, 2688),  # 17 m-blocks: a phantom partner past the last one
+]
+
+
+@pytest.mark.parametrize("splits,n,k", FP8_2X2_SHAPES, ids=["straddling-pairs", "phantom-partner"])
+def test_fp8_two_by_two_clusters_give_the_pair_bits(monkeypatch, splits, n, k):
+    from te_offload_ops import kernels
+    from te_offload_ops.kernels import fp8_rows, registry, tiling
+
+    if (reason := fp8_rows.unavailable()) is not None:
+        pytest.skip(reason)
+    a, sa, b, sb, a_real, b_real = make_operands(splits, n, k, seed=21)
+    g = torch.Generator(device="cuda").manual_seed(22)
+    t = sum(splits)
+    s = torch.tensor(splits, dtype=torch.int32, device="cuda")
+    probs = torch.rand(t, device="cuda", generator=g)
+    # fc2's dgrad form: dy (T, K) against the weights (E, N, K), the saved z (T, N) in FP8
+    z = (torch.randn(t, n, device="cuda", generator=g) * 2).bfloat16()
+    _, _, zd, zs = fp8_rows.srelu_quantize(z, probs, 0.0, True)
+    out = {}
+    for cm in ("1", "2"):
+        monkeypatch.setenv(tiling.CLUSTER_M_ENV, cm)
+        out[cm] = (_run(a, sa, b, sb, splits),
+                   *kernels.grouped_gemm_fp8_srelu_quantize(a, sa, b, sb, s, probs),
+                   *kernels.grouped_gemm_fp8_dsrelu_quantize(a, sa, b, sb, s, zd, zs, probs))
+        torch.cuda.synchronize()
+    assert any(("cluster_m", 2) in key for key in registry.compile_times()), "no 2 x 2 kernel was compiled"
+    names = ("c", "act", "act scales", "z", "z scales", "dz", "dz fp8", "dz scales", "dprobs", "act (bwd)")
+    for name, x1, x2 in zip(names, out["1"], out["2"], strict=True):
+        if name.endswith("scales"):  # (blocks, roundup(T, 4)): the padding past T is never written
+            x1, x2 = x1[:, :t], x2[:, :t]
+        assert torch.equal(x1, x2), name
+    _check(out["2"][0], a, sa, b, sb, a_real, b_real, splits)

@@ -7,9 +7,12 @@ MLP step (E experts x tokens, H, F; uneven routing with ``--skew``) runs under i
 schedule with the pair (``TEO_GEMM_CLUSTER_M=1``) and with 2 x 2 clusters, timed interleaved as
 ``bench_kernels.py`` times (GPU time with the host ahead, medians over ``--reps`` rounds), and
 the two outputs are compared bit for bit (each tile runs the same k-loop: they must be equal).
-Writes ``cluster2x2_<GPU>[_skewed].{json,md,png}`` to ``--out``.
+``--fp8``: the FP8 GEMMs of one step under ``Float8BlockScaling`` instead (fc1 forward with the
+quantizing SReLU epilogue, fc2 forward, fc2 dgrad with the quantizing dSReLU epilogue, fc1 dgrad;
+operands quantized by the package's row and weight kernels). Writes
+``cluster2x2_<GPU>[_fp8][_<shape>][_skewed].{json,md,png}`` to ``--out``.
 
-    python3 benchmarks/experiments/bench_cluster2x2.py [--skew] --out "$OUT/results"
+    python3 benchmarks/experiments/bench_cluster2x2.py [--skew] [--fp8] --out "$OUT/results"
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
 from bench_common import (  # noqa: E402
-    add_mlp_shape_args, bar_chart, file_stem, refuse, sm90_kernel_problem, utc_now, write_reports,
+    add_mlp_shape_args, bar_chart, file_stem, mlp_shape_suffix, refuse, sm90_kernel_problem, utc_now, write_reports,
 )
 
 ENV = "TEO_GEMM_CLUSTER_M"
@@ -63,6 +66,39 @@ def _gemms(e, tokens, h, f, skew, torch):
     }
 
 
+def _gemms_fp8(e, tokens, h, f, skew, torch):
+    """{name: (flops, fn, None)} for the four FP8 GEMMs of one fused MLP step (``Float8BlockScaling``,
+    power-of-two scales): the token-major GEMMs the fused op runs in FP8."""
+    from bench_kernels import uneven_splits
+
+    from te_offload_ops import kernels as K
+    from te_offload_ops.kernels import fp8_rows
+
+    s = uneven_splits(e, tokens) if skew else torch.full((e,), tokens, dtype=torch.int64)
+    s = s.to(device="cuda", dtype=torch.int32)
+    t = int(s.sum())
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+    xd, xs = fp8_rows.quantize(rnd(t, h), 0.0, True)
+    dyd, dys = fp8_rows.quantize(rnd(t, h), 0.0, True)
+    w1d, w1s, w1td, w1ts = fp8_rows.quantize_weights(rnd(e, f, h, scale=h**-0.5), False, 0.0, True)
+    w2d, w2s, w2td, w2ts = fp8_rows.quantize_weights(rnd(e, h, f, scale=f**-0.5), False, 0.0, True)
+    p = torch.rand(t, device="cuda", generator=g)
+    act_d, act_s, zd, zs = K.grouped_gemm_fp8_srelu_quantize(xd, xs, w1d, w1s, s, p)
+    _, dzd, dzs, _, _ = K.grouped_gemm_fp8_dsrelu_quantize(dyd, dys, w2td, w2ts, s, zd, zs, p)
+    mm = 2.0 * t * h * f
+    return {
+        "fc1 fwd + SReLU (FP8 out)": (mm, lambda: K.grouped_gemm_fp8_srelu_quantize(xd, xs, w1d, w1s, s, p), None),
+        "fc2 fwd": (mm, lambda: K.grouped_gemm_fp8_blockwise(act_d, act_s, w2d, w2s, s), None),
+        "fc2 dgrad + dSReLU (FP8 out)": (
+            mm, lambda: K.grouped_gemm_fp8_dsrelu_quantize(dyd, dys, w2td, w2ts, s, zd, zs, p), None),
+        "fc1 dgrad": (mm, lambda: K.grouped_gemm_fp8_blockwise(dzd, dzs, w1td, w1ts, s), None),
+    }
+
+
 def _with(cluster_m: str, fn):
     def call():
         os.environ[ENV] = cluster_m
@@ -83,11 +119,15 @@ def measure(args) -> dict:
 
     from te_offload_ops.kernels import registry
 
-    gemms = _gemms(args.experts, args.tokens, args.hidden, args.ffn, args.skew, torch)
+    make = _gemms_fp8 if args.fp8 else _gemms
+    gemms = make(args.experts, args.tokens, args.hidden, args.ffn, args.skew, torch)
     rows = []
     for i, (name, (flops, fn, buffer)) in enumerate(gemms.items(), 1):
         outs = {}
-        compiled_before = set(registry.compile_times())
+        def kernels_now():  # compiled here or loaded from the disk cache
+            return set(registry.compile_times()) | set(registry.load_times())
+
+        before = kernels_now()
         for cm in ("1", "2"):
             os.environ[ENV] = cm
             if buffer is not None:  # the add accumulates: compare one call from equal starts
@@ -97,8 +137,10 @@ def measure(args) -> dict:
             else:
                 outs[cm] = fn()
         same = _same_bits(outs["1"], outs["2"], torch)
-        # did a 2 x 2 kernel run at all? (one n-block, or TEO_GEMM_CLUSTER_N=1, leaves the pair)
-        ran_2x2 = any(("cluster_m", 2) in key for key in set(registry.compile_times()) - compiled_before)
+        # did a 2 x 2 kernel run at all? (one n-block, or TEO_GEMM_CLUSTER_N=1, leaves the pair;
+        # a GEMM of an earlier row's shape reuses that row's kernels)
+        ran_2x2 = any(("cluster_m", 2) in key for key in kernels_now() - before) or (
+            i > 1 and any(("cluster_m", 2) in key for key in before))
         times = time_interleaved({"pair": _with("1", fn), "2x2": _with("2", fn)}, args.reps, args.inner)
         pair_ms, two_ms = times["pair"][0], times["2x2"][0]
         rows.append({"gemm": name, "pair_ms": pair_ms, "two_by_two_ms": two_ms, "speedup": pair_ms / two_ms,
@@ -111,6 +153,7 @@ def measure(args) -> dict:
     os.environ.pop(ENV, None)
     return {"gpu": torch.cuda.get_device_name(), "date": utc_now(), "shape": {"experts": args.experts, "tokens_per_expert": args.tokens,
             "hidden": args.hidden, "ffn": args.ffn, "skew": args.skew}, "reps": args.reps, "inner": args.inner,
+            "fp8": args.fp8, "command": " ".join(["python3", "benchmarks/experiments/bench_cluster2x2.py", *sys.argv[1:]]),
             "rows": rows}
 
 
@@ -118,8 +161,11 @@ def markdown(result: dict) -> str:
     sh = result["shape"]
     lines = [f"# 2 x 2 clusters against the CTA pair, {result['gpu']} ({result['date']})", "",
              f"E={sh['experts']} x {sh['tokens_per_expert']} tokens{' (uneven)' if sh['skew'] else ''}, "
-             f"H={sh['hidden']}, F={sh['ffn']}, bf16, each GEMM under its default schedule; GPU time per "
-             f"call with the host ahead, medians of {result['reps']} interleaved rounds of {result['inner']} calls.",
+             f"H={sh['hidden']}, F={sh['ffn']}, "
+             + ("FP8 (Float8BlockScaling, cooperative 128 x 128 tiles)" if result.get("fp8") else
+                "bf16, each GEMM under its default schedule")
+             + f"; GPU time per call with the host ahead, medians of {result['reps']} interleaved rounds of "
+             f"{result['inner']} calls." + (f" Command: `{result['command']}`" if "command" in result else ""),
              "", "| GEMM | pair ms | 2x2 ms | pair / 2x2 | pair TFLOP/s | 2x2 TFLOP/s | same bits |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -141,6 +187,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_mlp_shape_args(ap, "tokens per expert (on average with --skew)")
     ap.add_argument("--skew", action="store_true", help="uneven tokens per expert")
+    ap.add_argument("--fp8", action="store_true", help="the FP8 (Float8BlockScaling) GEMMs instead of bf16")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--inner", type=int, default=10)
     ap.add_argument("--out", default=str(BENCH / "results"), help="folder for JSON, markdown, PNG")
@@ -151,8 +198,9 @@ def main(argv=None) -> int:
     if (problem := sm90_kernel_problem()):
         return refuse("bench_cluster2x2.py", problem)
     result = measure(args)
-    write_reports(Path(args.out), file_stem("cluster2x2", result["gpu"], "skewed" if args.skew else ""), result,
-                  markdown, chart)
+    shape = mlp_shape_suffix(args)
+    write_reports(Path(args.out), file_stem("cluster2x2", result["gpu"], "fp8" if args.fp8 else "", shape,
+                                            "skewed" if args.skew else ""), result, markdown, chart)
     return 0 if all(r["same_bits"] for r in result["rows"]) else 1
 
 

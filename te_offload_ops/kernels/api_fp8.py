@@ -69,13 +69,13 @@ def _check_tile(tile) -> tuple[int, int]:
 
 
 def _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call="python", options=None, epilogue="plain",
-                 pow2=False, promotion="serial"):
+                 pow2=False, promotion="serial", cluster_m=1):
     cutlass, cute, make_ptr, make_fake_stream = dsl.runtime()
     from .gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
     od = dsl.element_type(out_dtype)
-    kern = GroupedGemmFp8Sm90(od, n, k, e, tile_mn=tile, cluster_n=cluster_n, sb_cols=sb_cols, epilogue=epilogue,
-                              pow2=pow2, promotion=promotion)
+    kern = GroupedGemmFp8Sm90(od, n, k, e, tile_mn=tile, cluster_n=cluster_n, cluster_m=cluster_m, sb_cols=sb_cols,
+                              epilogue=epilogue, pow2=pow2, promotion=promotion)
     gmem = cute.AddressSpace.gmem
     fake = 1 << 20  # any aligned address: only the types matter at compile time
     f8 = cutlass.Float8E4M3FN
@@ -100,30 +100,34 @@ def _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call="python", op
 
 
 def compile_variant_fp8(n: int, k: int, e: int, *, out_dtype=torch.bfloat16, tile=None, cluster_n=None,
-                        sb_cols=None, options=None, call=None, epilogue="plain", pow2=False, promotion=None):
+                        sb_cols=None, options=None, call=None, epilogue="plain", pow2=False, promotion=None,
+                        cluster_m=None):
     """Compile one FP8 variant without caching; returns (kernel object, compiled, seconds).
 
     Works without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile tests); ``sb_cols`` is
     the row length of B's scales (default ``roundup(ceil(K / 128), 4)``, TE's padding);
     ``epilogue``: "plain" (C) or "srelu_q" (z and act quantized; ``pow2`` its scale rounding);
     ``promotion``: "overlap" or "serial" (default: :func:`fp8_promotion`'s; BN=192 tiles, the
-    dsrelu_q epilogue and K > :data:`OVERLAP_MAX_K` promote serially)."""
+    dsrelu_q epilogue and K > :data:`OVERLAP_MAX_K` promote serially); ``cluster_m``: 2 for 2 x 2
+    clusters (default: :func:`.tiling.pick_cluster_m_fp8`'s, as if the GPU fits clusters of four)."""
     tile = _check_tile(tile) if tile is not None else pick_tile_fp8(n)
     cluster_n = cluster_n or tiling.pick_cluster(n, tile)
+    cluster_m = cluster_m or tiling.pick_cluster_m_fp8(n, tile, cluster_n, epilogue, lambda: True)
     sb_cols = sb_cols if sb_cols is not None else -(-(-(-k // SCALE_BLOCK)) // 4) * 4
     call = call or availability.kernel_call_convention()
     promotion = promotion or _promotion_for(tile, epilogue, k)
-    return _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call, options, epilogue, pow2, promotion)
+    return _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call, options, epilogue, pow2, promotion,
+                        cluster_m)
 
 
 def launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue="plain", pow2=False,
-                    promotion="serial") -> GemmPlan:
+                    promotion="serial", cluster_m=1) -> GemmPlan:
     """What launching a compiled FP8 variant reads (its tile walk: BM, N tiles, experts, cluster),
     as its kernel object derives it, without the DSL. Its parameters key the disk cache; what the
     FP8 kernel derives beyond them (stages, scale blocks) comes from its module's constants, which
     the key's digest of the kernel sources covers."""
     plan = GemmPlan(out_dtype.itemsize, n, k, e, b_n_major=False, epilogue="plain", tile_mn=tile,
-                    cluster_n=cluster_n, schedule="cooperative")
+                    cluster_n=cluster_n, cluster_m=cluster_m, schedule="cooperative")
     plan.sb_cols = sb_cols  # part of the disk cache's key, with the plan's own parameters
     if epilogue != "plain":  # set only off the defaults: a plain, serial plan keys as the bare FP8 GEMM
         plan.fp8_epilogue, plan.pow2 = epilogue, bool(pow2)
@@ -133,18 +137,19 @@ def launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue="plai
 
 
 def _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue="plain", pow2=False,
-                         promotion="serial"):
+                         promotion="serial", cluster_m=1):
     """(kernel or launch plan, compiled) of one FP8 variant: from the disk cache where it holds it,
     else compiled (and written there), one process at a time per variant, as the bf16 kernels are."""
     if not disk_cache.enabled():
-        return _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue, pow2, promotion)
-    plan = launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue, pow2, promotion)
+        return _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue, pow2, promotion,
+                                cluster_m)
+    plan = launch_plan_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, epilogue, pow2, promotion, cluster_m)
     entry = disk_cache.Entry(key, registry.kernel_params(plan), call)
     with entry.claim():
         compiled = entry.load()
         if compiled is None:
             kern, compiled = _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue,
-                                              pow2, promotion)
+                                              pow2, promotion, cluster_m)
             # the key again, with the DSL's settings as it states them now that it is imported (those
             # recalled for this context may be stale)
             disk_cache.Entry(key, registry.kernel_params(plan), call).store(compiled)
@@ -156,34 +161,49 @@ def _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call
         from .gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
         kern = GroupedGemmFp8Sm90(dsl.element_type(out_dtype), n, k, e, tile_mn=tile, cluster_n=cluster_n,
-                                  sb_cols=sb_cols, epilogue=epilogue, pow2=pow2, promotion=promotion)
+                                  cluster_m=cluster_m, sb_cols=sb_cols, epilogue=epilogue, pow2=pow2,
+                                  promotion=promotion)
     kern.call = call
     registry.note_loaded(key, entry, "grouped FP8 GEMM")
     return kern, compiled
 
 
 def _compile_fp8_now(key, out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue="plain", pow2=False,
-                     promotion="serial"):
+                     promotion="serial", cluster_m=1):
     kern, compiled, secs = _compile_fp8(out_dtype, n, k, e, tile, cluster_n, sb_cols, call, epilogue=epilogue,
-                                        pow2=pow2, promotion=promotion)
+                                        pow2=pow2, promotion=promotion, cluster_m=cluster_m)
     registry.note_compiled(key, secs, "grouped FP8 GEMM")
     return kern, compiled
 
 
-def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None, epilogue="plain", pow2=False, promotion=None):
+def _fits_four(device_index) -> bool:
+    """Whether the GPU runs clusters of four; without a GPU (kernels compiled for sm_90a ahead of a
+    job) as the Hopper GPUs they serve do."""
+    if not torch.cuda.is_available():
+        return True
+    dev = torch.cuda.current_device() if device_index is None else device_index
+    return launch.cluster_slots(dev, 4) >= 4
+
+
+def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None, epilogue="plain", pow2=False, promotion=None,
+                   device_index=None):
     """Compiled FP8 kernel for one variant (compiles and caches on first use); ``promotion``
-    default: $TEO_FP8_PROMOTION's where the kernel takes it."""
+    default: $TEO_FP8_PROMOTION's where the kernel takes it; 2 x 2 clusters as
+    :func:`.tiling.pick_cluster_m_fp8` chooses for the GPU ``device_index`` (default: current)."""
     tile = _check_tile(tile) if tile is not None else pick_tile_fp8(n)
     if promotion == "overlap":  # refused before any cache is touched
         check_overlap_fits(tile[1], epilogue)
     cluster_n = tiling.pick_cluster(n, tile)
+    cluster_m = tiling.pick_cluster_m_fp8(n, tile, cluster_n, epilogue, lambda: _fits_four(device_index))
     call = availability.kernel_call_convention()
     form = () if epilogue == "plain" else (epilogue, bool(pow2))
     promotion = promotion or _promotion_for(tile, epilogue, k)
     form += () if promotion == "serial" else (promotion,)
+    form += () if cluster_m == 1 else (("cluster_m", cluster_m),)
     key = ("fp8_blockwise", out_dtype, tile, cluster_n, n, k, e, sb_cols, *form, call)
     return registry.cached_kernel(key, lambda key, call: _load_or_compile_fp8(key, out_dtype, n, k, e, tile, cluster_n,
-                                                                         sb_cols, call, epilogue, pow2, promotion))
+                                                                         sb_cols, call, epilogue, pow2, promotion,
+                                                                         cluster_m))
 
 
 def _shape(t) -> str:
@@ -284,7 +304,8 @@ def grouped_gemm_fp8_blockwise(a_data, a_scale_inv, b_data, b_scale_inv, split_s
     c = out_buffer(out, t, n, torch.empty(0, dtype=out_dtype, device=a_data.device), "out")
     if t == 0:
         return c
-    kern, compiled = get_kernel_fp8(out_dtype, n, k, e, sb.shape[2], tile, promotion=promotion)
+    kern, compiled = get_kernel_fp8(out_dtype, n, k, e, sb.shape[2], tile, promotion=promotion,
+                                    device_index=a_data.device.index)
     a, b = _as_e4m3(a_data), _as_e4m3(b_data)
     s = splits_i32(split_sizes, a.device)
     _launch_fp8(kern, compiled, a, b, c, s, a_scale_inv, sb, t)
@@ -329,7 +350,8 @@ def grouped_gemm_fp8_srelu_quantize(a_data, a_scale_inv, b_data, b_scale_inv, sp
                    for _ in range(2))
     if t == 0:
         return act, act_s, zq, zq_s
-    kern, compiled = get_kernel_fp8(out_dtype, n, k, e, sb.shape[2], tile, "srelu_q", pow2)
+    kern, compiled = get_kernel_fp8(out_dtype, n, k, e, sb.shape[2], tile, "srelu_q", pow2,
+                                    device_index=a_data.device.index)
     a, b = _as_e4m3(a_data), _as_e4m3(b_data)
     s = splits_i32(split_sizes, a.device)
     p = probs.reshape(t).to(torch.float32).contiguous()
@@ -391,9 +413,13 @@ def _launch_fp8(kern, compiled, a, b, c, s, sa, sb, num_tokens, q=None):
         raise GraphCaptureError(registry.first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
     # persistent grid: one CTA per SM at most, and no more CTAs than a bound of the tile count
     # that needs no split sizes on the host
-    tile_bound = (-(-num_tokens // kern.bm) + kern.num_experts) * kern.n_tiles
-    cn = kern.cluster_n
-    num_ctas = min(launch.cluster_slots(a.device.index, cn), -(-tile_bound // cn) * cn)
+    m_bound = -(-num_tokens // kern.bm) + kern.num_experts
+    if getattr(kern, "cluster_m", 1) > 1:  # (m-pair, n-pair) groups of four
+        tile_bound = -(-m_bound // 2) * kern.n_pairs * kern.cluster_size
+    else:
+        tile_bound = m_bound * kern.n_tiles
+    cn = getattr(kern, "cluster_size", kern.cluster_n)
+    num_ctas = min(launch.grid_slots(a.device.index, cn), -(-tile_bound // cn) * cn)
     # one k-block: the row stride addresses nothing, but TMA wants a 16-byte multiple
     sa_stride = sa.stride(0)
     if sa.shape[0] == 1 and (sa_stride % 4 or sa_stride < num_tokens):

@@ -142,6 +142,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         *,
         tile_mn: tuple[int, int] = (128, 128),
         cluster_n: int = 1,
+        cluster_m: int = 1,
         sb_cols: int | None = None,
         epilogue: str = "plain",
         pow2: bool = False,
@@ -168,7 +169,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             raise ValueError(f"N must be positive, got {n}")
         # the shared forward-form machinery: tile walk, split sizes, cluster pairs, epilogue
         super().__init__(out_dtype, n, k, num_experts, b_n_major=False, epilogue="plain",
-                         tile_mn=(bm, bn), cluster_n=cluster_n, schedule="cooperative")
+                         tile_mn=(bm, bn), cluster_n=cluster_n, cluster_m=cluster_m, schedule="cooperative")
         self.ab_dtype = cutlass.Float8E4M3FN
         self.bk = _BK
         self.k_tiles = (k + _BK - 1) // _BK
@@ -267,8 +268,16 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             cpasync.CopyBulkTensorTileG2SOp(), m_a, cute.slice_(sa_layout, (None, None, 0)), (bm, bk),
         )
         tma_b, g_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(sb_layout, (None, None, 0)), (bn, bk),
+            cpasync.CopyBulkTensorTileG2SMulticastOp()
+            if cutlass.const_expr(self.cluster_m > 1) else cpasync.CopyBulkTensorTileG2SOp(),
+            m_b, cute.slice_(sb_layout, (None, None, 0)), (bn, bk), num_multicast=self.cluster_m,
         )
+        if cutlass.const_expr(self.cluster_m > 1):
+            # 2 x 2: the n-pair always shares A; an m-pair of two experts loads each B whole
+            # (this descriptor, in the slot the pair's whole-A one takes otherwise)
+            tma_a1, g_a1 = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), m_b, cute.slice_(sb_layout, (None, None, 0)), (bn, bk),
+            )
         tma_sa, g_sa = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_sa, cute.slice_(ssa_layout, (None, None, 0)), (sa_box, 1),
         )
@@ -287,7 +296,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             m_prob, m_q, m_q_s, m_z, m_z_s, m_c2, m_part, eps,
             tiled_mma, sa_layout, sb_layout, ssa_layout,
         ).launch(
-            grid=[num_ctas, 1, 1], block=[_THREADS, 1, 1], cluster=[self.cluster_n, 1, 1],
+            grid=[num_ctas, 1, 1], block=[_THREADS, 1, 1], cluster=[self.cluster_size, 1, 1],
             min_blocks_per_mp=1, stream=stream,
         )
 
@@ -326,8 +335,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // _WG)
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cluster = cta // self.cluster_n
-        num_clusters = num_ctas // self.cluster_n
+        cluster = cta // self.cluster_size
+        num_clusters = num_ctas // self.cluster_size
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
@@ -337,11 +346,14 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             cpasync.prefetch_descriptor(tma_sa)
 
         # real work: sum_e ceil(split_e / BM) m-blocks, each with n_tiles n-blocks, in groups of
-        # cluster_n tiles (an odd tile count leaves the last group a phantom partner)
+        # cluster_n tiles (an odd tile count leaves the last group a phantom partner), or of
+        # (m-pair, n-pair) under 2 x 2 (a block past the last m-block or past N a phantom)
         num_tokens = cute.size(g_a, mode=[0])
         m_total = self._m_blocks(m_split, num_tokens)
         n_work = (m_total * self.n_tiles + self.cluster_n - 1) // self.cluster_n
-        cluster_mn = (1, self.cluster_n)
+        if cutlass.const_expr(self.cluster_m > 1):
+            n_work = (m_total + 1) // 2 * self.n_pairs
+        cluster_mn = (self.cluster_m, self.cluster_n)
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_struct)
@@ -358,10 +370,13 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             barrier_storage=st.bars.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # one arrive per consuming warp of this CTA and of its pair peer (which multicasts A here)
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster_n * 2 * _WG // 32),
+            # one arrive per consuming warp of every CTA that writes into this one: itself and the
+            # CTAs of its m-row (A) and n-column (B) of the cluster
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, (self.cluster_m + self.cluster_n - 1) * 2 * _WG // 32
+            ),
             tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, self.cluster_n, 1)),
             defer_sync=True,
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_mn, is_relaxed=True)
@@ -383,7 +398,13 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                      tma_b, g_b, tma_sa, g_sa, sa, sb, ssa):
         bm, bn, bk = self.bm, self.bn, self.bk
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        mcast = cute.make_layout_image_mask(cute.make_layout((1, self.cluster_n)), (0, rank), 1)
+        # rank = rm + cluster_m * rn: A goes to the CTAs of this m-row (same rm), B to those of this
+        # n-column (same rn); each CTA loads slice rn of A and slice rm of B. A's scales: its own
+        rm = rank % self.cluster_m
+        rn = rank // self.cluster_m
+        cluster_mn = cute.make_layout((self.cluster_m, self.cluster_n))
+        mcast = cute.make_layout_image_mask(cluster_mn, (rm, rn), 1)  # A: across the n-pair
+        mcast_b = cute.make_layout_image_mask(cluster_mn, (rm, rn), 0)  # B: across the m-pair
         num_tokens = cute.size(g_a, mode=[0])
         tile = cluster
         while tile < n_work:
@@ -394,16 +415,24 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             sa_row = a_row - a_row % _SA_ALIGN  # a 16-byte aligned start for TMA
             g_sa_tile = cute.local_tile(cute.domain_offset((sa_row, 0), g_sa), (bm + _SA_ALIGN, 1), (0, None))
             t_sa, t_ga = cpasync.tma_partition(
-                tma_a, rank, cute.make_layout(self.cluster_n),
+                tma_a, rn, cute.make_layout(self.cluster_n),
                 cute.group_modes(sa, 0, 2), cute.group_modes(g_a_tile, 0, 2),
             )
             t_sb, t_gb = cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1), cute.group_modes(sb, 0, 2), cute.group_modes(g_b_tile, 0, 2),
+                tma_b, rm, cute.make_layout(self.cluster_m),
+                cute.group_modes(sb, 0, 2), cute.group_modes(g_b_tile, 0, 2),
             )
             t_ssa, t_gsa = cpasync.tma_partition(
                 tma_sa, 0, cute.make_layout(1), cute.group_modes(ssa, 0, 2), cute.group_modes(g_sa_tile, 0, 2),
             )
-            if cutlass.const_expr(self.cluster_n > 1):  # the whole A tile, this CTA only
+            if cutlass.const_expr(self.cluster_m > 1):
+                # the m-pair shares B only within one expert; else each loads its B tile whole
+                shares_b = self._pair_shares_b(m_split, tile, num_tokens)
+                g_b1_tile = cute.local_tile(g_a1[None, None, expert], (bn, bk), (n_blk, None))
+                t_sb1, t_gb1 = cpasync.tma_partition(
+                    tma_a1, 0, cute.make_layout(1), cute.group_modes(sb, 0, 2), cute.group_modes(g_b1_tile, 0, 2),
+                )
+            elif cutlass.const_expr(self.cluster_n > 1):  # the whole A tile, this CTA only
                 g_a1_tile = cute.local_tile(cute.domain_offset((a_row, 0), g_a1), (bm, bk), (0, None))
                 t_sa1, t_ga1 = cpasync.tma_partition(
                     tma_a1, 0, cute.make_layout(1), cute.group_modes(sa, 0, 2), cute.group_modes(g_a1_tile, 0, 2),
@@ -411,14 +440,23 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             for kt in cutlass.range(k_tiles, unroll=1):
                 pipe.producer_acquire(prod)
                 bar = pipe.producer_get_barrier(prod)
-                if cutlass.const_expr(self.cluster_n > 1):
-                    if shares_a:
-                        cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar, mcast_mask=mcast)
+                if cutlass.const_expr(self.cluster_m > 1):  # 2 x 2: the n-pair always shares A
+                    cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar, mcast_mask=mcast)
+                    if shares_b:
+                        cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar,
+                                  mcast_mask=mcast_b)
                     else:
-                        cute.copy(tma_a1, t_ga1[None, kt], t_sa1[None, prod.index], tma_bar_ptr=bar)
+                        cute.copy(tma_a1, t_gb1[None, kt], t_sb1[None, prod.index], tma_bar_ptr=bar)
                 else:
-                    cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar)
-                cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar)
+                    if cutlass.const_expr(self.cluster_n > 1):
+                        if shares_a:
+                            cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar,
+                                      mcast_mask=mcast)
+                        else:
+                            cute.copy(tma_a1, t_ga1[None, kt], t_sa1[None, prod.index], tma_bar_ptr=bar)
+                    else:
+                        cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar)
+                    cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar)
                 if cutlass.const_expr(self.LOAD_A_SCALES):
                     cute.copy(tma_sa, t_gsa[None, kt], t_ssa[None, prod.index], tma_bar_ptr=bar)
                 pipe.producer_commit(prod)
@@ -475,6 +513,9 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             sa_shift = row0 % _SA_ALIGN  # the tile's first row in the stage's scale box
             # B's scale block(s) of this tile's columns
             sblk0 = (n_blk * bn) // 128
+            if cutlass.const_expr(self.cluster_m > 1):  # a phantom n-block past N reads the last block's
+                if sblk0 >= self.n_sblocks:
+                    sblk0 = cutlass.Int32(self.n_sblocks - 1)
             sblk1 = sblk0
             split_col = cutlass.Int32(bn)  # tile columns >= split_col use block sblk1
             if cutlass.const_expr(self.straddles):

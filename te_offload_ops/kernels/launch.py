@@ -13,7 +13,7 @@ import time
 import torch
 
 from ..capture import GraphCaptureError, capturing
-from . import dsl, registry
+from . import cluster_fit, dsl, registry
 from .tiling import CLUSTER_M_ENV
 
 _log = logging.getLogger(__name__)
@@ -37,29 +37,43 @@ def stream_handle(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
+def _probe_clusters(device_index: int, cluster_size: int) -> int:
+    """The driver's count of clusters of ``cluster_size`` that fit at once (a probe kernel the CuTe
+    DSL compiles and loads), or the count a GPC-blind grid would take where it gives no answer."""
+    sms = sm_count(device_index)
+    dsl.load()
+    from cutlass.utils import HardwareInfo
+
+    with _PROBE_LOCK, torch.cuda.device(device_index):
+        torch.cuda.current_stream(device_index)  # the device's context is current from here
+        try:
+            return HardwareInfo(device_index).get_max_active_clusters(cluster_size)
+        except Exception as exc:  # said so
+            _log.warning("could not ask the driver how many clusters of %d fit (%r); using %d",
+                         cluster_size, exc, sms // cluster_size)
+            return sms // cluster_size
+
+
 @functools.lru_cache(maxsize=None)
 def cluster_slots(device_index: int, cluster_size: int) -> int:
     """CTAs of a persistent grid of clusters that all run at once (one CTA per SM). Pairs fit
     every SM pair; a cluster of 4 must sit in one GPC, whose SM count need not divide by 4, so
-    the driver's occupancy query decides (a cluster left waiting would run after the others)."""
+    the driver's occupancy query decides (a cluster left waiting would run after the others),
+    asked once per GPU (:mod:`.cluster_fit`). 0 where no cluster of that size fits."""
     sms = sm_count(device_index)
     if cluster_size <= 2:
         return sms // cluster_size * cluster_size
-    dsl.load()
-    from cutlass.utils import HardwareInfo
+    clusters = cluster_fit.max_active_clusters(device_index, cluster_size, _probe_clusters)
+    return max(0, min(clusters, sms // cluster_size)) * cluster_size
 
-    with _PROBE_LOCK, torch.cuda.device(device_index):  # the query compiles and loads a probe kernel
-        torch.cuda.current_stream(device_index)  # the device's context is current from here
-        try:
-            clusters = HardwareInfo(device_index).get_max_active_clusters(cluster_size)
-        except Exception as exc:  # no answer: the count a GPC-blind grid would take, said so
-            _log.warning("could not ask the driver how many clusters of %d fit (%r); using %d",
-                         cluster_size, exc, sms // cluster_size)
-            clusters = sms // cluster_size
-    if clusters < 1:
+
+def grid_slots(device_index: int, cluster_size: int) -> int:
+    """:func:`cluster_slots` for a launch: raises where no cluster of that size fits."""
+    slots = cluster_slots(device_index, cluster_size)
+    if slots < 1:
         raise RuntimeError(f"the driver says no cluster of {cluster_size} CTAs of this kernel's size fits on "
-                           f"device {device_index}; unset {CLUSTER_M_ENV}")
-    return min(clusters, sms // cluster_size) * cluster_size
+                           f"device {device_index}; set {CLUSTER_M_ENV}=1")
+    return slots
 
 
 PROFILE_LABEL = "te_offload_ops.gemm"
@@ -98,7 +112,7 @@ def _launch_now(kern, compiled, tensors, num_tokens):
         else:
             tile_bound = m_bound * kern.n_tiles
     cn = getattr(kern, "cluster_size", kern.cluster_n)
-    num_ctas = min(cluster_slots(tensors[0][0].device.index, cn), -(-tile_bound // cn) * cn)
+    num_ctas = min(grid_slots(tensors[0][0].device.index, cn), -(-tile_bound // cn) * cn)
     # the capturing stream when a graph is captured: the launch becomes a node of the graph
     stream = stream_handle(tensors[0][0].device.index)
     timing_the_first(kern, _call, kern, compiled, tensors, num_tokens, num_ctas, stream)

@@ -57,17 +57,18 @@ def pick_cluster(n: int, tile) -> int:
     return 2 if -(-n // tile[1]) >= 2 else 1
 
 
-CLUSTER_M_ENV = "TEO_GEMM_CLUSTER_M"  # "2": 2 x 2 clusters for every GEMM that has two n-blocks (opt-in)
+CLUSTER_M_ENV = "TEO_GEMM_CLUSTER_M"  # "1": CTA pairs only; "2": 2 x 2 clusters for every GEMM that has two n-blocks
 
 
 def pick_cluster_m(wgrad_m, n: int, tile, cluster_n: int) -> int:
-    """2 (2 x 2 clusters: B multicast over m-block pairs as well as A over n-block pairs) when
-    TEO_GEMM_CLUSTER_M=2, for GEMMs with at least two n-blocks (and, for a weight gradient, two
-    m-blocks), else 1. Opt-in: the GEMMs are bound by L2 sectors (Nsight Compute) and this cuts
-    their operand reads by about a quarter, but phantom tiles where a block count is odd (and, in
-    the forward form, a whole B load where an m-pair straddles two experts) make it slower than the
-    pair in every GEMM on an H100 (benchmarks/results/cluster2x2_*). A value other than 1 or 2
-    raises for every GEMM (it names them all)."""
+    """The bf16 GEMMs' cluster rows: 2 (2 x 2 clusters: B multicast over m-block pairs as well as A
+    over n-block pairs) when TEO_GEMM_CLUSTER_M=2, for GEMMs with at least two n-blocks (and, for a
+    weight gradient, two m-blocks), else 1. Opt-in: the GEMMs are bound by L2 sectors (Nsight
+    Compute) and this cuts their operand reads by about a quarter, but phantom tiles where a block
+    count is odd (and, in the forward form, a whole B load where an m-pair straddles two experts)
+    make it slower than the pair in every GEMM on an H100 (benchmarks/results/cluster2x2_*). A
+    value other than 1 or 2 raises for every GEMM (it names them all). The FP8 GEMMs:
+    :func:`pick_cluster_m_fp8`."""
     want = os.environ.get(CLUSTER_M_ENV, "") or "1"
     if want not in ("1", "2"):
         raise ValueError(f"{CLUSTER_M_ENV} must be 1 or 2, got {want!r}")
@@ -76,3 +77,25 @@ def pick_cluster_m(wgrad_m, n: int, tile, cluster_n: int) -> int:
     if wgrad_m is not None and -(-wgrad_m // tile[0]) < 2:  # one m-block: no m-pair to share B
         return 1
     return 2 if -(-n // tile[1]) >= 2 else 1
+
+
+# the FP8 forms that take 2 x 2 clusters by default, where the n-block count is even: measured
+# faster on an H200 at H=7168, F=2048 (plain +3-4% from 2048 tokens per expert, about even at 512;
+# with the quantizing SReLU epilogue +6-28%), slower with the dSReLU epilogue (1-14%) and wherever
+# the n-block count is odd (phantom tiles: 6-17% at H=2688, F=1856)
+# (benchmarks/results/cluster2x2_NVIDIA_H200_fp8*)
+FP8_2X2_EPILOGUES = ("plain", "srelu_q")
+
+
+def pick_cluster_m_fp8(n: int, tile, cluster_n: int, epilogue: str, fits_four) -> int:
+    """The FP8 forward / dgrad GEMM's cluster rows: TEO_GEMM_CLUSTER_M where set (as
+    :func:`pick_cluster_m`), else 2 (2 x 2 clusters) for the forms of :data:`FP8_2X2_EPILOGUES`
+    with an even n-block count where the GPU fits clusters of four (``fits_four()``, asked only
+    then), else 1."""
+    if os.environ.get(CLUSTER_M_ENV, ""):
+        return pick_cluster_m(None, n, tile, cluster_n)
+    n_tiles = -(-n // tile[1])
+    if cluster_n != 2 or n_tiles % 2 or epilogue not in FP8_2X2_EPILOGUES:
+        return 1
+    return 2 if fits_four() else 1
+
