@@ -106,6 +106,22 @@ def _with(cluster_m: str, fn):
     return call
 
 
+def _keys_fetched(fn, registry):
+    """(fn's result, the kernel cache keys it fetched): which variants a call ran."""
+    fetched = []
+    original = registry.cached_kernel
+
+    def spy(key, load):
+        fetched.append(key)
+        return original(key, load)
+
+    registry.cached_kernel = spy
+    try:
+        return fn(), fetched
+    finally:
+        registry.cached_kernel = original
+
+
 def _same_bits(a, b, torch) -> bool:
     a = a if isinstance(a, tuple) else (a,)
     b = b if isinstance(b, tuple) else (b,)
@@ -124,23 +140,18 @@ def measure(args) -> dict:
     rows = []
     for i, (name, (flops, fn, buffer)) in enumerate(gemms.items(), 1):
         outs = {}
-        def kernels_now():  # compiled here or loaded from the disk cache
-            return set(registry.compile_times()) | set(registry.load_times())
-
-        before = kernels_now()
+        fetched = {}
         for cm in ("1", "2"):
             os.environ[ENV] = cm
             if buffer is not None:  # the add accumulates: compare one call from equal starts
                 buffer.zero_()
-                fn()
+                _, fetched[cm] = _keys_fetched(fn, registry)
                 outs[cm] = buffer.clone()
             else:
-                outs[cm] = fn()
+                outs[cm], fetched[cm] = _keys_fetched(fn, registry)
         same = _same_bits(outs["1"], outs["2"], torch)
-        # did a 2 x 2 kernel run at all? (one n-block, or TEO_GEMM_CLUSTER_N=1, leaves the pair;
-        # a GEMM of an earlier row's shape reuses that row's kernels)
-        ran_2x2 = any(("cluster_m", 2) in key for key in kernels_now() - before) or (
-            i > 1 and any(("cluster_m", 2) in key for key in before))
+        # did a 2 x 2 kernel run at all? (one n-block, or TEO_GEMM_CLUSTER_N=1, leaves the pair)
+        ran_2x2 = any(("cluster_m", 2) in key for key in fetched["2"])
         times = time_interleaved({"pair": _with("1", fn), "2x2": _with("2", fn)}, args.reps, args.inner)
         pair_ms, two_ms = times["pair"][0], times["2x2"][0]
         rows.append({"gemm": name, "pair_ms": pair_ms, "two_by_two_ms": two_ms, "speedup": pair_ms / two_ms,
