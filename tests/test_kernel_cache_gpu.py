@@ -30,6 +30,7 @@ def _env(cache: Path, call: str | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]), "TEO_KERNEL_CACHE": "1",
            "TEO_KERNEL_CACHE_DIR": str(cache)}
     env.pop("TEO_KERNEL_CALL", None)
+    env.pop("TEO_GEMM_CLUSTER_M", None)  # the clusters each GEMM picks by default
     if call:
         env["TEO_KERNEL_CALL"] = call
     return env
@@ -99,7 +100,7 @@ _FP8_GEMM = """
 import json, sys, torch
 from te_offload_ops.kernels import api_fp8, registry
 g = torch.Generator(device="cuda").manual_seed(0)
-t, n, k, e = 700, 384, 256, 3
+t, n, k, e = 700, int(sys.argv[2]), 256, 3
 a = torch.randint(0, 120, (t, k), dtype=torch.uint8, device="cuda", generator=g)  # finite e4m3 bytes
 sa = torch.rand((k // 128, -(-t // 4) * 4), device="cuda", generator=g)
 b = torch.randint(0, 120, (e, n, k), dtype=torch.uint8, device="cuda", generator=g)
@@ -108,21 +109,30 @@ out = api_fp8.grouped_gemm_fp8_blockwise(a, sa, b, sb, torch.tensor([300, 0, 400
 torch.save(out.cpu(), sys.argv[1])
 print("RESULT " + json.dumps({"compiled": len(registry.compile_times()), "loaded": len(registry.load_times()),
                               "loaded_by": sorted(set(registry.loaded_by().values())),
-                              "dsl_imported": "cutlass" in sys.modules}))
+                              "dsl_imported": "cutlass" in sys.modules,
+                              "cluster_m": [2 if ("cluster_m", 2) in k else 1 for k in registry.CACHE
+                                            if k[0] == "fp8_blockwise"]}))
 """
 
 
 @requires_sm90
+@pytest.mark.parametrize("n", [384, 512], ids=["pair", "2x2"])
 @pytest.mark.parametrize("call", [None, "python"], ids=["tvm-ffi", "python-call"])
-def test_a_second_process_loads_the_fp8_gemm_and_gives_the_same_bits(tmp_path, call):
+def test_a_second_process_loads_the_fp8_gemm_and_gives_the_same_bits(tmp_path, call, n):
+    """N=384: three n-blocks, CTA pairs; N=512: four, 2 x 2 clusters, whose occupancy answer the
+    first process kept beside the kernel, so the second asks no DSL for it either."""
+    from te_offload_ops.kernels import cluster_fit
+
     cache, results = tmp_path / "cache", []
     for name in ("a", "b"):
-        proc = subprocess.run([sys.executable, "-c", _FP8_GEMM, str(tmp_path / f"{name}.pt")], capture_output=True,
-                              text=True, env=_env(cache, call), timeout=900)
+        proc = subprocess.run([sys.executable, "-c", _FP8_GEMM, str(tmp_path / f"{name}.pt"), str(n)],
+                              capture_output=True, text=True, env=_env(cache, call), timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         results.append(json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:]))
     a, b = results
     assert (a["compiled"], a["loaded"], b["compiled"], b["loaded"]) == (1, 0, 0, 1), results
+    assert a["cluster_m"] == b["cluster_m"] == [2 if n == 512 else 1], results
+    assert (cache / cluster_fit.FILE_NAME).exists() == (n == 512)
     if call is None and shared_object.compiler() is not None:
         assert b["loaded_by"] == ["shared object"] and not b["dsl_imported"], b
     assert torch.equal(torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt"))

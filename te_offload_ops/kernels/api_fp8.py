@@ -5,7 +5,8 @@
 ``split_sizes`` on the host (no device sync) and launches on the current CUDA stream. Compiled
 kernels are kept with every other GEMM's in :mod:`.registry` (so :func:`.registry.compile_times`,
 :func:`.registry.load_times` and :func:`.registry.clear_cache` cover them), keyed by
-``("fp8_blockwise", output dtype, tile, cluster_n, N, K, E, scale row length of B, call convention)``,
+``("fp8_blockwise", output dtype, tile, cluster_n, N, K, E, scale row length of B, [epilogue form],
+[promotion], [("cluster_m", 2)], call convention)`` (the bracketed parts only off their defaults),
 and on disk (:mod:`.disk_cache`), where a later process loads them, through TVM-FFI without
 importing the DSL.
 """

@@ -89,7 +89,10 @@ start mid-matrix (rows are not aligned to 128 per expert): rows of the next expe
 the tile but every store is predicated on ``row < off[e+1]`` and ``col < N``; as the scales
 multiply whole rows, a foreign row (or a padding scale past T) never touches a kept row. With
 ``cluster_n == 2`` two CTAs on neighbouring n-blocks of one m-block share the A tile by TMA
-multicast (each loads its own 512 bytes of A scales).
+multicast (each loads its own 512 bytes of A scales). With ``cluster_m == 2`` (2 x 2 clusters,
+the walk and phantoms of :mod:`.gemm_sm90`'s) the m-pair also shares its B tile where both m-blocks
+are of one expert (else each CTA loads B whole), and a phantom tile past N reads the last block of
+B's scales (it stores nothing).
 """
 
 from __future__ import annotations

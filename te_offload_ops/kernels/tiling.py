@@ -79,11 +79,10 @@ def pick_cluster_m(wgrad_m, n: int, tile, cluster_n: int) -> int:
     return 2 if -(-n // tile[1]) >= 2 else 1
 
 
-# the FP8 forms that take 2 x 2 clusters by default, where the n-block count is even: measured
-# faster on an H200 at H=7168, F=2048 (plain +3-4% from 2048 tokens per expert, about even at 512;
-# with the quantizing SReLU epilogue +6-28%), slower with the dSReLU epilogue (1-14%) and wherever
-# the n-block count is odd (phantom tiles: 6-17% at H=2688, F=1856)
-# (benchmarks/results/cluster2x2_NVIDIA_H200_fp8*)
+# the FP8 forms that take 2 x 2 clusters by default, where the n-block count is even: on an H200
+# at H=7168, F=2048 the plain forms ran 1.04-1.06x and fc1's with the quantizing SReLU epilogue
+# 1.17-1.19x the pair's speed, the dSReLU form 0.99-1.00x; with an odd n-block count (H=2688,
+# F=1856: a phantom tile per cluster row) 0.83-0.95x (benchmarks/results/cluster2x2_NVIDIA_H200_fp8*)
 FP8_2X2_EPILOGUES = ("plain", "srelu_q")
 
 
