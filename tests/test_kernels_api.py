@@ -211,8 +211,8 @@ def test_the_first_launch_of_every_gemm_family_is_timed_once(monkeypatch):
 
     bf16 = types.SimpleNamespace(cache_key=("bf16",), call="tvm-ffi", wgrad_m=None, bm=128, num_experts=2,
                                  n_tiles=3, cluster_n=1, epilogue="plain", n=384, k=256)
-    fp8 = types.SimpleNamespace(cache_key=("fp8_blockwise",), call="tvm-ffi", bm=128, num_experts=2, n_tiles=3,
-                                cluster_n=1)
+    fp8 = types.SimpleNamespace(cache_key=("fp8_blockwise",), call="tvm-ffi", wgrad_m=None, bm=128, num_experts=2,
+                                n_tiles=3, cluster_n=1)
     wgrad = types.SimpleNamespace(cache_key=("fp8_wgrad",), call="tvm-ffi", num_experts=2, wgrad_groups=4)
     a, s = torch.zeros(256, 128), torch.zeros(2, dtype=torch.int32)
     sa = torch.zeros(1, 256)

@@ -412,15 +412,7 @@ def grouped_gemm_fp8_dsrelu_quantize(a_data, a_scale_inv, b_data, b_scale_inv, s
 def _launch_fp8(kern, compiled, a, b, c, s, sa, sb, num_tokens, q=None):
     if not getattr(kern, "launched", False) and capturing():  # the first call loads the module
         raise GraphCaptureError(registry.first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
-    # persistent grid: one CTA per SM at most, and no more CTAs than a bound of the tile count
-    # that needs no split sizes on the host
-    m_bound = -(-num_tokens // kern.bm) + kern.num_experts
-    if getattr(kern, "cluster_m", 1) > 1:  # (m-pair, n-pair) groups of four
-        tile_bound = -(-m_bound // 2) * kern.n_pairs * kern.cluster_size
-    else:
-        tile_bound = m_bound * kern.n_tiles
-    cn = getattr(kern, "cluster_size", kern.cluster_n)
-    num_ctas = min(launch.grid_slots(a.device.index, cn), -(-tile_bound // cn) * cn)
+    num_ctas = launch.persistent_grid(kern, num_tokens, a.device.index)
     # one k-block: the row stride addresses nothing, but TMA wants a 16-byte multiple
     sa_stride = sa.stride(0)
     if sa.shape[0] == 1 and (sa_stride % 4 or sa_stride < num_tokens):

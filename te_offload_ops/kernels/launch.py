@@ -98,21 +98,25 @@ def launch_gemm(kern, compiled, tensors, num_tokens) -> None:
     _launch_now(kern, compiled, tensors, num_tokens)
 
 
-def _launch_now(kern, compiled, tensors, num_tokens):
-    if not getattr(kern, "launched", False) and capturing():  # the first call loads the module
-        raise GraphCaptureError(registry.first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
-    # persistent grid: one CTA per SM at most, and no more CTAs than a bound
-    # of the tile count that needs no split sizes on the host
+def persistent_grid(kern, num_tokens: int, device_index: int) -> int:
+    """CTAs of ``kern``'s persistent grid: one per SM at most (whole clusters that fit at once), and
+    no more than a bound of its tile count that needs no split sizes on the host."""
     if kern.wgrad_m is not None:  # static tiles: E times the (M, N) blocks
         tile_bound = kern.num_experts * kern.wgrad_tiles
-    else:
+    else:  # every expert may start a partial m-block
         m_bound = -(-num_tokens // kern.bm) + kern.num_experts
         if getattr(kern, "cluster_m", 1) > 1:  # (m-pair, n-pair) groups of four
             tile_bound = -(-m_bound // 2) * kern.n_pairs * kern.cluster_size
         else:
             tile_bound = m_bound * kern.n_tiles
     cn = getattr(kern, "cluster_size", kern.cluster_n)
-    num_ctas = min(grid_slots(tensors[0][0].device.index, cn), -(-tile_bound // cn) * cn)
+    return min(grid_slots(device_index, cn), -(-tile_bound // cn) * cn)
+
+
+def _launch_now(kern, compiled, tensors, num_tokens):
+    if not getattr(kern, "launched", False) and capturing():  # the first call loads the module
+        raise GraphCaptureError(registry.first_call_in_capture(getattr(kern, "cache_key", type(kern).__name__)))
+    num_ctas = persistent_grid(kern, num_tokens, tensors[0][0].device.index)
     # the capturing stream when a graph is captured: the launch becomes a node of the graph
     stream = stream_handle(tensors[0][0].device.index)
     timing_the_first(kern, _call, kern, compiled, tensors, num_tokens, num_ctas, stream)
