@@ -388,8 +388,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         if wg == 0:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp == 0:
-                self._produce_fp8(rank, cluster, num_clusters, n_work, m_split, pipe, tma_a, g_a, tma_a1,
-                                  g_a1, tma_b, g_b, tma_sa, g_sa, sa, sb, ssa)
+                self._produce(rank, cluster, num_clusters, n_work, m_split, pipe, tma_a, g_a, tma_a1, g_a1,
+                              tma_b, g_b, sa, sb, (tma_sa, g_sa, ssa))
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self._consume_fp8(tidx - _WG, wg - 1, rank, cluster, num_clusters, n_work, m_split, pipe,
@@ -397,76 +397,22 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                               (m_prob, m_q, m_q_s, m_z, m_z_s, eps, m_c2, m_part))
 
     @cute.jit
-    def _produce_fp8(self, rank, cluster, num_clusters, n_work, m_split, pipe, tma_a, g_a, tma_a1, g_a1,
-                     tma_b, g_b, tma_sa, g_sa, sa, sb, ssa):
-        bm, bn, bk = self.bm, self.bn, self.bk
-        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        # rank = rm + cluster_m * rn: A goes to the CTAs of this m-row (same rm), B to those of this
-        # n-column (same rn); each CTA loads slice rn of A and slice rm of B. A's scales: its own
-        rm = rank % self.cluster_m
-        rn = rank // self.cluster_m
-        cluster_mn = cute.make_layout((self.cluster_m, self.cluster_n))
-        mcast = cute.make_layout_image_mask(cluster_mn, (rm, rn), 1)  # A: across the n-pair
-        mcast_b = cute.make_layout_image_mask(cluster_mn, (rm, rn), 0)  # B: across the m-pair
-        num_tokens = cute.size(g_a, mode=[0])
-        tile = cluster
-        while tile < n_work:
-            expert, n_blk, a_row, _, k_tiles, _, _, _, shares_a = self._work(m_split, tile, rank, num_tokens)
-            g_a_tile = cute.local_tile(cute.domain_offset((a_row, 0), g_a), (bm, bk), (0, None))
-            g_b_tile = cute.local_tile(g_b[None, None, expert], (bn, bk), (n_blk, None))
-            # the scales of the tile's rows in every k-block, from an aligned row: (BM + 4, 1, k-blocks)
-            sa_row = a_row - a_row % _SA_ALIGN  # a 16-byte aligned start for TMA
-            g_sa_tile = cute.local_tile(cute.domain_offset((sa_row, 0), g_sa), (bm + _SA_ALIGN, 1), (0, None))
-            t_sa, t_ga = cpasync.tma_partition(
-                tma_a, rn, cute.make_layout(self.cluster_n),
-                cute.group_modes(sa, 0, 2), cute.group_modes(g_a_tile, 0, 2),
-            )
-            t_sb, t_gb = cpasync.tma_partition(
-                tma_b, rm, cute.make_layout(self.cluster_m),
-                cute.group_modes(sb, 0, 2), cute.group_modes(g_b_tile, 0, 2),
-            )
-            t_ssa, t_gsa = cpasync.tma_partition(
-                tma_sa, 0, cute.make_layout(1), cute.group_modes(ssa, 0, 2), cute.group_modes(g_sa_tile, 0, 2),
-            )
-            if cutlass.const_expr(self.cluster_m > 1):
-                # the m-pair shares B only within one expert; else each loads its B tile whole
-                shares_b = self._pair_shares_b(m_split, tile, num_tokens)
-                g_b1_tile = cute.local_tile(g_a1[None, None, expert], (bn, bk), (n_blk, None))
-                t_sb1, t_gb1 = cpasync.tma_partition(
-                    tma_a1, 0, cute.make_layout(1), cute.group_modes(sb, 0, 2), cute.group_modes(g_b1_tile, 0, 2),
-                )
-            elif cutlass.const_expr(self.cluster_n > 1):  # the whole A tile, this CTA only
-                g_a1_tile = cute.local_tile(cute.domain_offset((a_row, 0), g_a1), (bm, bk), (0, None))
-                t_sa1, t_ga1 = cpasync.tma_partition(
-                    tma_a1, 0, cute.make_layout(1), cute.group_modes(sa, 0, 2), cute.group_modes(g_a1_tile, 0, 2),
-                )
-            for kt in cutlass.range(k_tiles, unroll=1):
-                pipe.producer_acquire(prod)
-                bar = pipe.producer_get_barrier(prod)
-                if cutlass.const_expr(self.cluster_m > 1):  # 2 x 2: the n-pair always shares A
-                    cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar, mcast_mask=mcast)
-                    if shares_b:
-                        cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar,
-                                  mcast_mask=mcast_b)
-                    else:
-                        cute.copy(tma_a1, t_gb1[None, kt], t_sb1[None, prod.index], tma_bar_ptr=bar)
-                else:
-                    if cutlass.const_expr(self.cluster_n > 1):
-                        if shares_a:
-                            cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar,
-                                      mcast_mask=mcast)
-                        else:
-                            cute.copy(tma_a1, t_ga1[None, kt], t_sa1[None, prod.index], tma_bar_ptr=bar)
-                    else:
-                        cute.copy(tma_a, t_ga[None, kt], t_sa[None, prod.index], tma_bar_ptr=bar)
-                    cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar)
-                if cutlass.const_expr(self.LOAD_A_SCALES):
-                    cute.copy(tma_sa, t_gsa[None, kt], t_ssa[None, prod.index], tma_bar_ptr=bar)
-                pipe.producer_commit(prod)
-                prod.advance()
-            tile = tile + num_clusters
-        # stay until every consumer of the cluster has released every stage
-        pipe.producer_tail(prod)
+    def _stage_extras(self, a_row, extras):
+        """A's scales of the tile's rows in every k-block, each stage's box from an aligned row
+        (BM + 4, 1, k-blocks): loaded with A and B, on their barrier."""
+        tma_sa, g_sa, ssa = extras
+        sa_row = a_row - a_row % _SA_ALIGN  # a 16-byte aligned start for TMA
+        g_sa_tile = cute.local_tile(cute.domain_offset((sa_row, 0), g_sa), (self.bm + _SA_ALIGN, 1), (0, None))
+        t_ssa, t_gsa = cpasync.tma_partition(
+            tma_sa, 0, cute.make_layout(1), cute.group_modes(ssa, 0, 2), cute.group_modes(g_sa_tile, 0, 2),
+        )
+        return tma_sa, t_ssa, t_gsa
+
+    @cute.jit
+    def _load_extras(self, parts, kt, stage, bar):
+        if cutlass.const_expr(self.LOAD_A_SCALES):
+            tma_sa, t_ssa, t_gsa = parts
+            cute.copy(tma_sa, t_gsa[None, kt], t_ssa[None, stage], tma_bar_ptr=bar)
 
     @cute.jit
     def _consume_fp8(self, ctid, cwg, rank, cluster, num_clusters, n_work, m_split, pipe, sa, sb, ssa, st,

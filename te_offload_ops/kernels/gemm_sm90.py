@@ -499,8 +499,19 @@ class GroupedGemmSm90(GemmPlan):
             )
 
     @cute.jit
+    def _stage_extras(self, a_row, extras):
+        """A tile's partitions of what a subclass loads into each stage beside A and B (``extras``:
+        its descriptors and buffers); this kernel loads nothing more."""
+        return None
+
+    @cute.jit
+    def _load_extras(self, parts, kt, stage, bar):
+        """Load k-tile ``kt`` of the tile's extras (:meth:`_stage_extras`) into ``stage``."""
+        pass
+
+    @cute.jit
     def _produce(self, rank, cluster, num_clusters, n_work, m_split, pipe, tma_a, g_a, tma_a1, g_a1,
-                 tma_b, g_b, sa, sb):
+                 tma_b, g_b, sa, sb, extras=None):
         bm, bn, bk = self.bm, self.bn, self.bk
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         # rank = rm + cluster_m * rn: A goes to the CTAs of this m-row (same rm), B to those of
@@ -547,6 +558,7 @@ class GroupedGemmSm90(GemmPlan):
                     tma_a1, 0, cute.make_layout(1),
                     cute.group_modes(sa, 0, 2), cute.group_modes(g_a1_tile, 0, 2),
                 )
+            parts = self._stage_extras(a_row, extras)
             for kt in cutlass.range(k_tiles, unroll=1):
                 pipe.producer_acquire(prod)
                 bar = pipe.producer_get_barrier(prod)
@@ -572,6 +584,7 @@ class GroupedGemmSm90(GemmPlan):
                         cute.copy(tma_a1, t_gb1[None, kt], t_sb1[None, prod.index], tma_bar_ptr=bar)
                 else:
                     cute.copy(tma_b, t_gb[None, kt], t_sb[None, prod.index], tma_bar_ptr=bar)
+                self._load_extras(parts, kt, prod.index, bar)
                 pipe.producer_commit(prod)
                 prod.advance()
             tile = tile + num_clusters
