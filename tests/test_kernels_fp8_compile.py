@@ -698,3 +698,28 @@ def test_cluster_fit_asks_the_driver_once_per_gpu_and_keeps_the_answer(tmp_path,
     monkeypatch.setenv(disk_cache.CACHE_ENV, "0")
     path.unlink()
     assert cluster_fit.max_active_clusters(0, 4, probe) == 30 and not path.exists()
+
+
+def test_fp8_gemms_keep_the_pair_where_the_cluster_question_gets_no_answer(monkeypatch, caplog):
+    """A GPU whose cluster occupancy cannot be learned (the probe needs the CuTe DSL) runs the FP8
+    GEMMs in CTA pairs, said once, instead of failing the GEMM; asked once per device."""
+    from te_offload_ops.kernels import api_fp8, launch
+
+    asked = []
+
+    def no_answer(device, size):
+        asked.append((device, size))
+        raise ImportError("no module named cutlass")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launch, "cluster_slots", no_answer)
+    api_fp8._device_fits_four.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert api_fp8._fits_four(0) is False and api_fp8._fits_four(0) is False
+        assert asked == [(0, 4)]
+        assert "CTA pairs" in caplog.text and "no module named cutlass" in caplog.text
+        monkeypatch.setattr(launch, "cluster_slots", lambda device, size: 120)
+        assert api_fp8._fits_four(1) is True
+    finally:
+        api_fp8._device_fits_four.cache_clear()

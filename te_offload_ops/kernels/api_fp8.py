@@ -13,6 +13,8 @@ importing the DSL.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import torch
@@ -22,6 +24,7 @@ from . import availability, disk_cache, dsl, launch, registry, tiling
 from .gemm_plan import PROMOTIONS, GemmPlan, check_overlap_fits, overlap_fits
 from .operands import INT32_MAX, out_buffer, splits_i32
 
+_log = logging.getLogger(__name__)
 SCALE_BLOCK = 128  # gemm_fp8_sm90.SCALE_BLOCK, without the DSL import
 TILE_NS = (64, 128, 192)  # gemm_fp8_sm90.TILE_NS, likewise
 OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -182,8 +185,17 @@ def _fits_four(device_index) -> bool:
     job) as the Hopper GPUs they serve do."""
     if not torch.cuda.is_available():
         return True
-    dev = torch.cuda.current_device() if device_index is None else device_index
-    return launch.cluster_slots(dev, 4) >= 4
+    return _device_fits_four(torch.cuda.current_device() if device_index is None else device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_fits_four(device_index: int) -> bool:
+    try:
+        return launch.cluster_slots(device_index, 4) >= 4
+    except Exception as exc:  # no answer (no CuTe DSL for the probe, say): CTA pairs, said once
+        _log.warning("could not learn whether clusters of four fit on device %d (%s); the FP8 GEMMs run in CTA "
+                     "pairs", device_index, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+        return False
 
 
 def get_kernel_fp8(out_dtype, n, k, e, sb_cols, tile=None, epilogue="plain", pow2=False, promotion=None,
