@@ -27,7 +27,8 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
 from bench_common import (  # noqa: E402
-    add_mlp_shape_args, bar_chart, file_stem, mlp_shape_suffix, refuse, sm90_kernel_problem, utc_now, write_reports,
+    add_mlp_shape_args, bar_chart, command_line, file_stem, mlp_shape_suffix, refuse, sm90_kernel_problem, utc_now,
+    write_reports,
 )
 
 ENV = "TEO_GEMM_CLUSTER_M"
@@ -164,8 +165,7 @@ def measure(args) -> dict:
     os.environ.pop(ENV, None)
     return {"gpu": torch.cuda.get_device_name(), "date": utc_now(), "shape": {"experts": args.experts, "tokens_per_expert": args.tokens,
             "hidden": args.hidden, "ffn": args.ffn, "skew": args.skew}, "reps": args.reps, "inner": args.inner,
-            "fp8": args.fp8, "command": " ".join(["python3", "benchmarks/experiments/bench_cluster2x2.py", *sys.argv[1:]]),
-            "rows": rows}
+            "fp8": args.fp8, "rows": rows}
 
 
 def markdown(result: dict) -> str:
@@ -209,6 +209,7 @@ def main(argv=None) -> int:
     if (problem := sm90_kernel_problem()):
         return refuse("bench_cluster2x2.py", problem)
     result = measure(args)
+    result["command"] = command_line("benchmarks/experiments/bench_cluster2x2.py", sys.argv[1:] if argv is None else argv)
     shape = mlp_shape_suffix(args)
     write_reports(Path(args.out), file_stem("cluster2x2", result["gpu"], "fp8" if args.fp8 else "", shape,
                                             "skewed" if args.skew else ""), result, markdown, chart)
