@@ -81,7 +81,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -742,8 +742,16 @@ def build_result(args, rows: list, numerics: dict, cap, gpus: list, complete: bo
     return result
 
 
+def shape_suffixes(shape) -> tuple:
+    """``<field><value>`` for each field of ``shape`` off :class:`GPTShape`'s defaults (``seq4096``):
+    runs of other shapes never write over the default shape's reports."""
+    default = GPTShape()
+    return tuple(f"{f.name}{getattr(shape, f.name)}" for f in fields(shape)
+                 if getattr(shape, f.name) != getattr(default, f.name))
+
+
 def report_stem(args, gpu: str) -> str:
-    suffixes = (() if args.ep == [1, 2] else ("ep" + "-".join(map(str, args.ep)),)) + \
+    suffixes = (() if args.ep == [1, 2] else ("ep" + "-".join(map(str, args.ep)),)) + shape_suffixes(args.shape) + \
         (("graphs" if not args.no_capture else "graphs_uncaptured",) if args.cuda_graphs else ()) + \
         (("fp8",) if any(split_precision(v)[1] for v in args.variants) else ())
     return file_stem("megatron_gpt", gpu, *suffixes)
