@@ -889,3 +889,16 @@ def test_the_report_says_when_variants_started_from_different_weights():
     assert mgr.weights_lines(rows[3:]) == []
     unknown = [{**rows[0], "weights_digest": [None]}, rows[1]]  # a job that recorded no digest
     assert mgr.weights_lines(unknown) == []
+
+
+def test_reports_of_other_shapes_are_named_after_what_differs():
+    def stem(*argv):
+        args = mg.parser().parse_args(["--variants", "ours", *argv])
+        args.ep = [int(e) for e in args.ep.split(",")]
+        args.shape = mg.shape_of(args)
+        args.variants = args.variants.split(",")
+        return mg.report_stem(args, "NVIDIA H200")
+
+    assert stem() == "megatron_gpt_NVIDIA_H200"
+    assert stem("--ep", "2", "--seq", "4096") == "megatron_gpt_NVIDIA_H200_ep2_seq4096"
+    assert stem("--hidden", "4096", "--micro-batch", "8") == "megatron_gpt_NVIDIA_H200_hidden4096_micro_batch8"
