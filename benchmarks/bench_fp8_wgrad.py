@@ -6,8 +6,10 @@ F=1856). Contenders, timed interleaved as ``bench_kernels.py`` times them (GPU t
 the host ahead, medians over ``--reps`` rounds of ``--inner`` calls):
 
 * ``fp8``: ``grouped_wgrad_fp8_blockwise`` on the per-expert columnwise copies
-  (``fp8_rows.quantize_columns``), bf16 output;
+  (``fp8_rows.quantize_columns``), bf16 output, with the default (overlapped) promotion;
 * ``fp8 main_grad``: the same added into fp32 main_grad buffers (``grouped_wgrad_fp8_main_grad``);
+* ``fp8 serial``, ``fp8 main_grad serial``: the same with ``promotion="serial"`` (each k-block
+  promoted after its WGMMAs);
 * ``bf16``: ``kernels.grouped_wgrad`` on the bf16 token matrices;
 * ``bf16 main_grad``: ``kernels.grouped_wgrad_main_grad``;
 * ``columns``: the two ``quantize_columns`` passes the FP8 form needs (not inside the GEMM timings).
@@ -35,7 +37,7 @@ from bench_fp8_gemm import _rel  # noqa: E402
 
 TOKENS = (2048, 4096, 8192)
 SHAPES = ((2688, 1856), (1856, 2688))  # (M, N): fc2's dW (H x F), fc1's dW (F x H)
-GEMMS = ("fp8", "fp8 main_grad", "bf16", "bf16 main_grad")
+GEMMS = ("fp8", "fp8 main_grad", "fp8 serial", "fp8 main_grad serial", "bf16", "bf16 main_grad")
 CONTENDERS = (*GEMMS, "columns")
 
 
@@ -62,6 +64,8 @@ def _case(e, tokens, m, n, torch):
     fns = {
         "fp8": lambda: grouped_wgrad_fp8_blockwise(qa, sa, qb, sb, s, t),
         "fp8 main_grad": lambda: grouped_wgrad_fp8_main_grad(qa, sa, qb, sb, s, t, mg8),
+        "fp8 serial": lambda: grouped_wgrad_fp8_blockwise(qa, sa, qb, sb, s, t, promotion="serial"),
+        "fp8 main_grad serial": lambda: grouped_wgrad_fp8_main_grad(qa, sa, qb, sb, s, t, mg8, promotion="serial"),
         "bf16": lambda: K.grouped_wgrad(a, b, s),
         "bf16 main_grad": lambda: K.grouped_wgrad_main_grad(a, b, s, mg16),
         "columns": lambda: (fp8_rows.quantize_columns(a, s, 0.0, False), fp8_rows.quantize_columns(b, s, 0.0, False)),
@@ -109,19 +113,20 @@ def markdown(result: dict) -> str:
     lines = [f"# Grouped FP8 weight gradient (Float8BlockScaling) vs bf16, {result['gpu']} ({result['date']})", "",
              f"dW_e = A_e^T B_e, E={result['experts']} experts, even splits; TFLOP/s from GPU time per call with the "
              f"host ahead, medians of {result['reps']} interleaved rounds of {result['inner']} calls. fp8: per-expert "
-             "columnwise copies (128x1 token blocks), fp32 promotion per 128-token block. columns: the two "
+             "columnwise copies (128x1 token blocks), fp32 promotion per 128-token block, overlapped with the next "
+             "block's WGMMAs (serial: after each block's WGMMAs). columns: the two "
              "quantize_columns passes, outside the GEMMs' times. Error: relative Frobenius norm against the bf16 "
              f"GEMM of the dequantized operands. Command: `{result.get('command', '')}`", "",
              "| tokens/expert | M | N | " + " | ".join(f"{c} TFLOP/s" for c in GEMMS)
-             + " | columns us | fp8 / bf16 | fp8 err |",
-             "|---|---|---|" + "---|" * (len(GEMMS) + 3)]
+             + " | columns us | fp8 / bf16 | overlapped / serial promotion | fp8 err |",
+             "|---|---|---|" + "---|" * (len(GEMMS) + 4)]
     for r in result["rows"]:
         c = r["contenders"]
         tf = {name: c[name]["TFLOPs"] for name in GEMMS}
         lines.append(f"| {r['tokens_per_expert']} | {r['m']} | {r['n']} | "
                      + " | ".join(f"{tf[name]:.0f}" for name in GEMMS)
                      + f" | {c['columns']['ms'] * 1e3:.0f} | {tf['fp8'] / tf['bf16']:.2f} | "
-                       f"{r['fp8_vs_dequant_bf16']:.1e} |")
+                       f"{tf['fp8'] / tf['fp8 serial']:.2f} | {r['fp8_vs_dequant_bf16']:.1e} |")
     return "\n".join(lines) + "\n"
 
 

@@ -96,6 +96,36 @@ def test_fp8_wgrad_runs_again_with_new_splits_and_no_host_sync():
     assert torch.equal(out, got)
 
 
+
+@pytest.mark.parametrize("epilogue", ["plain", "main_grad"])
+def test_fp8_wgrad_overlapped_promotion_gives_the_serial_promotions_bits(epilogue, monkeypatch):
+    """The overlapped promotion (chunks of unrolled k-blocks, then a serial tail) sums the same
+    products in the same order as the serial one: the same bits, for experts whose k-blocks fill
+    whole chunks, end in a tail, or hold only a tail."""
+    from te_offload_ops.kernels import api_fp8
+    from te_offload_ops.kernels.api_fp8_wgrad import grouped_wgrad_fp8_blockwise, grouped_wgrad_fp8_main_grad
+    from te_offload_ops.kernels.gemm_fp8_wgrad_sm90 import OVERLAP_CHUNK
+
+    chunk_tokens = 128 * OVERLAP_CHUNK
+    splits = [chunk_tokens, chunk_tokens + 300, 0, 300, 3 * chunk_tokens - 5, 1]
+    m, n = 200, 256
+    split, t, (qa, sa), (qb, sb), poff = _operands(m, n, splits, seed=7)
+    outs = {}
+    for promotion in ("serial", "overlap"):
+        monkeypatch.setenv(api_fp8.PROMOTION_ENV, promotion)
+        if epilogue == "plain":
+            outs[promotion] = grouped_wgrad_fp8_blockwise(qa, sa, qb, sb, split, t)
+        else:
+            grads = torch.full((len(splits), m, n), 0.25, device="cuda")
+            grouped_wgrad_fp8_main_grad(qa, sa, qb, sb, split, t, grads, accumulate=True)
+            outs[promotion] = grads
+    torch.cuda.synchronize()
+    assert torch.equal(outs["overlap"], outs["serial"])
+    want = _reference(_dequantize_columns(qa, sa, m), _dequantize_columns(qb, sb, n), poff, splits)
+    got = outs["overlap"].double() - (0.25 if epilogue == "main_grad" else 0.0)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 2e-3, rel
+
 # -- the fused op with TEO_FP8_WGRAD=fp8 ------------------------------------------------------------
 
 FUSED_CASES = {  # name -> (experts, hidden, ffn, splits)

@@ -531,27 +531,41 @@ WGRAD_VARIANTS = [
 @needs_dsl
 @pytest.mark.parametrize("m,n,e,epilogue,tile,out_dtype", WGRAD_VARIANTS,
                          ids=[f"M{v[0]}-N{v[1]}-E{v[2]}-{v[3]}" for v in WGRAD_VARIANTS])
-def test_fp8_wgrad_compiles_to_token_major_e4m3_wgmma_with_per_column_promotion(m, n, e, epilogue, tile, out_dtype):
+def test_fp8_wgrad_compiles_to_token_major_e4m3_wgmma_with_per_column_promotion(m, n, e, epilogue, tile, out_dtype,
+                                                                                 monkeypatch):
     """Both operands token-major e4m3 WGMMA (k32 steps), four 2-D TMA loads per stage (A, B and
     their scale vectors), the promotion one multiply (row scale x column scale) and one fma per
-    accumulator element a thread holds, and no register spills."""
+    accumulator element a thread holds per k-block, overlapped with the next k-block's WGMMAs by
+    default (chunks of unrolled k-blocks, then the serial tail), and no register spills or
+    serialization advisory from ptxas."""
+    from te_offload_ops.kernels import api_fp8
     from te_offload_ops.kernels.api_fp8_wgrad import compile_variant_fp8_wgrad
+    from te_offload_ops.kernels.gemm_fp8_wgrad_sm90 import OVERLAP_CHUNK
 
+    monkeypatch.delenv(api_fp8.PROMOTION_ENV, raising=False)  # the default promotion is asserted below
     kern, compiled, secs = compile_variant_fp8_wgrad(m, n, e, out_dtype=out_dtype, tile=tile, epilogue=epilogue,
                                                      options="--keep-ptx --keep-cubin")
+    assert kern.promotion == "overlap"
     ptx = str(compiled.artifacts.PTX)
     bn = kern.bn
     per_thread = 64 * bn // 128
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3", ptx)
+    kblocks = OVERLAP_CHUNK + 1  # issue sites: a chunk's k-blocks and the tail's
+    wgmmas = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k32\.f32\.e4m3\.e4m3", ptx)
+    assert len(wgmmas) == 4 * kblocks
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global", ptx)) == 4
     assert "cp.async.bulk.tensor.3d" not in ptx  # no expert dimension: experts are token ranges
-    assert len(re.findall(r"\bfma\.rn\.f32\b", ptx)) >= per_thread
-    assert len(re.findall(r"\bmul(?:\.rn)?\.f32\b", ptx)) >= per_thread
-    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)) == 1
+    assert len(re.findall(r"\bfma\.rn\.f32\b", ptx)) >= per_thread * kblocks
+    assert len(re.findall(r"\bmul(?:\.rn)?\.f32\b", ptx)) >= per_thread * kblocks
+    # in a chunk each promotion but the last waits with the next k-block in flight
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) == OVERLAP_CHUNK - 1
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)) == 2
     if epilogue == "acc_f32":
         assert "ld.global" in ptx  # main_grad read, added to, written back
     assert kern.stages >= 4
     found = _resource_usage(compiled)
+    advisories = _ptxas_advisories(ptx)
+    if advisories is not None:
+        assert not advisories, advisories
     print(f"compile fp8 wgrad M={m} N={n} E={e} BN={bn} {epilogue}: {secs:.2f} s, {kern.stages} stages"
           f"{', ' + found if found else ''}")
 
@@ -566,6 +580,23 @@ def test_fp8_wgrad_kernel_refuses_what_it_cannot_run():
         GroupedWgradFp8Sm90(cutlass.BFloat16, 256, 256, 2, epilogue="tma_f32")
     with pytest.raises(ValueError, match="multiple of 8"):
         GroupedWgradFp8Sm90(cutlass.BFloat16, 100, 256, 2)
+    with pytest.raises(ValueError, match="promotion must be one of"):
+        GroupedWgradFp8Sm90(cutlass.BFloat16, 256, 256, 2, promotion="eager")
+
+
+@needs_dsl
+def test_fp8_wgrad_serial_promotion_waits_for_each_k_block(monkeypatch):
+    """TEO_FP8_PROMOTION=serial: one issue site, each promotion after a full wait."""
+    from te_offload_ops.kernels import api_fp8
+    from te_offload_ops.kernels.api_fp8_wgrad import compile_variant_fp8_wgrad
+
+    monkeypatch.setenv(api_fp8.PROMOTION_ENV, "serial")
+    kern, compiled, _ = compile_variant_fp8_wgrad(2688, 1856, 8, epilogue="red_f32", options="--keep-ptx")
+    ptx = str(compiled.artifacts.PTX)
+    assert kern.promotion == "serial"
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)) == 4
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) == 0
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)) == 1
 
 
 def test_fp8_wgrad_entry_point_refuses_bad_operands_clearly():
@@ -602,6 +633,8 @@ def test_fp8_wgrad_launch_plan_matches_the_kernel_and_keys_apart_from_the_bf16_f
 
     bf16 = GemmPlan(2, 2688, 0, 8, b_n_major=True, epilogue="red_f32", tile_mn=(128, 128), wgrad_m=1856)
     assert registry.kernel_params(plan) != registry.kernel_params(bf16)
+    overlap = launch_plan_fp8_wgrad(torch.bfloat16, 1856, 2688, 8, (128, 128), "red_f32", "overlap")
+    assert registry.kernel_params(overlap) != registry.kernel_params(plan)  # the promotion keys the variant
     if _HAVE_DSL:
         from te_offload_ops.kernels.gemm_fp8_wgrad_sm90 import GroupedWgradFp8Sm90
 

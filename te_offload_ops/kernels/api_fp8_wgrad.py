@@ -4,8 +4,9 @@
 makes of the two token matrices (each expert's tokens padded to 128, TE's 128x1 scale blocks per
 expert), reads the split sizes on the GPU only and launches on the current CUDA stream. Compiled
 kernels are kept in :mod:`.registry` in memory, keyed ``("fp8_wgrad", output dtype, tile, M, N, E,
-epilogue, call convention)``, and on disk (:mod:`.disk_cache`), where a later process loads them,
-through TVM-FFI without importing the DSL.
+epilogue, ["overlap"], call convention)``, and on disk (:mod:`.disk_cache`), where a later process loads them,
+through TVM-FFI without importing the DSL. The promotion ("overlap" or "serial") is
+:func:`.api_fp8.fp8_promotion`'s, as for the forward GEMMs; it keys the variant where not serial.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 
 from ..capture import GraphCaptureError, capturing
 from . import availability, disk_cache, dsl, launch, registry
-from .api_fp8 import OUT_DTYPES, SCALE_BLOCK
-from .gemm_plan import GemmPlan
+from .api_fp8 import OUT_DTYPES, SCALE_BLOCK, fp8_promotion
+from .gemm_plan import PROMOTIONS, GemmPlan
 from .main_grads import check_main_grads, main_grad_offsets, vector_aligned
 from .operands import INT32_MAX, splits_i32
 
@@ -29,12 +30,12 @@ def pick_tile_fp8_wgrad(n: int) -> tuple[int, int]:
     return (128, 64) if n <= 64 else (128, 128)
 
 
-def _compile(out_dtype, m, n, e, tile, epilogue, call, options=None):
+def _compile(out_dtype, m, n, e, tile, epilogue, promotion, call, options=None):
     cutlass, cute, make_ptr, make_fake_stream = dsl.runtime()
     from .gemm_fp8_wgrad_sm90 import GroupedWgradFp8Sm90
 
     od = dsl.element_type(out_dtype)
-    kern = GroupedWgradFp8Sm90(od, m, n, e, tile_mn=tile, epilogue=epilogue)
+    kern = GroupedWgradFp8Sm90(od, m, n, e, tile_mn=tile, epilogue=epilogue, promotion=promotion)
     gmem = cute.AddressSpace.gmem
     fake = 1 << 20  # any aligned address: only the types matter at compile time
     f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
@@ -54,34 +55,37 @@ def _compile(out_dtype, m, n, e, tile, epilogue, call, options=None):
 
 
 def compile_variant_fp8_wgrad(m: int, n: int, e: int, *, out_dtype=torch.bfloat16, tile=None, epilogue="plain",
-                              options=None, call=None):
+                              promotion=None, options=None, call=None):
     """Compile one variant without caching; returns (kernel object, compiled, seconds). Works
     without a GPU when ``CUTE_DSL_ARCH=sm_90a`` is set (CPU compile tests)."""
     tile = tuple(tile) if tile is not None else pick_tile_fp8_wgrad(n)
-    return _compile(out_dtype, m, n, e, tile, epilogue, call or availability.kernel_call_convention(), options)
+    return _compile(out_dtype, m, n, e, tile, epilogue, promotion or fp8_promotion(),
+                    call or availability.kernel_call_convention(), options)
 
 
-def launch_plan_fp8_wgrad(out_dtype, m, n, e, tile, epilogue) -> GemmPlan:
+def launch_plan_fp8_wgrad(out_dtype, m, n, e, tile, epilogue, promotion="serial") -> GemmPlan:
     """What launching a compiled variant reads (its static walk: experts, tile groups), as its
     kernel object derives it, without the DSL; its parameters key the disk cache, with the kernel
     sources' digest covering what the FP8 kernel derives beyond them (stages, scale boxes)."""
     plan = GemmPlan(out_dtype.itemsize, n, 0, e, b_n_major=True, epilogue=epilogue, tile_mn=tile, wgrad_m=m,
                     schedule="cooperative")
     plan.fp8_wgrad = True  # apart from the bf16 weight-gradient form of the same plan
+    if promotion != "serial":  # set only off it: a serial plan keys as the bare FP8 weight gradient
+        plan.fp8_promotion = promotion
     return plan
 
 
-def _load_or_compile(key, out_dtype, m, n, e, tile, epilogue, call):
+def _load_or_compile(key, out_dtype, m, n, e, tile, epilogue, promotion, call):
     """(kernel or launch plan, compiled): from the disk cache where it holds the variant, else
     compiled (and stored there), one process at a time per variant, as the bf16 kernels are."""
     if not disk_cache.enabled():
-        return _compile_now(key, out_dtype, m, n, e, tile, epilogue, call)
-    plan = launch_plan_fp8_wgrad(out_dtype, m, n, e, tile, epilogue)
+        return _compile_now(key, out_dtype, m, n, e, tile, epilogue, promotion, call)
+    plan = launch_plan_fp8_wgrad(out_dtype, m, n, e, tile, epilogue, promotion)
     entry = disk_cache.Entry(key, registry.kernel_params(plan), call)
     with entry.claim():
         compiled = entry.load()
         if compiled is None:
-            kern, compiled = _compile_now(key, out_dtype, m, n, e, tile, epilogue, call)
+            kern, compiled = _compile_now(key, out_dtype, m, n, e, tile, epilogue, promotion, call)
             disk_cache.Entry(key, registry.kernel_params(plan), call).store(compiled)
             return kern, compiled
     if call == "tvm-ffi":  # addresses and ints: the plan's walk is all the launch needs
@@ -90,22 +94,26 @@ def _load_or_compile(key, out_dtype, m, n, e, tile, epilogue, call):
         dsl.runtime()
         from .gemm_fp8_wgrad_sm90 import GroupedWgradFp8Sm90
 
-        kern = GroupedWgradFp8Sm90(dsl.element_type(out_dtype), m, n, e, tile_mn=tile, epilogue=epilogue)
+        kern = GroupedWgradFp8Sm90(dsl.element_type(out_dtype), m, n, e, tile_mn=tile, epilogue=epilogue,
+                                   promotion=promotion)
     kern.call = call
     registry.note_loaded(key, entry, "grouped FP8 weight gradient")
     return kern, compiled
 
 
-def _compile_now(key, out_dtype, m, n, e, tile, epilogue, call):
-    kern, compiled, secs = _compile(out_dtype, m, n, e, tile, epilogue, call)
+def _compile_now(key, out_dtype, m, n, e, tile, epilogue, promotion, call):
+    kern, compiled, secs = _compile(out_dtype, m, n, e, tile, epilogue, promotion, call)
     registry.note_compiled(key, secs, "grouped FP8 weight gradient")
     return kern, compiled
 
 
-def _get_kernel(out_dtype, m, n, e, tile, epilogue):
+def _get_kernel(out_dtype, m, n, e, tile, epilogue, promotion=None):
     call = availability.kernel_call_convention()
-    key = ("fp8_wgrad", out_dtype, tile, m, n, e, epilogue, call)
-    return registry.cached_kernel(key, lambda key, call: _load_or_compile(key, out_dtype, m, n, e, tile, epilogue, call))
+    promotion = promotion or fp8_promotion()
+    form = () if promotion == "serial" else (promotion,)
+    key = ("fp8_wgrad", out_dtype, tile, m, n, e, epilogue, *form, call)
+    return registry.cached_kernel(
+        key, lambda key, call: _load_or_compile(key, out_dtype, m, n, e, tile, epilogue, promotion, call))
 
 
 def _check(a, sa, b, sb, split_sizes, num_tokens):
@@ -146,6 +154,11 @@ def _check(a, sa, b, sb, split_sizes, num_tokens):
             bad(f"{name} must start on a 16-byte boundary (TMA reads it)")
 
 
+def _check_promotion(promotion) -> None:
+    if promotion is not None and promotion not in PROMOTIONS:
+        raise ValueError(f"promotion must be one of {PROMOTIONS}, got {promotion!r}")
+
+
 @functools.lru_cache(maxsize=None)
 def _unread_offsets(e: int, device: torch.device) -> torch.Tensor:
     """The main_grad offsets argument of the plain epilogue, which reads none: one constant
@@ -154,19 +167,20 @@ def _unread_offsets(e: int, device: torch.device) -> torch.Tensor:
 
 
 def grouped_wgrad_fp8_blockwise(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, num_tokens: int, *,
-                                out_dtype=torch.bfloat16, tile=None):
+                                out_dtype=torch.bfloat16, tile=None, promotion=None):
     """``dW[e] = A_e^T B_e`` as an (E, M, N) tensor of ``out_dtype``: ``a_data`` (M, Tp) and
     ``b_data`` (N, Tp) the columnwise FP8 copies of the (T, M) and (T, N) token matrices, with
     their (Tp / 128, roundup(rows, 4)) fp32 scale-inverses; ``num_tokens`` T. An expert with no
-    tokens gets zeros."""
+    tokens gets zeros. ``promotion``: "overlap" or "serial" (default :func:`.api_fp8.fp8_promotion`'s)."""
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    _check_promotion(promotion)
     _check(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, num_tokens)
     m, n, e = a_data.shape[0], b_data.shape[0], split_sizes.numel()
     tile = tuple(tile) if tile is not None else pick_tile_fp8_wgrad(n)
     if a_data.shape[1] == 0:  # no tokens (TMA takes no empty tensor)
         return torch.zeros((e, m, n), dtype=out_dtype, device=a_data.device)
-    kern, compiled = _get_kernel(out_dtype, m, n, e, tile, "plain")
+    kern, compiled = _get_kernel(out_dtype, m, n, e, tile, "plain", promotion)
     out = torch.empty((e, m, n), dtype=out_dtype, device=a_data.device)
     split = splits_i32(split_sizes, a_data.device)  # contiguous: the kernel reads it with stride 1
     offsets = _unread_offsets(e, a_data.device)
@@ -175,13 +189,14 @@ def grouped_wgrad_fp8_blockwise(a_data, a_scale_inv, b_data, b_scale_inv, split_
 
 
 def grouped_wgrad_fp8_main_grad(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, num_tokens: int, main_grads,
-                                *, accumulate: bool = True, tile=None) -> None:
+                                *, accumulate: bool = True, tile=None, promotion=None) -> None:
     """Megatron's wgrad fusion in FP8: ``main_grads[e] += A_e^T B_e`` in fp32 (``=`` with
     ``accumulate=False``, Megatron's ``overwrite_main_grad``), operands as
     :func:`grouped_wgrad_fp8_blockwise` takes them; ``main_grads`` one (E, M, N) fp32 tensor or E
     fp32 (M, N) tensors, each found through :mod:`.api_wgrad`'s table of offsets (built once per set of
     addresses). The kernel adds by 8-byte reductions in L2 (each element one addition, so the bits
     do not depend on the order of tiles); experts with no tokens add nothing, or store zeros."""
+    _check_promotion(promotion)
     _check(a_data, a_scale_inv, b_data, b_scale_inv, split_sizes, num_tokens)
     m, n, e = a_data.shape[0], b_data.shape[0], split_sizes.numel()
     bufs = check_main_grads(main_grads, e, m, n, a_data.device)
@@ -194,7 +209,7 @@ def grouped_wgrad_fp8_main_grad(a_data, a_scale_inv, b_data, b_scale_inv, split_
                 g.zero_()
         return
     tile = tuple(tile) if tile is not None else pick_tile_fp8_wgrad(n)
-    kern, compiled = _get_kernel(torch.bfloat16, m, n, e, tile, "red_f32" if accumulate else "store_f32")
+    kern, compiled = _get_kernel(torch.bfloat16, m, n, e, tile, "red_f32" if accumulate else "store_f32", promotion)
     base, offsets = main_grad_offsets(bufs, a_data.device)
     _launch(kern, compiled, a_data, b_data, base, splits_i32(split_sizes, a_data.device), a_scale_inv,
             b_scale_inv, offsets, num_tokens)

@@ -11,7 +11,16 @@ experts' tokens and no tail needs masking.
 Each 128-token k-block has its own scale per output row (A's) and per output column (B's): the
 k-block's WGMMA sums land in a fresh fp32 fragment and are promoted into the accumulator as
 ``acc += tmp * sa[row] * sb[col]``, both scale vectors loaded by TMA into shared memory with the
-stage's operands.
+stage's operands. That is two floating-point operations per element per k-block, half of the
+tensor cores' time for the k-block's WGMMAs, so the promotion overlaps them
+(``promotion="overlap"``, the default): k-block ``kb + 1`` is issued into a second fragment
+before ``kb``'s is promoted, a wait leaving one group in flight, and ``kb``'s stage is released
+after its promotion, which reads the scales from it. The token count is known only on the GPU,
+so the k-blocks run in chunks of :data:`OVERLAP_CHUNK` unrolled k-blocks, nothing in flight
+across the loop's edge (where a fragment is written by a WGMMA in flight across it, ptxas
+serializes the WGMMAs), the last of a chunk promoted after a full wait, and the k-blocks past
+the last whole chunk serially. ``promotion="serial"`` promotes each k-block after its WGMMAs
+(the other warpgroup's may run meanwhile); both give the same bits.
 
 The tile walk is the weight-gradient form of :class:`~.gemm_sm90.GroupedGemmSm90`: static,
 expert-major (E x M-blocks x N-blocks tiles), each tile's k-tiles read from the split sizes on the
@@ -32,19 +41,22 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from .gemm_fp8_sm90 import SCALE_BLOCK, _fragment_dims
-from .gemm_plan import MAIN_GRAD_EPILOGUES
+from .gemm_plan import MAIN_GRAD_EPILOGUES, PROMOTIONS
 from .gemm_sm90 import _CONSUMER_REGS, _PRODUCER_REGS, _THREADS, _WG, GroupedGemmSm90
 
 WGRAD_EPILOGUES = ("plain", "acc_f32", "red_f32", "store_f32")
-WGRAD_TILE_NS = (64, 128)  # acc, one k-block's sums and BN / 4 column scales stay in registers
+WGRAD_TILE_NS = (64, 128)  # acc and two k-blocks' sums (BN / 2 fp32 each) stay in registers
+OVERLAP_CHUNK = 4  # k-blocks per unrolled chunk of the overlapped promotion: one in four waits in full
 
 
 class GroupedWgradFp8Sm90(GroupedGemmSm90):
-    """One compiled variant: (output dtype, M, N, E, BN, epilogue)."""
+    """One compiled variant: (output dtype, M, N, E, BN, epilogue, promotion)."""
 
     def __init__(self, out_dtype, m: int, n: int, num_experts: int, *, tile_mn: tuple[int, int] = (128, 128),
-                 epilogue: str = "plain"):
+                 epilogue: str = "plain", promotion: str = "overlap"):
         bm, bn = tile_mn
+        if promotion not in PROMOTIONS:
+            raise ValueError(f"promotion must be one of {PROMOTIONS}, got {promotion!r}")
         if bn not in WGRAD_TILE_NS:
             raise ValueError(f"FP8 weight-gradient tiles take BN in {WGRAD_TILE_NS}, got {bn}")
         if epilogue not in WGRAD_EPILOGUES:
@@ -55,6 +67,7 @@ class GroupedWgradFp8Sm90(GroupedGemmSm90):
                          cluster_n=1, wgrad_m=m, schedule="cooperative")
         self.ab_dtype = cutlass.Float8E4M3FN
         self.bk = SCALE_BLOCK  # one k-tile per scale block
+        self.promotion = promotion
         stage_bytes = (bm + bn) * self.bk + (bm + bn) * 4  # operands (1-byte) and their scales
         budget = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 2048
         budget -= max(8, self.n_out * self.epi_elems) * (out_dtype.width // 8)
@@ -99,10 +112,7 @@ class GroupedWgradFp8Sm90(GroupedGemmSm90):
         m_off = cute.make_tensor(p_off, cute.make_layout((e,)))
 
         k_major = LayoutEnum.ROW_MAJOR
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            ab, ab, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(), cutlass.Float32,
-            (2, 1, 1), tiler_mn=(64, bn),
-        )
+        tiled_mma = self._tiled_mma()
         tile_mnk = (bm, bn, bk)
         sa_layout = sm90_utils.make_smem_layout_a(k_major, tile_mnk, ab, self.stages)
         sb_layout = sm90_utils.make_smem_layout_b(k_major, tile_mnk, ab, self.stages)
@@ -264,27 +274,22 @@ class GroupedWgradFp8Sm90(GroupedGemmSm90):
         c_id = thr_mma.partition_C(cute.make_identity_tensor((bm, bn)))
         acc = cute.make_rmem_tensor(c_id.shape, cutlass.Float32)  # promoted fp32 sums
         tmp = cute.make_rmem_tensor(c_id.shape, cutlass.Float32)  # one k-block's WGMMA sums
-        num_kb = cute.size(frag_a, mode=[2])
-        n_pair, n_half, n_grp, n_m = _fragment_dims(acc)
+        tmp2 = tmp  # the overlapped promotion's second k-block
+        if cutlass.const_expr(self.promotion == "overlap"):
+            tmp2 = cute.make_rmem_tensor(c_id.shape, cutlass.Float32)
         if cutlass.const_expr(cute.size(acc.shape[2]) != 1):
             raise ValueError("the promotion expects one WGMMA atom across BN")
-        # this thread's rows (two per 64-row slab) and columns (a pair per 8-column group) of the tile
-        n_rows, n_cols = n_half * n_m, n_pair * n_grp
-        rows = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Int32)
-        for mm in cutlass.range_constexpr(n_m):
-            for h in cutlass.range_constexpr(n_half):
-                rows[mm * n_half + h] = c_id[(0, h, 0), mm, 0][0]
-        cols = cute.make_rmem_tensor(cute.make_layout(n_cols), cutlass.Int32)
-        for g in cutlass.range_constexpr(n_grp):
-            for pr in cutlass.range_constexpr(n_pair):
-                cols[g * n_pair + pr] = c_id[(pr, 0, g), 0, 0][1]
-        sa_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)
-        sb_r = cute.make_rmem_tensor(cute.make_layout(n_cols), cutlass.Float32)
         thr_cp = self._staging_copy().get_slice(etid)
         cp_id = thr_cp.partition_S(cute.make_identity_tensor((bm, self.epi_cols)))
-        prob_r = cute.make_rmem_tensor(cute.make_layout(n_rows), cutlass.Float32)  # the plain epilogue reads none
+        prob_r = cute.make_rmem_tensor(cute.make_layout(1), cutlass.Float32)  # the plain epilogue reads none
 
+        # the k-block's first WGMMA overwrites its fragment, the rest add into it: two MMAs whose
+        # flags are set here, outside every loop and branch
+        mma_first = self._tiled_mma()
+        mma_first.set(warpgroup.Field.ACCUMULATE, False)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)  # next to release
         tile = cta
         while tile < n_work:
             expert, m_blk, n_blk, _, k_tiles = self._tile(m_split, tile, num_tokens)
@@ -292,31 +297,36 @@ class GroupedWgradFp8Sm90(GroupedGemmSm90):
             rows_here = self.wgrad_m - m_row0
             cols_here = self.n - n_blk * bn
             acc.fill(0.0)
-            for kt in cutlass.range(k_tiles, unroll=1):
+            k_serial = k_tiles
+            if cutlass.const_expr(self.promotion == "overlap"):
+                chunk = OVERLAP_CHUNK
+                k_serial = k_tiles % chunk
+                bufs = (tmp, tmp2)
+                for _ in cutlass.range(k_tiles // chunk, unroll=1):
+                    # k-block j of the chunk sits in bufs[j % 2]: issue j + 1 into the other, wait
+                    # for j alone, promote it, release its stage; the last after a full wait
+                    pipe.consumer_wait(cons)
+                    self._mma_kblock(mma_first, tiled_mma, tmp, frag_a, frag_b, cons.index)
+                    cons.advance()
+                    for j in cutlass.range_constexpr(chunk):
+                        if cutlass.const_expr(j + 1 < chunk):
+                            pipe.consumer_wait(cons)
+                            self._mma_kblock(mma_first, tiled_mma, bufs[(j + 1) % 2], frag_a, frag_b, cons.index)
+                            cons.advance()
+                            warpgroup.wait_group(1)
+                        else:
+                            warpgroup.wait_group(0)
+                        self._promote(acc, bufs[j % 2], ssa, ssb, c_id, rel.index)
+                        pipe.consumer_release(rel)
+                        rel.advance()
+            for _ in cutlass.range(k_serial, unroll=1):
                 pipe.consumer_wait(cons)
-                # the stage is released before the promotion: its scales first
-                for i in cutlass.range_constexpr(n_rows):
-                    sa_r[i] = ssa[rows[i], 0, cons.index]
-                for j in cutlass.range_constexpr(n_cols):
-                    sb_r[j] = ssb[cols[j], 0, cons.index]
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(num_kb):
-                    # the first WGMMA of the k-block overwrites tmp, the rest add into it
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(tiled_mma, tmp, frag_a[None, None, kb, cons.index], frag_b[None, None, kb, cons.index],
-                              tmp)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                pipe.consumer_release(cons)
+                self._mma_kblock(mma_first, tiled_mma, tmp, frag_a, frag_b, cons.index)
                 cons.advance()
-                # promotion: acc += tmp * sa[row] * sb[column]
-                for mm in cutlass.range_constexpr(n_m):
-                    for h in cutlass.range_constexpr(n_half):
-                        s_row = sa_r[mm * n_half + h]
-                        for g in cutlass.range_constexpr(n_grp):
-                            for pr in cutlass.range_constexpr(n_pair):
-                                crd = ((pr, h, g), mm, 0)
-                                acc[crd] = acc[crd] + tmp[crd] * (s_row * sb_r[g * n_pair + pr])
+                warpgroup.wait_group(0)
+                self._promote(acc, tmp, ssa, ssb, c_id, rel.index)
+                pipe.consumer_release(rel)
+                rel.advance()
             if cutlass.const_expr(self.epilogue in MAIN_GRAD_EPILOGUES):
                 self._epilogue_main_grad(expert, m_row0, n_blk, rows_here, cols_here, acc, c_id, thr_mma, m_c, m_off)
             else:
@@ -324,5 +334,35 @@ class GroupedWgradFp8Sm90(GroupedGemmSm90):
                                [], thr_mma, c_id, thr_cp, cp_id, st, m_c, m_c, m_c, m_c)
             tile = tile + num_ctas
 
+    @cute.jit
+    def _mma_kblock(self, mma_first, tiled_mma, frag, frag_a, frag_b, stage):
+        """One k-block's WGMMAs into ``frag`` as one group: the first overwrites it."""
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(frag_a, mode=[2])):
+            cute.gemm(mma_first if kb == 0 else tiled_mma, frag, frag_a[None, None, kb, stage],
+                      frag_b[None, None, kb, stage], frag)
+        warpgroup.commit_group()
 
-__all__ = ["GroupedWgradFp8Sm90", "WGRAD_EPILOGUES", "WGRAD_TILE_NS"]
+    @cute.jit
+    def _promote(self, acc, part, ssa, ssb, c_id, stage):
+        """acc += part * sa[row] * sb[column], the scales read from the k-block's stage (not yet
+        released): this thread's two rows per 64-row slab, a column pair per 8-column group."""
+        n_pair, n_half, n_grp, n_m = _fragment_dims(acc)
+        for mm in cutlass.range_constexpr(n_m):
+            s_rows = [ssa[c_id[(0, h, 0), mm, 0][0], 0, stage] for h in range(n_half)]
+            for g in cutlass.range_constexpr(n_grp):
+                for pr in cutlass.range_constexpr(n_pair):
+                    s_col = ssb[c_id[(pr, 0, g), 0, 0][1], 0, stage]
+                    for h in cutlass.range_constexpr(n_half):
+                        crd = ((pr, h, g), mm, 0)
+                        acc[crd] = acc[crd] + part[crd] * (s_rows[h] * s_col)
+
+    def _tiled_mma(self):
+        """The kernel's MMA: 64 x BN e4m3 WGMMAs, both operands token-major, fp32 sums, two warpgroups."""
+        k_major = LayoutEnum.ROW_MAJOR
+        return sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(),
+            cutlass.Float32, (2, 1, 1), tiler_mn=(64, self.bn),
+        )
+
+__all__ = ["GroupedWgradFp8Sm90", "OVERLAP_CHUNK", "WGRAD_EPILOGUES", "WGRAD_TILE_NS"]
