@@ -25,7 +25,9 @@ so no variant's memory, hooks or global state reach another; each starts from th
   op-fuser path takes; not in the default);
 * ``ours+copies``: ours with the bytes ``ours+teo`` moves copied each way on side streams and no
   engine (nothing saved, freed or waited for; two scratch buffers add to its peak): what the
-  copies alone cost the step (not in the default);
+  copies alone cost the step (not in the default); ``ours+copies-paced``: the same copies fed in
+  16 MiB pieces by a host thread per direction, one piece queued at a time (what a small copy the
+  dispatcher queues behind them waits for is one piece);
 * ``--cuda-graphs attn,moe_router,moe_preprocess``: every timed variant with Megatron's per-layer
   CUDA graphs of those modules, captured after the warm-up as Megatron's trainer captures them
   (the experts stay eager); ``--cuda-graphs attn,moe --capacity-factor F`` graphs whole MoE layers,
@@ -97,9 +99,10 @@ from megatron_gpt_report import (  # noqa: E402
 )
 
 BASE_VARIANTS = ("stock", "ours", "ours+megatron", "ours+teo", "ours+teo-ahead", "ours+teo-layer", "stock+megatron",
-                 "ours+copies")
+                 "ours+copies", "ours+copies-paced")
 KERNEL_DTOH_SUFFIX = "+kdtoh"
 WRITE_COMBINED_SUFFIX = "+wc"  # teo's host buffers in write-combined pinned memory
+PACED_PIECE_MIB = 16  # ours+copies-paced: at ~55 GB/s a piece takes 0.3 ms (copy_interference_NVIDIA_H200*)
 DEFAULT_VARIANTS = "stock,ours,ours+megatron,ours+teo"
 JOBS = ("time", "numerics", "cap")  # what one job of a worker does
 GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess", "moe")  # moe: the whole MoE layer, drop-and-pad only
@@ -123,6 +126,7 @@ def variant_for(name: str, layers: int, offload_modules: tuple, teo_budget_gib=N
         "ours+teo-layer": Variant(ours=True, teo_scope="layer", **teo),
         "stock+megatron": Variant(ours=False, offload_modules=("fused_group_mlp",)),
         "ours+copies": Variant(ours=True, copy_traffic=True),
+        "ours+copies-paced": Variant(ours=True, copy_traffic=True, copy_piece_mib=PACED_PIECE_MIB),
     }
     if base not in table:
         raise ValueError(f"unknown variant {name!r}; choose from {', '.join(BASE_VARIANTS)} "
@@ -557,6 +561,8 @@ def compute_idle(events: list, step_names: list[str]) -> dict:
                 causes[cause] = causes.get(cause, 0.0) + ms / len(steps)
     return {"gpu_ms": sum(s["gpu_ms"] for s in steps) / len(steps),
             "compute_busy_ms": sum(s["compute_busy_ms"] for s in steps) / len(steps),
+            "compute_kernels_ms": sum(s["compute_kernels_ms"] for s in steps) / len(steps),
+            "compute_copies_ms": sum(s["compute_copies_ms"] for s in steps) / len(steps),
             "idle_ms_by_cause": dict(sorted(causes.items(), key=lambda kv: -kv[1])),
             "largest_gaps": steps[-1]["largest_gaps"]}
 

@@ -120,6 +120,7 @@ class Variant:
     teo_host_memory: str = "pinned"  # teo's host buffers: "pinned" | "write-combined" (TEO_HOST_MEMORY)
     kernel_dtoh: bool = False  # use_kernel_dtoh: the dispatcher's split sizes to the host by kernel
     copy_traffic: bool = False  # the offload copies' bytes moved with no engine (CopyTraffic)
+    copy_piece_mib: Optional[int] = None  # CopyTraffic's copies fed in pieces of this size, one queued at a time
     cuda_graph_modules: tuple = ()  # Megatron's per-layer CUDA graphs (TE's make_graphed_callables) of these
     capacity_factor: Optional[float] = None  # Megatron's drop-and-pad MoE: each expert gets this x its even share
     ep_overlap: bool = False  # overlap_moe_expert_parallel_comm + delay_wgrad_compute
@@ -555,7 +556,7 @@ class CopyTraffic:
     so this is a lower bound on what the copies cost. ``bytes``: moved so far, device to host (as
     the engines' counters count)."""
 
-    def __init__(self, model, layers: int, bytes_per_layer: int):
+    def __init__(self, model, layers: int, bytes_per_layer: int, piece_bytes: Optional[int] = None):
         from te_offload_ops.engines.teo.pool import host_bytes
         from te_offload_ops.megatron.teo_offload import find_offload_modules
 
@@ -569,11 +570,22 @@ class CopyTraffic:
         self._dst = torch.empty_like(self._src)
         self._host = host_bytes(self._numel * 2).view(torch.bfloat16)  # the host memory teo would use
         self._d2h, self._h2d = torch.cuda.Stream(), torch.cuda.Stream()
+        # paced: each direction's copies fed in pieces by a host thread of its own, one piece queued
+        # at a time, so that a small copy the compute stream queues in the same direction (the
+        # dispatcher's split sizes to the host) waits behind one piece, not a whole layer's copy
+        self._feeders = None
+        if piece_bytes:
+            self._feeders = {s: PacedCopies(device, s, piece_bytes // 2) for s in (self._d2h, self._h2d)}
         self._handles = [m.register_forward_hook(self._after_forward) for m in modules]
 
     def _copy(self, stream, dst, src):
         import torch
 
+        if self._feeders is not None:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream())
+            self._feeders[stream].submit(dst, src, after)
+            return
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
@@ -592,6 +604,45 @@ class CopyTraffic:
     def remove(self):
         for h in self._handles:
             h.remove()
+        for feeder in (self._feeders or {}).values():
+            feeder.close()
+
+
+class PacedCopies:
+    """Copies fed to one stream from a host thread in pieces of ``piece_numel`` elements, each queued
+    once the one before has ended: the stream's copy engine never holds more than one piece of them
+    ahead of another stream's copy in the same direction. A copy starts after the event it was
+    submitted with (the compute stream's work when it was asked for)."""
+
+    def __init__(self, device: int, stream, piece_numel: int):
+        import queue
+        import threading
+
+        self._stream, self._piece = stream, max(1, piece_numel)
+        self._jobs = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(device,), daemon=True, name="paced-copies")
+        self._thread.start()
+
+    def submit(self, dst, src, after) -> None:
+        self._jobs.put((dst, src, after))
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self, device: int) -> None:
+        import torch
+
+        torch.cuda.set_device(device)
+        done = torch.cuda.Event()
+        while (job := self._jobs.get()) is not None:
+            dst, src, after = job
+            self._stream.wait_event(after)
+            for i in range(0, src.numel(), self._piece):
+                with torch.cuda.stream(self._stream):
+                    dst[i:i + self._piece].copy_(src[i:i + self._piece], non_blocking=True)
+                done.record(self._stream)
+                done.synchronize()  # releases the GIL while the piece runs
 
 
 def apply_copy_traffic(model, variant: Variant, shape: "GPTShape"):
@@ -601,4 +652,5 @@ def apply_copy_traffic(model, variant: Variant, shape: "GPTShape"):
         return None
     use_host_memory(variant)
     routed = shape.micro_batch * shape.seq * shape.topk  # per rank at any EP, on average
-    return CopyTraffic(model, shape.layers - 1, routed * (shape.hidden + shape.ffn) * 2)
+    piece = variant.copy_piece_mib << 20 if variant.copy_piece_mib else None
+    return CopyTraffic(model, shape.layers - 1, routed * (shape.hidden + shape.ffn) * 2, piece_bytes=piece)

@@ -460,15 +460,18 @@ def idle_lines(profiled: list[dict]) -> list[str]:
                     other += ms
                 else:
                     grouped[group] += ms
+            split = " | ".join(f"{idle[k]:.1f}" if k in idle else "-" for k in ("compute_kernels_ms", "compute_copies_ms"))
             rows.append(f"| {row['ep']} | {row['variant']} | {rank} | {idle['gpu_ms']:.1f} | "
-                        f"{idle['compute_busy_ms']:.1f} | " + " | ".join(f"{grouped[name]:.1f}" for name, _ in IDLE_GROUPS)
-                        + f" | {other:.1f} |")
+                        f"{idle['compute_busy_ms']:.1f} | {split} | "
+                        + " | ".join(f"{grouped[name]:.1f}" for name, _ in IDLE_GROUPS) + f" | {other:.1f} |")
     if not rows:
         return []
-    return ["", "The compute stream's idle time per step (mean of the profiled steps; host: the next op not yet "
-            "launched; waiting: launched, held by another stream's work):", "",
-            "| EP | variant | rank | step on GPU ms | compute busy ms | " + " | ".join(n for n, _ in IDLE_GROUPS)
-            + " | other ms |", "|---|---|---|---|---|---|---|---|---|---|", *rows]
+    return ["", "The compute stream's busy and idle time per step (mean of the profiled steps; busy: its kernels "
+            "and its own copies, a copy counted from start to end, waits in the copy engine's queue included; "
+            "host: the next op not yet launched; waiting: launched, held by another stream's work):", "",
+            "| EP | variant | rank | step on GPU ms | compute busy ms | of it kernels ms | of it copies ms | "
+            + " | ".join(n for n, _ in IDLE_GROUPS) + " | other ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            *rows]
 
 
 def numerics_lines(numerics: dict) -> list[str]:

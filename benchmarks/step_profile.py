@@ -414,8 +414,12 @@ def analyze_step(events: Sequence[Event], step_name: str, compute_stream: Option
     compute_busy = union((e.start, e.end) for e in compute)
     compute_kernels = union((e.start, e.end) for e in compute if e.kind == "kernel")
 
+    # busy splits into kernels and the stream's own copies (a small copy that waits in the copy
+    # engine's queue behind another stream's large copy is busy time, though no kernel runs)
+    compute_copies = union((e.start, e.end) for e in compute if e.kind == "memcpy")
     result = {"step": step_name, "compute_stream": compute_stream, "host_ms": step.dur / 1e3,
-              "gpu_ms": (hi - lo) / 1e3, "compute_busy_ms": length(compute_busy) / 1e3}
+              "gpu_ms": (hi - lo) / 1e3, "compute_busy_ms": length(compute_busy) / 1e3,
+              "compute_kernels_ms": length(compute_kernels) / 1e3, "compute_copies_ms": length(compute_copies) / 1e3}
     result["compute_busy_fraction"] = result["compute_busy_ms"] / result["gpu_ms"] if hi > lo else None
 
     # phases: host span, GPU span of what they launched, compute busy within
@@ -537,8 +541,8 @@ def _mean_tree(items: list):
 
 def summarize(steps: list[dict]) -> dict:
     """The mean over steps of every number that is not per-gap or per-layer detail."""
-    keep = ("host_ms", "gpu_ms", "compute_busy_ms", "compute_busy_fraction", "phases", "copies", "idle_ms",
-            "idle_total_ms")
+    keep = ("host_ms", "gpu_ms", "compute_busy_ms", "compute_kernels_ms", "compute_copies_ms", "compute_busy_fraction",
+            "phases", "copies", "idle_ms", "idle_total_ms")
     return _mean_tree([{k: s[k] for k in keep if k in s} for s in steps])
 
 

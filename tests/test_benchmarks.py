@@ -23,7 +23,8 @@ sys.path.insert(0, str(BENCH / "experiments"))
                                     "megatron_loss.py", "bench_fp8_wgrad.py", "experiments/ablate_epilogue.py", "experiments/profile_fp8_mlp.py",
                                     "experiments/bench_copy_interference.py", "experiments/bench_cluster2x2.py",
                                     "experiments/profile_gemm.py", "experiments/diagnose_fp8_gemm.py",
-                                    "experiments/tune_fp8_rows.py", "experiments/ablate_fp8_epilogue.py"])
+                                    "experiments/tune_fp8_rows.py", "experiments/ablate_fp8_epilogue.py",
+                                    "experiments/kernels_under_dma.py"])
 def test_benchmarks_exit_clearly_without_a_gpu(script):
     proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
@@ -500,6 +501,98 @@ def test_host_under_dma_names_the_copies_host_memory_in_its_page():
     assert "| python-large | 15.00 [14.00-15.00] | 16.50 [16.50-17.00] (x1.10) |" in text
     del result["host_memory"]  # a page without the field: torch's pinned memory
     assert "The copies' host memory: pinned." in hud.markdown(result)
+
+
+def test_kernels_under_dma_exits_with_the_reason_where_torch_sees_no_gpu():
+    """Even on a GPU machine: with no device visible the script exits 2 and says why, at once."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(BENCH / "experiments" / "kernels_under_dma.py"), "--rounds", "1"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2
+    assert "kernels_under_dma.py: cannot run: no CUDA GPU is visible" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_kernels_under_dma_options_are_checked():
+    import kernels_under_dma as kud
+
+    args = kud.parse_args(["--workloads", "memory_bound, gemm_bf16", "--modes", "both,idle"])
+    assert args.workload_list == ["memory_bound", "gemm_bf16"] and args.mode_list == ["both", "idle"]
+    assert args.rounds == 5 and args.chunk_mib == 64 and args.gemm_size == 8192
+    for bad in (["--modes", "d2h,h2d"], ["--workloads", "gemm_bf16,conv"], ["--iters", "0"], ["--modes", ""]):
+        with pytest.raises(SystemExit):
+            kud.parse_args(bad)
+    assert [kud.rotated(("idle", "d2h", "h2d", "both"), r) for r in (0, 1, 5)] == [
+        ["idle", "d2h", "h2d", "both"], ["d2h", "h2d", "both", "idle"], ["d2h", "h2d", "both", "idle"]]
+    assert kud.directions("both") == ("d2h", "h2d") and kud.directions("idle") == ()
+
+
+def test_kernels_under_dma_copy_rate_counts_only_chunks_completed_in_the_span():
+    from kernels_under_dma import copies_spanned, window_gbps
+
+    chunk = 64 * MiB
+    done = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.5]  # ms after the reference event
+    # the span [2.5, 7.0]: chunks done at 3, 4, 5, 6 -> three chunks in 3 ms
+    assert window_gbps(done, 2.5, 7.0, chunk) == pytest.approx(3 * chunk / 3e-3 / 1e9)
+    assert window_gbps(done, 2.5, 3.5, chunk) is None  # one completion in the span: no rate
+    assert window_gbps([], 0.0, 1.0, chunk) is None
+    assert copies_spanned(0.5, done, 2.5, 7.0, ran_dry=False)
+    assert not copies_spanned(0.5, done, 2.5, 8.0, ran_dry=False)  # the last chunk ended before the span did
+    assert not copies_spanned(3.0, done, 2.5, 7.0, ran_dry=False)  # began after the span did
+    assert not copies_spanned(0.5, done, 2.5, 7.0, ran_dry=True)  # the queue emptied within it
+    assert not copies_spanned(0.5, [], 2.5, 7.0, ran_dry=False)
+
+
+def test_kernels_under_dma_rows_pair_each_round_with_its_idle_round(tmp_path):
+    import kernels_under_dma as kud
+
+    def rec(work, mode, rnd, ms, d2h=None, h2d=None, spanned=None, samples=()):
+        return {"work": work, "mode": mode, "round": rnd, "ms": ms, "d2h_GBps": d2h, "h2d_GBps": h2d,
+                "spanned": spanned, "clock_samples": [list(s) for s in samples]}
+
+    records = [rec("gemm_bf16", "idle", 1, 2.0, samples=[(1980, 600.0)]),
+               rec("gemm_bf16", "idle", 2, 1.0, samples=[(1900, 650.0)]),
+               rec("gemm_bf16", "idle", 3, 1.0),
+               # against its own round's idle: 2.2/2.0 = 1.1, 1.2/1.0 = 1.2, 1.05/1.0 = 1.05
+               rec("gemm_bf16", "both", 3, 1.05, d2h=50.0, h2d=40.0, spanned=True, samples=[(1700, 700.0)]),
+               rec("gemm_bf16", "both", 1, 2.2, d2h=54.0, h2d=44.0, spanned=True, samples=[(1755, 690.0)]),
+               rec("gemm_bf16", "both", 2, 1.2, d2h=52.0, h2d=42.0, spanned=False),
+               rec("memory_bound", "idle", 1, 1.0), rec("memory_bound", "d2h", 1, 1.25, d2h=55.0, spanned=True)]
+    works = {"gemm_bf16": {"flop": 2 * 10**12}, "memory_bound": {"bytes": 2 * 10**9}}
+    rows = kud.build_rows(records, works, ["idle", "d2h", "both"])
+    by = {(r["work"], r["mode"]): r for r in rows}
+    assert set(by) == {("gemm_bf16", "idle"), ("gemm_bf16", "both"), ("memory_bound", "idle"), ("memory_bound", "d2h")}
+    both = by["gemm_bf16", "both"]
+    assert both["ms_each"] == [2.2, 1.2, 1.05] and both["ms"] == 1.2
+    assert (both["ms_min"], both["ms_max"]) == (1.05, 2.2)
+    # the median of the per-round ratios (1.1), not the ratio of the medians (1.2 / 1.0)
+    assert both["x_idle"] == pytest.approx(1.1) and both["x_idle_min"] == pytest.approx(1.05)
+    assert both["x_idle_max"] == pytest.approx(1.2)
+    assert (both["d2h_GBps"], both["h2d_GBps"]) == (52.0, 42.0)
+    assert both["copies_spanned"] is False  # round 2's copies did not run through its span
+    assert both["rate_unit"] == "TFLOP/s" and both["rate"] == pytest.approx(2e12 / 1.2e-3 / 1e12)
+    assert (both["sm_MHz"], both["sm_MHz_min"], both["power_W"], both["clock_samples"]) == (1727.5, 1700, 695.0, 2)
+    idle = by["gemm_bf16", "idle"]
+    assert idle["x_idle"] == 1.0 and idle["copies_spanned"] is None and idle["d2h_GBps"] is None
+    assert idle["sm_MHz"] == 1940.0
+    mem = by["memory_bound", "d2h"]
+    assert mem["rate_unit"] == "GB/s" and mem["rate"] == pytest.approx(1600.0)
+    assert mem["x_idle"] == pytest.approx(1.25) and mem["copies_spanned"] is True and mem["h2d_GBps"] is None
+    assert "sm_MHz" not in mem
+
+    result = {"gpu": "GPU", "date": "today", "torch": "2.x", "command": "python kernels_under_dma.py",
+              "rounds": 3, "iters": 200, "chunk_mib": 64, "depth": 4, "rows": rows,
+              "copies_alone": {"d2h_GBps": 55.1, "h2d_GBps": 54.2, "bidirectional_each_GBps": 50.3},
+              "skipped": {"fp8_gemm": "torch._scaled_mm on float8_e4m3fn failed: no"}}
+    text = kud.markdown(result)
+    assert ("| gemm_bf16 | both (copies not through the span) | 1.200 [1.050-2.200] | 1.100 [1.050-1.200] "
+            "| 1667 TFLOP/s | 52.0 | 42.0 | 1728 (1700) | 695 |") in text
+    assert "| memory_bound | d2h | 1.250 [1.250-1.250] | 1.250 [1.250-1.250] | 1600 GB/s | 55.0 | - | - | - |" in text
+    assert "d2h 55.1 GB/s, h2d 54.2 GB/s, both at once 50.3 GB/s each way" in text
+    assert "fp8_gemm not measured: torch._scaled_mm on float8_e4m3fn failed: no" in text
+    assert "some round of: gemm_bf16 both (raise --depth)" in text
+    if kud.chart(result, tmp_path / "k.png"):
+        assert (tmp_path / "k.png").stat().st_size > 0
 
 
 def test_fp8_epilogue_page_sets_each_variant_against_the_shipped_kernel_and_flags_other_bits():

@@ -38,6 +38,9 @@ def test_variant_names_map_to_what_each_runs():
     assert mg.variant_for("stock+megatron", 4, ()).offload_modules == ("fused_group_mlp",)
     assert mg.variant_for("ours+teo-layer", 6, ()).teo_scope == "layer" and not mg.variant_for("stock", 4, ()).ours
     assert mg.variant_for("ours+copies", 4, ()).copy_traffic and not mg.variant_for("ours+teo", 4, ()).copy_traffic
+    paced = mg.variant_for("ours+copies-paced", 4, ())
+    assert paced.copy_traffic and paced.copy_piece_mib == mg.PACED_PIECE_MIB
+    assert mg.variant_for("ours+copies", 4, ()).copy_piece_mib is None
     ahead = mg.variant_for("ours+teo-ahead", 4, (), teo_reload_ahead=2)
     assert (ahead.teo_scope, ahead.teo_layers, ahead.teo_reload_ahead) == ("experts", 3, 2)
     assert mg.variant_for("ours+teo", 4, (), teo_reload_ahead=2).teo_reload_ahead == 0
@@ -154,7 +157,8 @@ def test_a_jobs_ranks_merge_to_the_slowest_step_the_largest_peak_and_every_loss(
 
 
 def test_the_report_shows_idle_causes_and_pinned_allocations_per_rank():
-    idle = lambda host, nccl: {"gpu_ms": 120.0, "compute_busy_ms": 90.0, "largest_gaps": [],  # noqa: E731
+    idle = lambda host, nccl: {"gpu_ms": 120.0, "compute_busy_ms": 90.0, "compute_kernels_ms": 80.0,  # noqa: E731
+                               "compute_copies_ms": 10.5, "largest_gaps": [],
                                "idle_ms_by_cause": {"host: busy": host, "wait: kernel on stream 21": nccl,
                                                     "wait: H2D copy": 2.0, "host: blocked in cudaStreamSynchronize": 1.5,
                                                     "launch latency": 0.5}}
@@ -181,8 +185,8 @@ def test_the_report_shows_idle_causes_and_pinned_allocations_per_rank():
     mgr.add_comparisons(result["rows"], 16384)
     lines = mgr.markdown(result).splitlines()
     # per rank: host busy, blocked, another stream's kernel, copies, the rest
-    assert "| 2 | ours+teo | 0 | 120.0 | 90.0 | 20.0 | 1.5 | 3.0 | 2.0 | 0.5 |" in lines
-    assert "| 2 | ours+teo | 1 | 120.0 | 90.0 | 2.0 | 1.5 | 25.0 | 2.0 | 0.5 |" in lines
+    assert "| 2 | ours+teo | 0 | 120.0 | 90.0 | 80.0 | 10.5 | 20.0 | 1.5 | 3.0 | 2.0 | 0.5 |" in lines
+    assert "| 2 | ours+teo | 1 | 120.0 | 90.0 | 80.0 | 10.5 | 2.0 | 1.5 | 25.0 | 2.0 | 0.5 |" in lines
     assert "| 2 | ours+teo | 4 / 0 | 512 / 0 | 42.5 / - | 3 / - |" in lines
     assert "| 2 | ours+teo | 0 | 100.0 | 128.0 | 12.5 | 5 | 2 | 64.0 |" in lines
     assert mg.command_line(["--ep", "2", "--out", "/tmp/r", "--job-logs=/tmp/l", "--profile"]) == \
@@ -316,6 +320,31 @@ def test_the_copy_traffic_moves_what_teo_moved_at_the_default_shape():
     run = read_result(BENCH / "results" / "megatron_gpt_NVIDIA_H200_ep1_host_growth.json.gz")
     teo = next(r for r in run["rows"] if r["variant"] == "ours+teo")
     assert per_layer * (shape.layers - 1) * shape.microbatches / 2**20 == pytest.approx(teo["offloaded_MiB_per_step"])
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (pinned memory, streams)")
+def test_paced_copies_move_every_byte_in_pieces_after_the_event_they_wait_for():
+    import torch
+
+    n = 10_000_003  # not a multiple of the piece
+    src = torch.arange(n, device="cuda", dtype=torch.float32).bfloat16()
+    host = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+    back = torch.empty_like(src)
+    d2h, h2d = torch.cuda.Stream(), torch.cuda.Stream()
+    out, into = mgm.PacedCopies(torch.cuda.current_device(), d2h, 1 << 20), \
+        mgm.PacedCopies(torch.cuda.current_device(), h2d, 3 << 19)
+    torch.cuda._sleep(20_000_000)  # the compute stream busy: the copy must start after it
+    src.add_(1)
+    ready = torch.cuda.Event()
+    ready.record()
+    out.submit(host, src, ready)
+    out.close()  # every piece queued and the last one ended
+    copied = torch.cuda.Event()
+    copied.record(d2h)
+    into.submit(back, host, copied)
+    into.close()
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)
 
 
 def _rows(ep2_digest=1.5):

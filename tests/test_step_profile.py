@@ -146,6 +146,8 @@ def test_phases_busy_time_and_copies_come_from_the_events():
     assert r["gpu_ms"] == pytest.approx((990 - 20) / 1e3)
     busy = (100 - 20) + (200 - 105) + (300 - 265) + (380 - 322) + (600 - 523) + (950 - 910)
     assert r["compute_busy_ms"] == pytest.approx(busy / 1e3)
+    # all of it kernels: the step's copies run on side streams
+    assert r["compute_kernels_ms"] == pytest.approx(busy / 1e3) and r["compute_copies_ms"] == 0
     fwd, bwd, opt = (r["phases"][p] for p in sp.PHASES)
     assert (fwd["gpu_start_ms"], fwd["gpu_end_ms"]) == pytest.approx((0.0, 0.36))  # A's start to D's end
     assert bwd["gpu_ms"] == pytest.approx((600 - 420) / 1e3)
@@ -337,3 +339,16 @@ def test_bad_profile_options_are_refused(argv, capsys):
         moe_step.parse_args(["--quick", *argv])
     assert exc.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_a_copy_on_the_compute_stream_is_busy_time_split_from_its_kernels():
+    """A small device-to-host copy on the compute stream that waits behind a side stream's large copy
+    lasts from its start to its end: busy, though no kernel runs; the split shows it."""
+    ev = synthetic_step()
+    ev.append(_launch(383, 11, name="cudaMemcpyAsync"))
+    ev.append(_gpu("memcpy", "Memcpy DtoH (Device -> Pinned)", 385, 420, COMPUTE, 11, 512))
+    r = sp.analyze_step(sorted(ev, key=lambda e: (e.start, -e.dur)), "teo_step 1")
+    kernels = (100 - 20) + (200 - 105) + (300 - 265) + (380 - 322) + (600 - 523) + (950 - 910)
+    assert r["compute_kernels_ms"] == pytest.approx(kernels / 1e3)
+    assert r["compute_copies_ms"] == pytest.approx(0.035)
+    assert r["compute_busy_ms"] == pytest.approx((kernels + 35) / 1e3)
