@@ -612,7 +612,11 @@ class PacedCopies:
     """Copies fed to one stream from a host thread in pieces of ``piece_numel`` elements, each queued
     once the one before has ended: the stream's copy engine never holds more than one piece of them
     ahead of another stream's copy in the same direction. A copy starts after the event it was
-    submitted with (the compute stream's work when it was asked for)."""
+    submitted with (the compute stream's work when it was asked for). As a diagnostic it keeps
+    CopyTraffic's looseness: a copy back is not ordered after the copy out of the same scratch
+    buffer, and a step's closing synchronize does not wait for pieces the thread has not queued
+    yet (they run in the next step: the same bytes a step in steady state). The thread takes the
+    GIL back for every piece and spins on a host core while one runs (a default CUDA event)."""
 
     def __init__(self, device: int, stream, piece_numel: int):
         import queue

@@ -506,7 +506,7 @@ def test_host_under_dma_names_the_copies_host_memory_in_its_page():
 def test_kernels_under_dma_exits_with_the_reason_where_torch_sees_no_gpu():
     """Even on a GPU machine: with no device visible the script exits 2 and says why, at once."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(BENCH / "experiments" / "kernels_under_dma.py"), "--rounds", "1"],
+    proc = subprocess.run([sys.executable, str(BENCH / "experiments" / "kernels_under_dma.py"), "--rounds", "4"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2
     assert "kernels_under_dma.py: cannot run: no CUDA GPU is visible" in proc.stderr
@@ -518,8 +518,10 @@ def test_kernels_under_dma_options_are_checked():
 
     args = kud.parse_args(["--workloads", "memory_bound, gemm_bf16", "--modes", "both,idle"])
     assert args.workload_list == ["memory_bound", "gemm_bf16"] and args.mode_list == ["both", "idle"]
-    assert args.rounds == 5 and args.chunk_mib == 64 and args.gemm_size == 8192
-    for bad in (["--modes", "d2h,h2d"], ["--workloads", "gemm_bf16,conv"], ["--iters", "0"], ["--modes", ""]):
+    assert args.rounds == 8 and args.chunk_mib == 64 and args.gemm_size == 8192
+    assert kud.parse_args(["--modes", "idle,both", "--rounds", "6"]).rounds == 6
+    for bad in (["--modes", "d2h,h2d"], ["--workloads", "gemm_bf16,conv"], ["--iters", "0"], ["--modes", ""],
+                ["--rounds", "5"]):  # 5 rounds of 4 modes: the places of a round not balanced
         with pytest.raises(SystemExit):
             kud.parse_args(bad)
     assert [kud.rotated(("idle", "d2h", "h2d", "both"), r) for r in (0, 1, 5)] == [

@@ -351,7 +351,9 @@ def comma_list(text: str, known: tuple, flag: str, parser) -> list:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=BENCH / "results", help="folder for JSON, markdown and PNG")
-    p.add_argument("--rounds", type=int, default=5, help="rounds kept, after one warm-up round")
+    p.add_argument("--rounds", type=int, default=8,
+                   help="rounds kept, after one warm-up round; a multiple of the modes' count, so that each mode "
+                        "runs in each place of a round equally often (a round's places differ by a few percent)")
     p.add_argument("--iters", type=int, default=200, help="timed calls back to back per measurement")
     p.add_argument("--chunk-mib", type=int, default=64, help="MiB per queued copy")
     p.add_argument("--depth", type=int, default=4, help="chunks kept queued on each copy stream")
@@ -366,6 +368,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("rounds", "iters", "chunk_mib", "depth", "gemm_size"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.rounds % len(args.mode_list):
+        p.error(f"--rounds must be a multiple of the {len(args.mode_list)} modes (each mode in each place of a "
+                f"round equally often), got {args.rounds}")
     return args
 
 
