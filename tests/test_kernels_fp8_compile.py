@@ -611,6 +611,12 @@ def test_fp8_wgrad_entry_point_refuses_bad_operands_clearly():
     split = torch.tensor([100, 0, 200], dtype=torch.int32)
     with pytest.raises(ValueError, match="CUDA tensor"):
         _check(a, sa, b, sb, split, t)  # on the CPU
+    from te_offload_ops.kernels.api_fp8_wgrad import grouped_wgrad_fp8_blockwise, grouped_wgrad_fp8_main_grad
+
+    with pytest.raises(ValueError, match=r"promotion must be one of \('serial', 'overlap'\), got 'eager'"):
+        grouped_wgrad_fp8_blockwise(a, sa, b, sb, split, t, promotion="eager")
+    with pytest.raises(ValueError, match="promotion must be one of"):
+        grouped_wgrad_fp8_main_grad(a, sa, b, sb, split, t, torch.zeros(3, 256, 128), promotion="eager")
     if not torch.cuda.is_available():
         return
     a, b, sa, sb, split = (x.cuda() for x in (a, b, sa, sb, split))
