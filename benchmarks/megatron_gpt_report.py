@@ -467,7 +467,7 @@ def idle_lines(profiled: list[dict]) -> list[str]:
     if not rows:
         return []
     return ["", "The compute stream's busy and idle time per step (mean of the profiled steps; busy: its kernels "
-            "and its own copies, a copy counted from start to end, waits in the copy engine's queue included; "
+            "and its own copies, each from its recorded start to its end; "
             "host: the next op not yet launched; waiting: launched, held by another stream's work):", "",
             "| EP | variant | rank | step on GPU ms | compute busy ms | of it kernels ms | of it copies ms | "
             + " | ".join(n for n, _ in IDLE_GROUPS) + " | other ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -414,8 +414,8 @@ def analyze_step(events: Sequence[Event], step_name: str, compute_stream: Option
     compute_busy = union((e.start, e.end) for e in compute)
     compute_kernels = union((e.start, e.end) for e in compute if e.kind == "kernel")
 
-    # busy splits into kernels and the stream's own copies (a small copy that waits in the copy
-    # engine's queue behind another stream's large copy is busy time, though no kernel runs)
+    # busy splits into kernels and the stream's own copies (copies keep the compute stream busy
+    # though no kernel runs)
     compute_copies = union((e.start, e.end) for e in compute if e.kind == "memcpy")
     result = {"step": step_name, "compute_stream": compute_stream, "host_ms": step.dur / 1e3,
               "gpu_ms": (hi - lo) / 1e3, "compute_busy_ms": length(compute_busy) / 1e3,

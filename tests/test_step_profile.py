@@ -342,8 +342,8 @@ def test_bad_profile_options_are_refused(argv, capsys):
 
 
 def test_a_copy_on_the_compute_stream_is_busy_time_split_from_its_kernels():
-    """A small device-to-host copy on the compute stream that waits behind a side stream's large copy
-    lasts from its start to its end: busy, though no kernel runs; the split shows it."""
+    """A device-to-host copy on the compute stream is busy time from its start to its end, though no
+    kernel runs; the split shows it apart from the kernels."""
     ev = synthetic_step()
     ev.append(_launch(383, 11, name="cudaMemcpyAsync"))
     ev.append(_gpu("memcpy", "Memcpy DtoH (Device -> Pinned)", 385, 420, COMPUTE, 11, 512))
